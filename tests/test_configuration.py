@@ -1,0 +1,77 @@
+import json
+
+import pytest
+
+from vanilla_transformer import PRESETS, VanillaTransformerConfig
+
+
+def test_defaults_are_the_paper_base_model():
+    config = VanillaTransformerConfig()
+    assert (config.d_model, config.num_heads, config.d_ff) == (512, 8, 2048)
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (6, 6)
+    assert config.dropout == 0.1 and config.label_smoothing == 0.1
+    assert config.attention_dropout == 0.0 and config.activation_dropout == 0.0
+    assert config.activation_function == "relu"
+    assert (
+        config.norm_first is False and config.scale_embedding is True and config.tie_word_embeddings is True
+    )
+    assert config.position_encoding_layout == "interleaved"
+    assert config.is_encoder_decoder and config.head_dim == 64
+
+
+def test_presets_and_overrides():
+    big = VanillaTransformerConfig.from_preset("big")
+    assert (big.d_model, big.num_heads, big.d_ff, big.dropout) == (1024, 16, 4096, 0.3)
+    assert VanillaTransformerConfig.from_preset("base").to_dict() == VanillaTransformerConfig().to_dict()
+    tiny = VanillaTransformerConfig.from_preset("tiny", vocab_size=500, dropout=0.2)
+    assert tiny.d_model == PRESETS["tiny"]["d_model"] and tiny.vocab_size == 500 and tiny.dropout == 0.2
+    with pytest.raises(ValueError, match="Unknown preset 'huge'"):
+        VanillaTransformerConfig.from_preset("huge")
+
+
+def test_standard_attribute_names_are_aliases():
+    config = VanillaTransformerConfig(
+        d_model=64, num_heads=4, d_ff=128, num_encoder_layers=3, num_decoder_layers=2
+    )
+    assert config.hidden_size == 64 and config.num_attention_heads == 4 and config.intermediate_size == 128
+    assert config.encoder_layers == 3 and config.decoder_layers == 2 and config.num_hidden_layers == 2
+    config.hidden_size = 128
+    assert config.d_model == 128
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"d_model": 100, "num_heads": 8}, "divisible by `num_heads`"),
+        ({"d_model": 0}, "`d_model` must be a positive"),
+        ({"vocab_size": -1}, "`vocab_size` must be a positive"),
+        ({"num_encoder_layers": 0}, "`num_encoder_layers` must be a positive"),
+        ({"d_model": 6, "num_heads": 2}, None),
+        ({"d_model": 9, "num_heads": 3}, "must be even"),
+        ({"dropout": 1.0}, r"`dropout` must be in \[0, 1\)"),
+        ({"attention_dropout": -0.1}, "`attention_dropout`"),
+        ({"label_smoothing": 1.5}, "`label_smoothing`"),
+        ({"activation_function": "sigmoidish"}, "Unknown `activation_function`"),
+        ({"position_encoding_layout": "rotary"}, "Unknown `position_encoding_layout`"),
+        ({"pad_token_id": 37000}, "`pad_token_id`"),
+        ({"eos_token_id": [2, 99999]}, "`eos_token_id`"),
+        ({"layer_norm_eps": 0.0}, "`layer_norm_eps`"),
+    ],
+)
+def test_invalid_values_raise_value_error_naming_the_field(overrides, message):
+    if message is None:
+        assert VanillaTransformerConfig(**overrides).head_dim == 3
+        return
+    with pytest.raises(ValueError, match=message):
+        VanillaTransformerConfig(**overrides)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    config = VanillaTransformerConfig.from_preset(
+        "tiny", norm_first=True, position_encoding_layout="concatenated"
+    )
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "vanilla_transformer"
+    loaded = VanillaTransformerConfig.from_pretrained(tmp_path)
+    assert loaded.to_dict() == config.to_dict()

@@ -1,0 +1,113 @@
+"""Incremental decoding and generate() against hand-written decoding loops."""
+
+import pytest
+import torch
+
+from tests.conftest import BOS, EOS, tiny_model
+
+
+@pytest.fixture
+def source() -> torch.Tensor:
+    return torch.randint(3, 99, (3, 8), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_cached_decoding_equals_uncached(attn_implementation, source):
+    model = tiny_model(attn_implementation)
+    target = torch.randint(3, 99, (3, 10))
+    with torch.no_grad():
+        full = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
+        encoder_outputs = model.get_encoder()(input_ids=source)
+        cache, steps = None, []
+        for t in range(target.shape[1]):
+            out = model(
+                encoder_outputs=encoder_outputs,
+                decoder_input_ids=target[:, t : t + 1],
+                cache=cache,
+                use_cache=True,
+            )
+            cache = out.cache
+            steps.append(out.logits)
+    assert cache.get_seq_length() == 10
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_keys_are_computed_once(source):
+    model = tiny_model()
+    calls = []
+    model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(lambda *args: calls.append(1))
+    model.generate(source, num_beams=1, do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert len(calls) == 1
+
+
+def greedy_by_hand(model, source: torch.Tensor, steps: int) -> torch.Tensor:
+    """Argmax decoding with full re-computation at every step: no cache, no generate()."""
+    tokens = torch.full((source.shape[0], 1), BOS)
+    finished = torch.zeros(source.shape[0], dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=source, decoder_input_ids=tokens, use_cache=False).logits[:, -1]
+            next_token = logits.argmax(-1).masked_fill(finished, model.config.pad_token_id)
+            tokens = torch.cat([tokens, next_token[:, None]], 1)
+            finished |= next_token == EOS
+            if finished.all():
+                break
+    return tokens
+
+
+def test_greedy_generate_equals_hand_written_argmax_loop(source):
+    model = tiny_model()
+    generated = model.generate(source, num_beams=1, do_sample=False, max_new_tokens=12)
+    torch.testing.assert_close(generated, greedy_by_hand(model, source, 12))
+
+
+def test_greedy_stops_at_eos_and_pads_finished_rows(source):
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0)  # every logit is 0 ...
+        model.lm_head.weight[EOS, 0] = 1.0  # ... except EOS, wherever hidden[0] > 0
+    generated = model.generate(source, num_beams=1, do_sample=False, max_new_tokens=12)
+    torch.testing.assert_close(generated, greedy_by_hand(model, source, 12))
+    assert (generated == EOS).any(-1).all()
+
+
+def test_beam_search_sampling_and_multiple_returns(source):
+    model = tiny_model()
+    beams = model.generate(
+        source,
+        num_beams=4,
+        num_return_sequences=3,
+        max_new_tokens=7,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    assert beams.sequences.shape[0] == 9 and beams.sequences[:, 0].eq(BOS).all()
+    scores = beams.sequences_scores.view(3, 3)
+    assert (scores[:, :-1] >= scores[:, 1:]).all(), "returned beams are best first"
+    assert len({tuple(row.tolist()) for row in beams.sequences[:3]}) == 3
+    # One beam is greedy search.
+    torch.testing.assert_close(
+        model.generate(source, num_beams=1, max_new_tokens=7),
+        model.generate(source, num_beams=1, do_sample=False, max_new_tokens=7),
+    )
+    torch.manual_seed(0)
+    first = model.generate(source, do_sample=True, num_beams=1, top_k=20, max_new_tokens=7)
+    torch.manual_seed(0)
+    second = model.generate(source, do_sample=True, num_beams=1, top_k=20, max_new_tokens=7)
+    torch.testing.assert_close(first, second)
+    assert first.shape == (3, 8)
+
+
+def test_default_generation_config_is_the_papers():
+    config = tiny_model().generation_config
+    assert config.num_beams == 4 and config.early_stopping is True
+    assert config.decoder_start_token_id == BOS and config.eos_token_id == EOS
+
+
+def test_default_output_length_is_source_length_plus_50(source):
+    model = tiny_model()
+    # With EOS suppressed nothing stops early, so the length shows the limit.
+    generated = model.generate(source, num_beams=1, suppress_tokens=[EOS])
+    assert generated.shape[1] == 1 + source.shape[1] + 50
+    capped = model.generate(source, num_beams=1, suppress_tokens=[EOS], max_new_tokens=5)
+    assert capped.shape[1] == 6

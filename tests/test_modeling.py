@@ -1,0 +1,357 @@
+"""Model behaviour against the paper's formulas and independent references (torch.nn.Transformer)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import BOS, PAD, tiny_config, tiny_model
+from vanilla_transformer import (
+    VanillaTransformerConfig,
+    VanillaTransformerForConditionalGeneration,
+    VanillaTransformerModel,
+)
+from vanilla_transformer.modeling_vanilla_transformer import (
+    VanillaTransformerAttention,
+    eager_attention_forward,
+    label_smoothed_cross_entropy,
+    shift_tokens_right,
+    sinusoidal_position_encoding,
+)
+
+
+def paper_position_encoding(pos: int, d_model: int, layout: str) -> list[float]:
+    """Section 3.5 written out element by element, in Python floats."""
+    sines = [math.sin(pos / 10000 ** (2 * i / d_model)) for i in range(d_model // 2)]
+    cosines = [math.cos(pos / 10000 ** (2 * i / d_model)) for i in range(d_model // 2)]
+    if layout == "concatenated":
+        return sines + cosines
+    return [value for pair in zip(sines, cosines, strict=True) for value in pair]
+
+
+# Shapes and sizes ---------------------------------------------------------------------------------
+
+
+def test_output_shapes(model, batch):
+    out = model(**batch, output_attentions=True, output_hidden_states=True)
+    assert out.logits.shape == (2, 7, 99)
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    assert out.encoder_last_hidden_state.shape == (2, 9, 32)
+    assert len(out.encoder_attentions) == 2 and out.encoder_attentions[0].shape == (2, 4, 9, 9)
+    assert len(out.decoder_attentions) == 2 and out.decoder_attentions[0].shape == (2, 4, 7, 7)
+    assert out.cross_attentions[0].shape == (2, 4, 7, 9)
+    assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 3
+
+
+def count_parameters(preset: str) -> int:
+    with torch.device("meta"):
+        model = VanillaTransformerForConditionalGeneration(VanillaTransformerConfig.from_preset(preset))
+    return sum(p.numel() for p in model.parameters())  # tied matrices are counted once
+
+
+def test_parameter_counts_match_the_paper():
+    base, big = count_parameters("base"), count_parameters("big")
+    d, f, n, vocab = 512, 2048, 6, 37000
+    attention, ffn, norm = 4 * (d * d + d), 2 * d * f + f + d, 2 * d
+    expected = vocab * d + n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
+    assert base == expected == 63_082_496
+    # Paper Table 3: 65M and 213M with a ~37k joint vocabulary.
+    assert abs(base - 65e6) / 65e6 < 0.05
+    assert abs(big - 213e6) / 213e6 < 0.03
+
+
+def test_multi_head_attention_costs_the_same_parameters_as_one_full_width_head():
+    many = VanillaTransformerAttention(tiny_config(num_heads=8))
+    one = VanillaTransformerAttention(tiny_config(num_heads=1))
+    count = sum(p.numel() for p in many.parameters())
+    assert count == sum(p.numel() for p in one.parameters()) == 4 * (32 * 32 + 32)
+
+
+# Positional encoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_position_encoding_is_the_paper_formula(layout):
+    positions = torch.tensor([0, 1, 2, 17, 511, 4095, 100_000])
+    encoding = sinusoidal_position_encoding(positions, 64, layout, dtype=torch.float64)
+    expected = torch.tensor(
+        [paper_position_encoding(int(p), 64, layout) for p in positions], dtype=torch.float64
+    )
+    torch.testing.assert_close(encoding, expected, atol=1e-9, rtol=0)
+    if layout == "interleaved":
+        assert encoding[5, 0] == pytest.approx(math.sin(4095)) and encoding[5, 1] == pytest.approx(
+            math.cos(4095)
+        )
+
+
+def test_marian_layout_matches_transformers_marian_table():
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+
+    table = MarianSinusoidalPositionalEmbedding(50, 32).create_weight()
+    ours = sinusoidal_position_encoding(torch.arange(50), 32, "concatenated")
+    torch.testing.assert_close(ours, table, atol=1e-6, rtol=0)
+
+
+def test_model_runs_far_beyond_any_length_it_was_configured_or_trained_with():
+    model = tiny_model()
+    long_source = torch.randint(3, 99, (1, 3000))
+    out = model(input_ids=long_source, decoder_input_ids=torch.randint(3, 99, (1, 2500)))
+    assert out.logits.shape == (1, 2500, 99) and torch.isfinite(out.logits).all()
+
+
+def test_decoder_positions_continue_from_the_cache(model):
+    source = torch.randint(3, 99, (1, 5))
+    target = torch.randint(3, 99, (1, 6))
+    full = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
+    first = model(input_ids=source, decoder_input_ids=target[:, :4], use_cache=True)
+    second = model(
+        input_ids=source,
+        encoder_outputs=(first.encoder_last_hidden_state,),
+        decoder_input_ids=target[:, 4:],
+        cache=first.cache,
+        use_cache=True,
+    )
+    torch.testing.assert_close(second.logits, full[:, 4:], atol=1e-5, rtol=1e-5)
+
+
+# Parity with torch.nn.Transformer layers ----------------------------------------------------------
+
+
+def copy_attention(ours: VanillaTransformerAttention, theirs: nn.MultiheadAttention) -> None:
+    theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+    theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+    theirs.out_proj.weight.copy_(ours.out_proj.weight)
+    theirs.out_proj.bias.copy_(ours.out_proj.bias)
+
+
+def copy_layer(ours, theirs, cross: bool) -> None:
+    copy_attention(ours.self_attn, theirs.self_attn)
+    theirs.linear1.load_state_dict(ours.fc1.state_dict())
+    theirs.linear2.load_state_dict(ours.fc2.state_dict())
+    theirs.norm1.load_state_dict(ours.self_attn_layer_norm.state_dict())
+    if cross:
+        copy_attention(ours.encoder_attn, theirs.multihead_attn)
+        theirs.norm2.load_state_dict(ours.encoder_attn_layer_norm.state_dict())
+        theirs.norm3.load_state_dict(ours.final_layer_norm.state_dict())
+    else:
+        theirs.norm2.load_state_dict(ours.final_layer_norm.state_dict())
+
+
+def torch_reference_stacks(config: VanillaTransformerConfig, model: VanillaTransformerModel):
+    """nn.TransformerEncoder/Decoder with our weights copied in (final norm only for pre-LN)."""
+    kwargs = {
+        "d_model": config.d_model,
+        "nhead": config.num_heads,
+        "dim_feedforward": config.d_ff,
+        "dropout": 0.0,
+        "activation": "relu",
+        "layer_norm_eps": config.layer_norm_eps,
+        "batch_first": True,
+        "norm_first": config.norm_first,
+    }
+    final_norm = (
+        (lambda: nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)) if config.norm_first else None
+    )
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(**kwargs),
+        config.num_encoder_layers,
+        norm=final_norm() if final_norm else None,
+        enable_nested_tensor=False,
+    )
+    decoder = nn.TransformerDecoder(
+        nn.TransformerDecoderLayer(**kwargs),
+        config.num_decoder_layers,
+        norm=final_norm() if final_norm else None,
+    )
+    with torch.no_grad():
+        for ours, theirs in zip(model.encoder.layers, encoder.layers, strict=True):
+            copy_layer(ours, theirs, cross=False)
+        for ours, theirs in zip(model.decoder.layers, decoder.layers, strict=True):
+            copy_layer(ours, theirs, cross=True)
+        if config.norm_first:
+            encoder.norm.load_state_dict(model.encoder.layer_norm.state_dict())
+            decoder.norm.load_state_dict(model.decoder.layer_norm.state_dict())
+    return encoder.eval(), decoder.eval()
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_stacks_match_torch_nn_transformer(attn_implementation, norm_first, batch):
+    model = tiny_model(attn_implementation, norm_first=norm_first)
+    config, base = model.config, model.model
+    encoder, decoder = torch_reference_stacks(config, base)
+    source, source_mask = batch["input_ids"], batch["attention_mask"]
+    target = shift_tokens_right(batch["labels"], PAD, BOS)
+    scale = math.sqrt(config.d_model)
+
+    with torch.no_grad():
+        ours = base(input_ids=source, attention_mask=source_mask, decoder_input_ids=target, use_cache=False)
+        src = base.shared(source) * scale + sinusoidal_position_encoding(torch.arange(9), 32)
+        tgt = base.shared(target) * scale + sinusoidal_position_encoding(torch.arange(7), 32)
+        padding = source_mask == 0
+        memory = encoder(src, src_key_padding_mask=padding)
+        causal = nn.Transformer.generate_square_subsequent_mask(7)
+        out = decoder(tgt, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=padding)
+
+    keep = source_mask.bool()
+    torch.testing.assert_close(ours.encoder_last_hidden_state[keep], memory[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.last_hidden_state, out, atol=1e-5, rtol=1e-5)
+
+
+# Properties --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_decoder_is_causal(attn_implementation, batch):
+    model = tiny_model(attn_implementation)
+    source = batch["input_ids"][:1]
+    target = torch.randint(3, 99, (1, 8))
+    changed = target.clone()
+    changed[:, 5:] = torch.randint(3, 99, (1, 3))
+    with torch.no_grad():
+        before = model(input_ids=source, decoder_input_ids=target).logits
+        after = model(input_ids=source, decoder_input_ids=changed).logits
+    torch.testing.assert_close(before[:, :5], after[:, :5], atol=1e-6, rtol=0)
+    assert not torch.allclose(before[:, 5:], after[:, 5:])
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_padding_does_not_change_outputs(attn_implementation):
+    model = tiny_model(attn_implementation)
+    generator = torch.Generator().manual_seed(3)
+    short_src, long_src = torch.randint(3, 99, (1, 4), generator=generator), torch.randint(3, 99, (1, 9))
+    short_tgt, long_tgt = torch.randint(3, 99, (1, 3), generator=generator), torch.randint(3, 99, (1, 6))
+    source = torch.cat([torch.cat([short_src, torch.full((1, 5), PAD)], 1), long_src])
+    source_mask = torch.tensor([[1] * 4 + [0] * 5, [1] * 9])
+    target = torch.cat([torch.cat([short_tgt, torch.full((1, 3), PAD)], 1), long_tgt])
+    target_mask = torch.tensor([[1] * 3 + [0] * 3, [1] * 6])
+    with torch.no_grad():
+        batched = model(
+            input_ids=source,
+            attention_mask=source_mask,
+            decoder_input_ids=target,
+            decoder_attention_mask=target_mask,
+        ).logits
+        alone_short = model(input_ids=short_src, decoder_input_ids=short_tgt).logits
+        alone_long = model(input_ids=long_src, decoder_input_ids=long_tgt).logits
+    torch.testing.assert_close(batched[0, :3], alone_short[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[1], alone_long[0], atol=1e-5, rtol=1e-5)
+
+
+def test_eager_and_sdpa_agree(batch):
+    eager, sdpa = tiny_model("eager"), tiny_model("sdpa")
+    assert sdpa.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        torch.testing.assert_close(eager(**batch).logits, sdpa(**batch).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_output_attentions_needs_eager(batch):
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        tiny_model("sdpa")(**batch, output_attentions=True)
+
+
+def test_attention_scaling_gives_unit_variance_scores():
+    torch.manual_seed(0)
+    d_k, n = 64, 256
+    query, key = torch.randn(1, 1, n, d_k), torch.randn(1, 1, n, d_k)
+    value = torch.zeros(1, 1, n, d_k)
+    assert torch.matmul(query, key.transpose(-1, -2)).var().item() == pytest.approx(d_k, rel=0.1)
+    _, weights = eager_attention_forward(nn.Module(), query, key, value, None, scaling=d_k**-0.5)
+    # log-softmax recovers the scores up to a per-row constant.
+    scores = weights.log()
+    scores = scores - scores.mean(-1, keepdim=True)
+    assert scores.var().item() == pytest.approx(1.0, rel=0.1)
+    torch.testing.assert_close(weights, torch.softmax(query @ key.transpose(-1, -2) / 8.0, -1))
+
+
+def test_initialisation_follows_tensor2tensor_and_fairseq():
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(VanillaTransformerConfig.from_preset("tiny"))
+    embedding = model.model.shared.weight
+    assert embedding[PAD].abs().max() == 0
+    assert embedding[3:].std().item() == pytest.approx(256**-0.5, rel=0.02)
+    fc1 = model.model.encoder.layers[0].fc1.weight  # (1024, 256)
+    bound = math.sqrt(6 / (256 + 1024))
+    assert fc1.abs().max() <= bound and fc1.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
+    assert model.model.decoder.layers[1].encoder_attn.q_proj.bias.abs().max() == 0
+
+
+# Loss ----------------------------------------------------------------------------------------------
+
+
+def test_label_smoothed_loss_is_the_formula(model, batch):
+    out = model(**batch)
+    labels = batch["labels"]
+    log_probs = out.logits.log_softmax(-1)
+    keep = labels != -100
+    nll = -log_probs[keep].gather(-1, labels[keep][:, None]).squeeze(-1)
+    uniform = -log_probs[keep].mean(-1)
+    expected = (0.9 * nll + 0.1 * uniform).mean()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_labels_alone_give_shifted_decoder_inputs(model, batch):
+    labels = batch["labels"]
+    shifted = model.prepare_decoder_input_ids_from_labels(labels)
+    assert (
+        shifted[0, 0] == BOS
+        and (shifted[:, 1:][labels[:, :-1] != -100] == labels[:, :-1][labels[:, :-1] != -100]).all()
+    )
+    assert (shifted[1, 6:] == PAD).all()
+    with torch.no_grad():
+        implicit = model(**batch).logits
+        explicit = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=shifted
+        ).logits
+    torch.testing.assert_close(implicit, explicit)
+
+
+def test_num_items_in_batch_makes_accumulated_loss_equal_the_full_batch_loss(model, batch):
+    full = model(**batch).loss
+    total = (batch["labels"] != -100).sum()
+    halves = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
+    accumulated = sum(model(**half, num_items_in_batch=total).loss for half in halves)
+    torch.testing.assert_close(accumulated, full)
+    mean_of_means = sum(model(**half).loss for half in halves) / 2
+    assert not torch.allclose(mean_of_means, full)
+
+
+def test_loss_ignores_padding_labels():
+    logits = torch.randn(4, 10)
+    labels = torch.tensor([1, -100, 3, -100])
+    torch.testing.assert_close(
+        label_smoothed_cross_entropy(logits, labels, 0.0),
+        nn.functional.cross_entropy(logits[[0, 2]], labels[[0, 2]]),
+    )
+
+
+# Misuse gives clear errors -----------------------------------------------------------------------
+
+
+def test_out_of_vocabulary_ids_raise(model, batch):
+    bad = batch["input_ids"].clone()
+    bad[0, 0] = 99
+    with pytest.raises(ValueError, match=r"`input_ids` holds ids from .* outside \[0, 99\)"):
+        model(input_ids=bad, labels=batch["labels"])
+    bad_labels = batch["labels"].clone()
+    bad_labels[0, 0] = -5
+    with pytest.raises(ValueError, match=r"`labels`.*-100"):
+        model(input_ids=batch["input_ids"], labels=bad_labels)
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(input_ids=batch["input_ids"].float(), labels=batch["labels"])
+
+
+def test_mismatched_masks_and_empty_inputs_raise(model, batch):
+    with pytest.raises(ValueError, match="`attention_mask` has shape"):
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"][:, :5],
+            labels=batch["labels"],
+        )
+    with pytest.raises(ValueError, match="`decoder_attention_mask` has shape"):
+        model(**batch, decoder_attention_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="source sequence is empty"):
+        model(input_ids=torch.empty(2, 0, dtype=torch.long), labels=batch["labels"])
+    with pytest.raises(ValueError, match="exactly one of `input_ids`"):
+        model(labels=batch["labels"])

@@ -1,0 +1,136 @@
+"""Saving, loading (also without this package installed), Auto classes, tying and checkpointing."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+
+from tests.conftest import tiny_model
+from vanilla_transformer import VanillaTransformerForConditionalGeneration, VanillaTransformerModel
+
+
+def test_save_load_round_trip_gives_identical_logits(tmp_path, batch):
+    model = tiny_model(norm_first=True, position_encoding_layout="concatenated")
+    model.save_pretrained(tmp_path)
+    files = {path.name for path in tmp_path.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= files
+    assert {"configuration_vanilla_transformer.py", "modeling_vanilla_transformer.py"} <= files
+    # Positions are computed, not stored; the tied matrix is stored once.
+    keys = load_file(tmp_path / "model.safetensors").keys()
+    assert not any("position" in key for key in keys)
+    assert "model.shared.weight" in keys and "lm_head.weight" not in keys
+
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(loaded) is VanillaTransformerForConditionalGeneration
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, atol=0, rtol=0)
+    assert loaded.generation_config.num_beams == 4
+
+
+def test_auto_classes_resolve_the_model_type(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_vanilla_transformer.VanillaTransformerConfig",
+        "AutoModel": "modeling_vanilla_transformer.VanillaTransformerModel",
+        "AutoModelForSeq2SeqLM": "modeling_vanilla_transformer.VanillaTransformerForConditionalGeneration",
+    }
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "vanilla_transformer"
+    base = AutoModel.from_pretrained(tmp_path)
+    assert type(base) is VanillaTransformerModel
+    torch.testing.assert_close(base.shared.weight, model.model.shared.weight)
+
+
+def test_meta_device_loading_keeps_positions_and_ties(tmp_path, batch):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(
+        tmp_path, device_map="cpu", attn_implementation="eager"
+    ).eval()
+    assert loaded.lm_head.weight is loaded.model.shared.weight
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, atol=0, rtol=0)
+
+
+def test_trust_remote_code_load_without_the_package(tmp_path, batch):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        expected = model.generate(
+            batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6
+        )
+    torch.save({"batch": batch, "expected": expected}, tmp_path / "io.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["vanilla_transformer"] = None  # any import of the package now fails
+        import torch
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM
+        try:
+            import vanilla_transformer
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("the package is importable")
+        folder = {str(tmp_path / "model")!r}
+        assert AutoConfig.from_pretrained(folder, trust_remote_code=True).model_type == "vanilla_transformer"
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+        assert "vanilla_transformer" not in type(model).__module__.split(".")[0]
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        batch = io["batch"]
+        generated = model.generate(
+            batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6
+        )
+        assert torch.equal(generated, io["expected"]), (generated, io["expected"])
+        print("remote code OK", type(model).__module__)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote code OK transformers_modules" in result.stdout
+
+
+def test_untied_output_projection_survives_save_and_load(tmp_path):
+    model = tiny_model(tie_word_embeddings=False)
+    assert model.lm_head.weight is not model.model.shared.weight
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is not loaded.model.shared.weight
+    assert loaded.model.encoder.embed_tokens is loaded.model.shared is loaded.model.decoder.embed_tokens
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_resize_token_embeddings_keeps_the_three_way_tie(tmp_path, batch):
+    model = tiny_model()
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == 120
+    assert model.lm_head.weight is model.model.shared.weight
+    assert model.model.encoder.embed_tokens is model.model.shared is model.model.decoder.embed_tokens
+    assert model(**batch).logits.shape[-1] == 120
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert (
+        loaded.model.shared.weight.shape == (120, 32) and loaded.lm_head.weight is loaded.model.shared.weight
+    )
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(batch):
+    def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = tiny_model().train()  # dropout is 0 in the tiny test config
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+            assert all(layer.gradient_checkpointing for layer in model.model.encoder.layers)
+        model(**batch).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)

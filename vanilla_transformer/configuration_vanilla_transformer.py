@@ -1,0 +1,162 @@
+"""Configuration of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Self-contained (imports only transformers): this file is copied next to saved checkpoints so that
+`AutoConfig.from_pretrained(..., trust_remote_code=True)` works without this package installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+POSITION_ENCODING_LAYOUTS = ("interleaved", "concatenated")
+
+# Paper, Table 3 ("base" and "big"); "tiny" is sized for CPU demos and tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "big": {"d_model": 1024, "num_heads": 16, "d_ff": 4096, "dropout": 0.3},
+    "tiny": {
+        "vocab_size": 8000,
+        "d_model": 256,
+        "num_heads": 4,
+        "d_ff": 1024,
+        "num_encoder_layers": 3,
+        "num_decoder_layers": 3,
+    },
+}
+
+
+class VanillaTransformerConfig(PretrainedConfig):
+    """Hyper-parameters of the encoder-decoder Transformer (paper Section 3, Table 3).
+
+    The defaults are the paper's base model. Field names follow the paper's symbols; the standard
+    transformers names (`hidden_size`, `num_attention_heads`, `num_hidden_layers`, ...) are aliases.
+
+    Args:
+        vocab_size: size of the joint source/target vocabulary.
+        d_model: width of every sub-layer output and embedding.
+        num_heads: attention heads h; d_k = d_v = d_model / h.
+        d_ff: inner width of the position-wise feed-forward networks.
+        num_encoder_layers, num_decoder_layers: N for each stack.
+        dropout: P_drop on each sub-layer output and on embeddings + positions.
+        attention_dropout: dropout on attention probabilities (0 in the paper).
+        activation_dropout: dropout on the feed-forward hidden layer (0 in the paper).
+        activation_function: feed-forward non-linearity ("relu" in the paper).
+        layer_norm_eps: epsilon of every LayerNorm.
+        norm_first: False is the paper's post-LN `LayerNorm(x + Sublayer(x))`; True is pre-LN with a
+            final LayerNorm on each stack.
+        scale_embedding: multiply embeddings by sqrt(d_model) (paper Section 3.4).
+        tie_word_embeddings: share the embedding matrix with the pre-softmax projection. Source and
+            target embeddings are always one matrix (joint vocabulary).
+        position_encoding_layout: "interleaved" (sin on even, cos on odd dimensions: the paper) or
+            "concatenated" (all sines then all cosines: transformers' Marian).
+        label_smoothing: epsilon_ls of the training loss (paper Section 5.4).
+    """
+
+    model_type: ClassVar[str] = "vanilla_transformer"
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["cache"]
+    attribute_map: ClassVar[dict[str, str]] = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "num_heads",
+        "encoder_attention_heads": "num_heads",
+        "decoder_attention_heads": "num_heads",
+        "intermediate_size": "d_ff",
+        "encoder_ffn_dim": "d_ff",
+        "decoder_ffn_dim": "d_ff",
+        "encoder_layers": "num_encoder_layers",
+        "decoder_layers": "num_decoder_layers",
+        # Generation caches hold decoder layers only.
+        "num_hidden_layers": "num_decoder_layers",
+    }
+
+    vocab_size: int = 37000
+    d_model: int = 512
+    num_heads: int = 8
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout: float | int = 0.1
+    attention_dropout: float | int = 0.0
+    activation_dropout: float | int = 0.0
+    activation_function: str = "relu"
+    layer_norm_eps: float = 1e-5
+    norm_first: bool = False
+    scale_embedding: bool = True
+    tie_word_embeddings: bool = True
+    position_encoding_layout: str = "interleaved"
+    label_smoothing: float | int = 0.1
+    use_cache: bool = True
+    is_encoder_decoder: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    decoder_start_token_id: int | None = 1
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        self._check_values()
+
+    def _check_values(self) -> None:
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "d_ff",
+            "num_encoder_layers",
+            "num_decoder_layers",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(
+                f"`d_model` ({self.d_model}) must be divisible by `num_heads` ({self.num_heads}) so that "
+                "each head has width d_k = d_model / num_heads."
+            )
+        if self.d_model % 2 != 0:
+            raise ValueError(
+                f"`d_model` must be even for sinusoidal positions (sin/cos pairs), got {self.d_model}."
+            )
+        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps}.")
+        if self.activation_function not in ACT2FN:
+            raise ValueError(
+                f"Unknown `activation_function` {self.activation_function!r}; "
+                f"choose one of transformers' activations, e.g. 'relu' (the paper), 'gelu', 'swish'."
+            )
+        if self.position_encoding_layout not in POSITION_ENCODING_LAYOUTS:
+            raise ValueError(
+                f"Unknown `position_encoding_layout` {self.position_encoding_layout!r}; "
+                f"choose one of {POSITION_ENCODING_LAYOUTS}."
+            )
+        for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"`{name}` ({value}) must lie in [0, vocab_size={self.vocab_size}).")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        for value in eos:
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"`eos_token_id` ({value}) must lie in [0, vocab_size={self.vocab_size}).")
+
+    @property
+    def head_dim(self) -> int:
+        """d_k = d_v = d_model / h."""
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> VanillaTransformerConfig:
+        """A configuration from the paper's Table 3 ("base", "big") or the CPU-sized "tiny".
+
+        Keyword arguments override single fields, e.g. `from_preset("base", vocab_size=32000)`.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+__all__ = ["PRESETS", "VanillaTransformerConfig"]

@@ -1,0 +1,790 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers model.
+
+Self-contained (imports only torch and transformers): this file is copied next to saved checkpoints so
+that `AutoModelForSeq2SeqLM.from_pretrained(..., trust_remote_code=True)` works without this package.
+
+Read top to bottom it follows the paper: positional encoding (3.5), scaled dot-product attention
+(3.2.1), multi-head attention (3.2.2), encoder and decoder layers (3.1, 3.3), the stacks, the model
+and the model with its pre-softmax projection (3.4).
+
+Shape legend:
+    B  batch size            S  source length        T  target length (this step)
+    P  cached target length  H  attention heads      Dh head width d_k = d_model / H
+    D  d_model               F  d_ff                 V  vocabulary size
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+
+# When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
+# plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").
+DEFAULT_MAX_LENGTH_OFFSET = 50
+
+
+def sinusoidal_position_encoding(
+    positions: torch.Tensor, d_model: int, layout: str = "interleaved", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Sinusoidal positional encoding (Section 3.5), for positions of any shape (...) -> (..., d_model).
+
+    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)) and PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+
+    Computed on the fly for any positions, so there is no maximum length and nothing to store in a
+    checkpoint. `layout="concatenated"` puts all sines before all cosines (transformers' Marian).
+    The angles are computed in float64 where the device allows it, so that large positions stay exact.
+    """
+    compute_dtype = torch.float32 if positions.device.type == "mps" else torch.float64
+    two_i = torch.arange(0, d_model, 2, device=positions.device, dtype=compute_dtype)
+    inv_freq = torch.pow(10000.0, -two_i / d_model)  # (D/2,)
+    angles = positions.to(compute_dtype)[..., None] * inv_freq  # (..., D/2)
+    if layout == "interleaved":
+        encoding = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., D)
+    elif layout == "concatenated":
+        encoding = torch.cat((angles.sin(), angles.cos()), dim=-1)  # (..., D)
+    else:
+        raise ValueError(f"Unknown position encoding layout {layout!r}.")
+    return encoding.to(dtype)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (Section 3.2.1, Equation 1).
+
+    `attention_mask` is additive (0 where allowed, a large negative number where masked).
+    Returns the output as (B, T, H, Dh) and the attention probabilities as (B, H, T, S).
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, Dh)
+    return output, weights
+
+
+class VanillaTransformerAttention(nn.Module):
+    """Multi-head attention, MultiHead(Q, K, V) = Concat(head_1..head_h) W^O (Section 3.2.2).
+
+    Used three ways (Section 3.2.3): encoder self-attention, masked decoder self-attention
+    (`is_causal=True`) and encoder-decoder attention (`key_value_states` = encoder output).
+    """
+
+    def __init__(
+        self, config: VanillaTransformerConfig, is_causal: bool = False, layer_idx: int | None = None
+    ):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_heads
+        self.head_dim = config.d_model // config.num_heads
+        self.scaling = self.head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D)."""
+        batch_size, length, _ = hidden_states.shape
+        is_cross_attention = key_value_states is not None
+        query = (
+            self.q_proj(hidden_states).view(batch_size, length, -1, self.head_dim).transpose(1, 2)
+        )  # (B,H,T,Dh)
+
+        layer_cache = None
+        if cache is not None:
+            # Cross-attention keys/values depend only on the encoder output: computed once, then reused.
+            if is_cross_attention:
+                layer_cache = cache.cross_attention_cache
+                reuse = cache.is_updated.get(self.layer_idx, False)
+            else:
+                layer_cache = cache.self_attention_cache
+                reuse = False
+        else:
+            reuse = False
+
+        if reuse:
+            key = layer_cache.layers[self.layer_idx].keys
+            value = layer_cache.layers[self.layer_idx].values
+        else:
+            source = key_value_states if is_cross_attention else hidden_states
+            key = self.k_proj(source).view(batch_size, source.shape[1], -1, self.head_dim).transpose(1, 2)
+            value = self.v_proj(source).view(batch_size, source.shape[1], -1, self.head_dim).transpose(1, 2)
+            if layer_cache is not None:
+                key, value = layer_cache.update(key, value, self.layer_idx)  # (B, H, P+T, Dh)
+                if is_cross_attention:
+                    cache.is_updated[self.layer_idx] = True
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.dropout if self.training else 0.0,
+            scaling=self.scaling,
+        )
+        output = output.reshape(batch_size, length, -1)  # (B, T, D)
+        return self.out_proj(output), weights
+
+
+class VanillaTransformerLayer(GradientCheckpointingLayer):
+    """What encoder and decoder layers share: the residual connections and the feed-forward network.
+
+    Section 5.4: each sub-layer output becomes LayerNorm(x + Dropout(Sublayer(x))) (post-LN). With
+    `config.norm_first` the LayerNorm moves in front: x + Dropout(Sublayer(LayerNorm(x))) (pre-LN).
+    """
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.dropout = config.dropout
+        self.activation_fn = ACT2FN[config.activation_function]
+        self.activation_dropout = config.activation_dropout
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def _sublayer_input(self, hidden_states: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        return norm(hidden_states) if self.norm_first else hidden_states
+
+    def _sublayer_output(
+        self, residual: torch.Tensor, output: torch.Tensor, norm: nn.LayerNorm
+    ) -> torch.Tensor:
+        hidden_states = residual + F.dropout(output, p=self.dropout, training=self.training)
+        return hidden_states if self.norm_first else norm(hidden_states)
+
+    def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3), as a residual sub-layer."""
+        residual = hidden_states
+        hidden_states = self.activation_fn(
+            self.fc1(self._sublayer_input(hidden_states, self.final_layer_norm))
+        )
+        hidden_states = F.dropout(
+            hidden_states, p=self.activation_dropout, training=self.training
+        )  # (B, T, F)
+        return self._sublayer_output(residual, self.fc2(hidden_states), self.final_layer_norm)
+
+
+class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
+    """Encoder layer: multi-head self-attention, then the feed-forward network (Section 3.1)."""
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.self_attn = VanillaTransformerAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states: (B, S, D). Returns the new hidden states and the self-attention weights."""
+        residual = hidden_states
+        hidden_states, weights = self.self_attn(
+            self._sublayer_input(hidden_states, self.self_attn_layer_norm), attention_mask=attention_mask
+        )
+        hidden_states = self._sublayer_output(residual, hidden_states, self.self_attn_layer_norm)
+        return self._feed_forward(hidden_states), weights
+
+
+class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
+    """Decoder layer: masked self-attention, encoder-decoder attention, feed-forward (Section 3.1).
+
+    The self-attention is causal, so the prediction for position i depends only on positions < i + 1.
+    """
+
+    def __init__(self, config: VanillaTransformerConfig, layer_idx: int):
+        super().__init__(config)
+        self.self_attn = VanillaTransformerAttention(config, is_causal=True, layer_idx=layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.encoder_attn = VanillaTransformerAttention(config, layer_idx=layer_idx)
+        self.encoder_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """hidden_states: (B, T, D); encoder_hidden_states: (B, S, D).
+
+        Returns the new hidden states, the self-attention and the cross-attention weights.
+        """
+        residual = hidden_states
+        hidden_states, self_weights = self.self_attn(
+            self._sublayer_input(hidden_states, self.self_attn_layer_norm),
+            attention_mask=attention_mask,
+            cache=cache,
+        )
+        hidden_states = self._sublayer_output(residual, hidden_states, self.self_attn_layer_norm)
+
+        residual = hidden_states
+        hidden_states, cross_weights = self.encoder_attn(
+            self._sublayer_input(hidden_states, self.encoder_attn_layer_norm),
+            key_value_states=encoder_hidden_states,
+            attention_mask=encoder_attention_mask,
+            cache=cache,
+        )
+        hidden_states = self._sublayer_output(residual, hidden_states, self.encoder_attn_layer_norm)
+        return self._feed_forward(hidden_states), self_weights, cross_weights
+
+
+class VanillaTransformerPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and loading glue shared by the models below.
+
+    Initialisation follows tensor2tensor and fairseq: embeddings N(0, d_model^-0.5), so that embeddings
+    scaled by sqrt(d_model) have unit variance; Xavier-uniform linear layers with zero biases.
+    """
+
+    config_class = VanillaTransformerConfig
+    config: VanillaTransformerConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["VanillaTransformerEncoderLayer", "VanillaTransformerDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = False
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """`PreTrainedModel.save_pretrained`, with `auto_map` naming both model classes.
+
+        Whichever of the two models is saved, the folder then loads with `AutoModel` and
+        `AutoModelForSeq2SeqLM` under `trust_remote_code=True`.
+        """
+        if self._auto_class is not None:
+            module = __name__.rsplit(".", 1)[-1]
+            self.config.auto_map = {
+                **(getattr(self.config, "auto_map", None) or {}),
+                "AutoModel": f"{module}.VanillaTransformerModel",
+                "AutoModelForSeq2SeqLM": f"{module}.VanillaTransformerForConditionalGeneration",
+            }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=self.config.d_model**-0.5)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+
+
+def _check_token_ids(
+    name: str, ids: torch.Tensor | None, vocab_size: int, allow_ignore: bool = False
+) -> None:
+    """Raise a clear error for ids outside [0, vocab_size) instead of an index error inside the embedding."""
+    if ids is None or ids.numel() == 0:
+        return
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"`{name}` must hold integer token ids, got dtype {ids.dtype}.")
+    checked = ids[ids != -100] if allow_ignore else ids
+    if checked.numel() and (checked.min() < 0 or checked.max() >= vocab_size):
+        allowed = f"[0, {vocab_size})" + (" or -100 (ignored)" if allow_ignore else "")
+        raise ValueError(
+            f"`{name}` holds ids from {int(checked.min())} to {int(checked.max())}, outside {allowed}. "
+            "Was the input tokenized with this model's tokenizer?"
+        )
+
+
+def _check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: int) -> None:
+    if mask is not None and mask.dim() == 2 and tuple(mask.shape) != (batch_size, length):
+        raise ValueError(
+            f"`{name}` has shape {tuple(mask.shape)}, but the sequence it masks has shape "
+            f"({batch_size}, {length})."
+        )
+
+
+class VanillaTransformerEncoder(nn.Module):
+    """The encoder: embeddings x sqrt(d_model) + positions, dropout, then N encoder layers (Section 3.1)."""
+
+    def __init__(self, config: VanillaTransformerConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.dropout = config.dropout
+        self.layers = nn.ModuleList(
+            VanillaTransformerEncoderLayer(config) for _ in range(config.num_encoder_layers)
+        )
+        self.layer_norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+        )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ) -> BaseModelOutput:
+        """input_ids: (B, S) token ids; attention_mask: (B, S), 1 for tokens and 0 for padding.
+
+        `inputs_embeds` (B, S, D) replaces the (unscaled) token embedding lookup.
+        Returns `last_hidden_state` (B, S, D) and, on request, per-layer hidden states and attentions.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the encoder.")
+        if inputs_embeds is None:
+            _check_token_ids("input_ids", input_ids, self.config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, length = inputs_embeds.shape[:2]
+        _check_mask("attention_mask", attention_mask, batch_size, length)
+        if length == 0:
+            raise ValueError(
+                "The source sequence is empty: every input needs at least one token (e.g. </s>)."
+            )
+
+        positions = torch.arange(length, device=inputs_embeds.device)
+        hidden_states = inputs_embeds * self.embed_scale + sinusoidal_position_encoding(
+            positions, self.config.d_model, self.config.position_encoding_layout, inputs_embeds.dtype
+        )
+        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)  # (B, S, D)
+        mask = create_bidirectional_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            hidden_states, weights = layer(hidden_states, mask)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            if output_attentions:
+                all_attentions += (weights,)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+
+        return BaseModelOutput(
+            last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions
+        )
+
+
+class VanillaTransformerDecoder(nn.Module):
+    """The decoder: shifted target embeddings + positions, then N decoder layers (Section 3.1).
+
+    Positions continue from the cache length during incremental decoding.
+    """
+
+    def __init__(self, config: VanillaTransformerConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.dropout = config.dropout
+        self.layers = nn.ModuleList(
+            VanillaTransformerDecoderLayer(config, layer_idx=i) for i in range(config.num_decoder_layers)
+        )
+        self.layer_norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+        )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """input_ids: (B, T) target ids (shifted right); attention_mask: (B, P + T) with 0 on padding.
+
+        encoder_hidden_states: (B, S, D); encoder_attention_mask: (B, S). Returns `last_hidden_state`
+        (B, T, D) and the updated `cache` when `use_cache`.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
+        if inputs_embeds is None:
+            _check_token_ids("decoder_input_ids", input_ids, self.config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, length = inputs_embeds.shape[:2]
+        if encoder_hidden_states is None:
+            raise ValueError("The decoder needs `encoder_hidden_states` (the encoder output) to attend to.")
+
+        if use_cache and cache is None:
+            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        past_length = cache.get_seq_length() if cache is not None else 0
+        _check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
+        _check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
+
+        positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
+        hidden_states = inputs_embeds * self.embed_scale + sinusoidal_position_encoding(
+            positions, self.config.d_model, self.config.position_encoding_layout, inputs_embeds.dtype
+        )
+        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)  # (B, T, D)
+
+        self_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache.self_attention_cache if cache is not None else None,
+        )
+        cross_mask = create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
+
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_self_attentions = () if output_attentions else None
+        all_cross_attentions = () if output_attentions else None
+        for layer in self.layers:
+            hidden_states, self_weights, cross_weights = layer(
+                hidden_states,
+                self_mask,
+                encoder_hidden_states,
+                encoder_attention_mask=cross_mask,
+                cache=cache,
+                use_cache=use_cache,
+            )
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            if output_attentions:
+                all_self_attentions += (self_weights,)
+                all_cross_attentions += (cross_weights,)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_self_attentions,
+            cross_attentions=all_cross_attentions,
+        )
+
+
+class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
+    """Encoder and decoder sharing one embedding matrix (Section 3.4), without the output projection."""
+
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
+        self.encoder = VanillaTransformerEncoder(config, self.shared)
+        self.decoder = VanillaTransformerDecoder(config, self.shared)
+        self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # Source and target embeddings are one matrix whatever `tie_word_embeddings` says about the
+        # output projection, so this tie holds unconditionally.
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return dict(self._tied_weights_keys)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.shared
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.shared = value
+        self.encoder.embed_tokens = value
+        self.decoder.embed_tokens = value
+
+    def get_encoder(self, modality: str | None = None) -> VanillaTransformerEncoder:
+        return self.encoder
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        cache: EncoderDecoderCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> Seq2SeqModelOutput:
+        """input_ids: (B, S); decoder_input_ids: (B, T).
+
+        Returns the decoder states (B, T, D) and the encoder states (B, S, D).
+        """
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if output_attentions and self.config._attn_implementation not in ("eager", None):
+            raise ValueError(
+                f"`output_attentions=True` needs the eager attention, but this model uses "
+                f"{self.config._attn_implementation!r}: load it with `attn_implementation='eager'` "
+                "or call `model.set_attn_implementation('eager')`."
+            )
+
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            cache=cache,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            cache=decoder_outputs.cache,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Decoder inputs from labels (B, T): prepend the start token, drop the last token, -100 -> pad."""
+    shifted = labels.new_full(labels.shape, pad_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+def label_smoothed_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    smoothing: float,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross entropy against (1 - eps) one-hot + eps / V uniform targets, over labels != -100 (Section 5.4).
+
+    logits: (N, V); labels: (N,). Averaged over the non-ignored tokens, or summed and divided by
+    `num_items_in_batch` (the token count of the whole accumulated batch) when it is given, so that
+    gradient accumulation gives the same gradient as one large batch.
+    """
+    loss = F.cross_entropy(
+        logits.float(), labels, ignore_index=-100, label_smoothing=smoothing, reduction="sum"
+    )
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != -100).sum()
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
+    """The full Transformer: encoder-decoder plus the pre-softmax linear projection tied to the embeddings.
+
+    Section 3.4: "we share the same weight matrix between the two embedding layers and the pre-softmax
+    linear transformation". Training loss is label-smoothed cross entropy (Section 5.4).
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    accepts_loss_kwargs = True
+
+    def __init__(self, config: VanillaTransformerConfig):
+        super().__init__(config)
+        self.model = VanillaTransformerModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+        # Paper Section 6.1: beam size 4, stop when all beams are finished.
+        self.generation_config = GenerationConfig(
+            num_beams=4,
+            early_stopping=True,
+            max_length_offset=DEFAULT_MAX_LENGTH_OFFSET,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            decoder_start_token_id=config.decoder_start_token_id,
+        )
+
+    def get_encoder(self, modality: str | None = None) -> VanillaTransformerEncoder:
+        return self.model.encoder
+
+    def get_decoder(self) -> VanillaTransformerDecoder:
+        return self.model.decoder
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        cache: EncoderDecoderCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Seq2SeqLMOutput:
+        """Logits over the vocabulary for each target position, and the loss when `labels` are given.
+
+        Args:
+            input_ids: (B, S) source token ids. attention_mask: (B, S), 1 = token, 0 = padding.
+            decoder_input_ids: (B, T) target ids shifted right; built from `labels` when omitted.
+            decoder_attention_mask: (B, P + T), 0 on target padding (causality is always applied).
+            labels: (B, T) target ids, -100 where no loss is wanted (padding).
+            num_items_in_batch: number of non-ignored target tokens in the whole (accumulated) batch;
+                the loss is then sum / num_items_in_batch instead of a per-batch mean.
+        Returns:
+            `Seq2SeqLMOutput` with `logits` (B, T, V), `loss`, `cache` and optional attentions.
+        """
+        if labels is not None:
+            _check_token_ids("labels", labels, self.config.vocab_size, allow_ignore=True)
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+
+        loss = None
+        if labels is not None:
+            loss = label_smoothed_cross_entropy(
+                logits.flatten(0, 1),
+                labels.flatten().to(logits.device),
+                self.config.label_smoothing,
+                num_items_in_batch,
+            )
+
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Teacher-forcing decoder inputs for `DataCollatorForSeq2Seq`: labels shifted right."""
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`GenerationMixin.generate` with the paper's output-length rule.
+
+        When neither `max_length` nor `max_new_tokens` is set (in the call or the generation config),
+        at most source length + `generation_config.max_length_offset` (50) tokens are generated,
+        instead of transformers' silent 20-token default.
+        """
+        config = generation_config if generation_config is not None else self.generation_config
+        unset = all(
+            kwargs.get(k) is None and getattr(config, k, None) is None
+            for k in ("max_length", "max_new_tokens")
+        )
+        offset = getattr(config, "max_length_offset", None)
+        if unset and offset is not None:
+            source = inputs if inputs is not None else kwargs.get("input_ids")
+            if source is None and kwargs.get("encoder_outputs") is not None:
+                source = kwargs["encoder_outputs"][0]
+            if source is not None:
+                kwargs["max_new_tokens"] = source.shape[1] + offset
+        return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+
+__all__ = [
+    "VanillaTransformerForConditionalGeneration",
+    "VanillaTransformerModel",
+    "VanillaTransformerPreTrainedModel",
+    "label_smoothed_cross_entropy",
+    "sinusoidal_position_encoding",
+]
