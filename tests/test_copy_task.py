@@ -1,4 +1,4 @@
-"""End to end: a tiny model learns to copy random token sequences (a sanity check of training and decoding)."""
+"""End to end: a tiny model learns to copy random token sequences (training and decoding together)."""
 
 import torch
 from transformers import get_inverse_sqrt_schedule
