@@ -1,0 +1,71 @@
+"""Rebuild the shipped English -> Spanish Bible corpus (`vanilla_transformer/data/bible_en_es.jsonl.gz`).
+
+By default the two Debian packages are fetched with `apt-get download` (run `apt-get update` once
+first; nothing is installed) and unpacked into a temporary folder; `--sword-dir` instead points at an
+already unpacked `usr/share/sword`. Needs `pip install pysword`. The output is byte-for-byte
+reproducible for the same package versions.
+
+    python scripts/build_corpus.py
+    python scripts/build_corpus.py --sword-dir /tmp/sword/usr/share/sword --output /tmp/corpus.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from vanilla_transformer.corpus import SPLITS, build_corpus, default_corpus_path, write_corpus
+
+PACKAGES = ("sword-text-web", "sword-text-sparv")
+
+
+def fetch_sword_dir(workdir: Path) -> Path:
+    """Download and unpack the SWORD packages into `workdir`; return the unpacked `usr/share/sword`."""
+    debs = workdir / "debs"
+    root = workdir / "root"
+    debs.mkdir()
+    root.mkdir()
+    subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs, check=True)
+    for deb in sorted(debs.glob("*.deb")):
+        print(f"unpacking {deb.name}")
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    return root / "usr" / "share" / "sword"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sword-dir", type=Path, help="an unpacked usr/share/sword (default: apt-get download)"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=default_corpus_path(), help="default: the shipped file"
+    )
+    parser.add_argument("--max-words", type=int, default=20, help="longest side kept, in words (default 20)")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sword_dir = args.sword_dir or fetch_sword_dir(Path(tmp))
+        build = build_corpus(sword_dir, max_words=args.max_words)
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    write_corpus(build.records, args.output)
+    print(f"aligned verse pairs: {build.aligned_pairs} (dropped {build.empty_dropped} with an empty side)")
+    print(f"shifted chapters ({len(build.shifted_chapters)}): {' '.join(build.shifted_chapters)}")
+    print(
+        f"displaced chapter endings ({len(build.displaced_chapters)}): {' '.join(build.displaced_chapters)}"
+    )
+    print(f"pairs dropped with those chapters: {build.chapter_dropped}")
+    print(f"pairs dropped as longer than {args.max_words} words: {build.long_dropped}")
+    print(f"pairs dropped as length-ratio outliers: {build.outliers_dropped}")
+    print(f"held-out pairs dropped as duplicates of train or of each other: {build.duplicates_dropped}")
+    for split in SPLITS:
+        print(f"{split}: {build.split_counts[split]}")
+    print(f"total: {len(build.records)} pairs, {args.output.stat().st_size} bytes -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
