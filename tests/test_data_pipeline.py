@@ -1,0 +1,167 @@
+"""Tokenizer, data loading and token-based batching."""
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from vanilla_transformer.batching import TokenBatchSampler
+from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
+from vanilla_transformer.tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
+
+SENTENCES = [
+    "In the beginning, God created the heavens and the earth.",
+    "En el principio crió Dios los cielos y la tierra.",
+    "¿Qué es esto? «Nada», dijo él—sí.",
+    'He said, "Don\'t go!" (and left)',
+    "Jesus wept.",
+    "Y lloró Jesús.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe_tokenizer(SENTENCES * 20, vocab_size=300)
+
+
+# Tokenizer ------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trip_and_special_tokens(tokenizer, tmp_path):
+    assert [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    encoded = tokenizer(SENTENCES, text_target=SENTENCES[::-1])
+    assert all(ids[-1] == tokenizer.eos_token_id for ids in encoded["input_ids"] + encoded["labels"])
+    assert tokenizer.batch_decode(encoded["input_ids"], skip_special_tokens=True) == SENTENCES
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(SENTENCES)["input_ids"] == encoded["input_ids"]
+    assert loaded.decode(loaded("Jesus wept.")["input_ids"], skip_special_tokens=True) == "Jesus wept."
+
+
+def test_tokenizer_shares_one_vocabulary_across_languages(tokenizer):
+    english, spanish = tokenizer("God created")["input_ids"], tokenizer("crió Dios")["input_ids"]
+    assert max(english + spanish) < len(tokenizer)
+    assert tokenizer.unk_token_id not in english + spanish
+    with pytest.raises(ValueError, match="vocab_size must exceed"):
+        train_bpe_tokenizer(SENTENCES, vocab_size=4)
+
+
+# Loading and cleaning ---------------------------------------------------------------------------
+
+
+def test_default_corpus_loads_with_three_splits():
+    data, report = load_parallel_data()
+    assert set(data) == {"train", "validation", "test"}
+    assert data["train"].column_names == ["source", "target"]
+    assert len(data["train"]) > 10_000 and report.lines() == []
+
+
+def write(path, text: str, encoding: str = "utf-8"):
+    path.write_bytes(text.encode(encoding))
+    return path
+
+
+def test_local_tsv_jsonl_and_csv(tmp_path):
+    tsv = write(tmp_path / "a.tsv", 'en\tes\nHello "there"\tHola\nNA\tnull\n\t\nfoo\t \nbar\tbarra\n')
+    data, report = load_parallel_data(train_file=tsv, validation_file=tsv, test_file=tsv)
+    assert data["train"]["source"] == ['Hello "there"', "NA", "bar"]  # quotes and "NA" are text
+    assert report.empty == {"train": 2, "validation": 2, "test": 2}
+    assert "skipped 2 train rows with an empty source or target" in report.lines()
+
+    jsonl = write(tmp_path / "a.jsonl", '{"de": "Hallo", "en": "Hello"}\n{"de": "Welt", "en": "World"}\n')
+    data, _ = load_parallel_data(train_file=jsonl, validation_file=jsonl, source_lang="de", target_lang="en")
+    assert data["validation"]["target"] == ["Hello", "World"]
+
+    csv = write(tmp_path / "a.csv", 'src,tgt\n"one, two",uno\n')
+    data, _ = load_parallel_data(
+        train_file=csv, validation_file=csv, source_column="src", target_column="tgt"
+    )
+    assert data["train"][0] == {"source": "one, two", "target": "uno"}
+
+
+def test_hub_style_translation_column_is_flattened(tmp_path):
+    rows = '{"translation": {"de": "Hallo", "en": "Hello"}}\n{"translation": {"de": "Welt", "en": "World"}}\n'
+    jsonl = write(tmp_path / "t.jsonl", rows)
+    data, _ = load_parallel_data(train_file=jsonl, validation_file=jsonl, source_lang="de", target_lang="en")
+    assert data["train"][1] == {"source": "Welt", "target": "World"}
+
+
+def test_bad_data_gives_clear_errors(tmp_path):
+    good = write(tmp_path / "good.tsv", "en\tes\nhi\thola\n")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_parallel_data(train_file=tmp_path / "missing.tsv", validation_file=good)
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(undecodable bytes on line 3\)"):
+        load_parallel_data(train_file=write(tmp_path / "l1.tsv", "en\tes\nhi\thola\nno\tadiós\n", "latin-1"))
+    with pytest.raises(ValueError, match="has no column 'de'"):
+        load_parallel_data(train_file=good, validation_file=good, source_lang="de")
+    with pytest.raises(ValueError, match=r"unsupported file type .\.txt."):
+        load_parallel_data(train_file=write(tmp_path / "a.txt", "hi"))
+    with pytest.raises(ValueError, match="no usable sentence pairs"):
+        load_parallel_data(train_file=write(tmp_path / "e.tsv", "en\tes\n\t\n \t \n"), validation_file=good)
+    with pytest.raises(ValueError, match="too small to hold out"):
+        load_parallel_data(train_file=good)
+    with pytest.raises(ValueError, match="Could not parse"):
+        load_parallel_data(train_file=write(tmp_path / "j.jsonl", '{"en": "a", "es": \n'))
+    with pytest.raises(ValueError, match="same type"):
+        load_parallel_data(train_file=good, validation_file=write(tmp_path / "v.jsonl", '{"en": "a"}\n'))
+
+
+def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
+    rows = "en\tes\n" + "short\tcorto\n" * 3 + ("long " * 40 + "\tlargo\n")
+    tsv = write(tmp_path / "a.tsv", rows)
+    data, report = load_parallel_data(train_file=tsv, validation_file=tsv)
+    tokenized = tokenize_parallel_data(data, tokenizer, max_length=16, report=report)
+    assert len(tokenized["train"]) == 3 and len(tokenized["validation"]) == 4
+    assert report.too_long == {"train": 1}
+    assert tokenized["train"][0]["source_length"] == len(tokenized["train"][0]["input_ids"])
+
+
+# Token-based batching ----------------------------------------------------------------------------
+
+
+def lengths(count: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    return [rng.randint(2, 60) for _ in range(count)], [rng.randint(2, 60) for _ in range(count)]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+def test_token_batches_cover_every_example_once_within_budget(num_shards):
+    source, target = lengths(1000)
+    sampler = TokenBatchSampler(source, target, max_tokens=1000, seed=1, num_shards=num_shards)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) and len(batches) % num_shards == 0
+        flat = [i for batch in batches for i in batch]
+        assert sorted(flat) == list(range(1000)), "every example exactly once per epoch"
+        for batch in batches:
+            padded = len(batch) * (max(source[i] for i in batch) + max(target[i] for i in batch))
+            assert padded <= 1000
+        # Length grouping: batches are nearly full on average.
+        used = sum(source[i] + target[i] for i in flat)
+        assert used / (1000 * len(batches)) > 0.6
+        # Round-robin shards (as Accelerate deals them) are equal and disjoint.
+        shards = [batches[r::num_shards] for r in range(num_shards)]
+        assert len({len(s) for s in shards}) == 1
+
+
+def test_token_batches_are_deterministic_per_epoch_and_shuffled_across_epochs():
+    source, target = lengths(500)
+    first, second = (TokenBatchSampler(source, target, 800, seed=3) for _ in range(2))
+    assert list(first) == list(second)
+    epoch0 = list(first)
+    first.set_epoch(1)
+    assert list(first) != epoch0
+    unshuffled = TokenBatchSampler(source, target, 800, shuffle=False)
+    order = [max(source[b[0]], 0) for b in unshuffled]
+    assert order == sorted(order)
+
+
+def test_token_batching_rejects_impossible_budgets():
+    with pytest.raises(ValueError, match="alone has 120 source \\+ target tokens"):
+        TokenBatchSampler([10, 60], [5, 60], max_tokens=100)
+    with pytest.raises(ValueError, match="cannot fill a batch on each of 4 processes"):
+        TokenBatchSampler([5, 5], [5, 5], max_tokens=100, num_shards=4)
+    with pytest.raises(ValueError, match="3 source lengths but 2"):
+        TokenBatchSampler([5, 5, 5], [5, 5], max_tokens=100)

@@ -1,0 +1,211 @@
+"""Parallel text in, tokenized examples out: loading, cleaning, splitting and tokenizing with `datasets`.
+
+Sources: the embedded English -> Spanish corpus (default), a Hub dataset (e.g. `wmt/wmt14`, `de-en`,
+whose rows hold a `translation` dict), or local TSV/CSV/JSONL files whose columns are named by
+language code (or by `source_column`/`target_column`). Every split comes out with the columns
+`source` and `target`. Rows with an empty side are dropped and counted, never passed on silently.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from datasets import DatasetDict, load_dataset
+
+from .corpus import load_default_corpus
+
+FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
+
+
+@dataclass
+class DataReport:
+    """What cleaning removed, per split: rows with an empty side, and pairs over the length limit."""
+
+    empty: dict[str, int] = field(default_factory=dict)
+    too_long: dict[str, int] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"skipped {n} {split} rows with an empty source or target" for split, n in self.empty.items() if n
+        ]
+        out += [
+            f"skipped {n} {split} pairs longer than max_length" for split, n in self.too_long.items() if n
+        ]
+        return out
+
+
+def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
+    """Raise a ValueError naming the line of the first byte sequence that is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_size):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                bad_line = line + chunk[: error.start].count(b"\n")
+                raise ValueError(
+                    f"{path} is not UTF-8 text (undecodable bytes on line {bad_line}); convert it, "
+                    f"e.g. `iconv -f LATIN1 -t UTF-8`."
+                ) from None
+            line += chunk.count(b"\n")
+        decoder.decode(b"", final=True)
+
+
+def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
+    paths = {split: Path(path) for split, path in files.items()}
+    suffixes = set()
+    for split, path in paths.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"{split} file {path} does not exist.")
+        if path.suffix not in FILE_BUILDERS:
+            raise ValueError(
+                f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
+            )
+        check_utf8(path)
+        suffixes.add(path.suffix)
+    if len({FILE_BUILDERS[s] for s in suffixes}) > 1 or suffixes == {".tsv", ".csv"}:
+        raise ValueError(f"All data files must have the same type, got {sorted(suffixes)}.")
+    suffix = suffixes.pop()
+    options: dict[str, Any] = {}
+    if FILE_BUILDERS[suffix] == "csv":
+        # Text is data: no quote processing in TSV, and "NA"/"null" stay strings.
+        options = {"keep_default_na": False, "na_filter": False}
+        if suffix == ".tsv":
+            options |= {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
+    data_files = {split: str(path) for split, path in paths.items()}
+    try:
+        return load_dataset(FILE_BUILDERS[suffix], data_files=data_files, **options)
+    except Exception as error:  # datasets wraps parser errors in several exception types
+        raise ValueError(f"Could not parse {sorted(data_files.values())}: {error}") from error
+
+
+def _to_source_target(data: DatasetDict, source_column: str, target_column: str) -> DatasetDict:
+    def flatten(batch: dict[str, list]) -> dict[str, list]:
+        return {
+            "source": [pair.get(source_column) for pair in batch["translation"]],
+            "target": [pair.get(target_column) for pair in batch["translation"]],
+        }
+
+    for split, dataset in data.items():
+        if "translation" in dataset.column_names and source_column not in dataset.column_names:
+            data[split] = dataset.map(flatten, batched=True, remove_columns=dataset.column_names)
+            continue
+        missing = [c for c in (source_column, target_column) if c not in dataset.column_names]
+        if missing:
+            raise ValueError(
+                f"The {split} data has no column {missing[0]!r} (columns: {dataset.column_names}). Name the "
+                "columns by language code, or pass --source_column/--target_column."
+            )
+        data[split] = dataset.select_columns([source_column, target_column]).rename_columns(
+            {source_column: "source", target_column: "target"}
+        )
+    return data
+
+
+def _drop_empty(data: DatasetDict, report: DataReport) -> DatasetDict:
+    def clean(batch: dict[str, list]) -> dict[str, list]:
+        return {
+            "source": [str(s).strip() if s is not None else "" for s in batch["source"]],
+            "target": [str(t).strip() if t is not None else "" for t in batch["target"]],
+        }
+
+    for split, dataset in data.items():
+        cleaned = dataset.map(clean, batched=True).filter(lambda row: bool(row["source"] and row["target"]))
+        report.empty[split] = len(dataset) - len(cleaned)
+        if len(cleaned) == 0:
+            raise ValueError(
+                f"The {split} split has no usable sentence pairs (all {len(dataset)} rows are empty)."
+            )
+        data[split] = cleaned
+    return data
+
+
+def load_parallel_data(
+    *,
+    dataset_name: str | None = None,
+    dataset_config: str | None = None,
+    train_file: str | Path | None = None,
+    validation_file: str | Path | None = None,
+    test_file: str | Path | None = None,
+    source_lang: str = "en",
+    target_lang: str = "es",
+    source_column: str | None = None,
+    target_column: str | None = None,
+    validation_size: int = 500,
+    seed: int = 0,
+) -> tuple[DatasetDict, DataReport]:
+    """Load parallel text as a `DatasetDict` of `source`/`target` columns with train and validation splits.
+
+    With neither `dataset_name` nor files, the embedded English -> Spanish corpus is used. Without a
+    validation split, `validation_size` pairs are held out of train at random.
+    """
+    if dataset_name and train_file:
+        raise ValueError("Pass either dataset_name or data files, not both.")
+    if dataset_name:
+        data = load_dataset(dataset_name, dataset_config)
+    elif train_file:
+        files = {"train": train_file, "validation": validation_file, "test": test_file}
+        data = _load_files({split: path for split, path in files.items() if path})
+    elif validation_file or test_file:
+        raise ValueError("validation_file/test_file need a train_file too.")
+    else:
+        data = load_default_corpus()
+    data = _to_source_target(data, source_column or source_lang, target_column or target_lang)
+
+    report = DataReport()
+    data = _drop_empty(data, report)
+    if "train" not in data:
+        raise ValueError(f"The data has no train split (splits: {list(data)}).")
+    if "validation" not in data:
+        if len(data["train"]) <= 2 * validation_size:
+            raise ValueError(
+                f"No validation split, and train ({len(data['train'])} pairs) is too small to hold out "
+                f"{validation_size}; pass validation_file."
+            )
+        held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
+        data["train"], data["validation"] = held_out["train"], held_out["test"]
+    return data, report
+
+
+def tokenize_parallel_data(
+    data: DatasetDict,
+    tokenizer: Any,
+    max_length: int,
+    report: DataReport | None = None,
+    num_proc: int | None = None,
+) -> DatasetDict:
+    """Add `input_ids`, `attention_mask`, `labels` and their lengths; drop training pairs over `max_length`.
+
+    Only the train split is length-filtered; validation and test keep every pair so that scores
+    cover the whole split (long ones are still translated in full).
+    """
+    if max_length <= 1:
+        raise ValueError(f"max_length must be at least 2 tokens, got {max_length}.")
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list]:
+        encoded = tokenizer(batch["source"], text_target=batch["target"])
+        encoded["source_length"] = [len(ids) for ids in encoded["input_ids"]]
+        encoded["target_length"] = [len(ids) for ids in encoded["labels"]]
+        return encoded
+
+    tokenized = data.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
+    train = tokenized["train"]
+    kept = train.filter(
+        lambda row: row["source_length"] <= max_length and row["target_length"] <= max_length,
+        num_proc=num_proc,
+    )
+    if report is not None:
+        report.too_long["train"] = len(train) - len(kept)
+    if len(kept) == 0:
+        raise ValueError(f"No training pair is within max_length={max_length} tokens.")
+    tokenized["train"] = kept
+    return tokenized
+
+
+__all__ = ["DataReport", "check_utf8", "load_parallel_data", "tokenize_parallel_data"]
