@@ -139,27 +139,30 @@ def load_parallel_data(
     target_column: str | None = None,
     validation_size: int = 500,
     seed: int = 0,
+    for_training: bool = True,
 ) -> tuple[DatasetDict, DataReport]:
-    """Load parallel text as a `DatasetDict` of `source`/`target` columns with train and validation splits.
+    """Load parallel text as a `DatasetDict` of `source`/`target` columns.
 
-    With neither `dataset_name` nor files, the embedded English -> Spanish corpus is used. Without a
-    validation split, `validation_size` pairs are held out of train at random.
+    With neither `dataset_name` nor files, the embedded English -> Spanish corpus is used. For
+    training (`for_training`) a train split is required, and without a validation split
+    `validation_size` pairs are held out of train at random; otherwise any file alone will do.
     """
-    if dataset_name and train_file:
+    files = {"train": train_file, "validation": validation_file, "test": test_file}
+    files = {split: path for split, path in files.items() if path}
+    if dataset_name and files:
         raise ValueError("Pass either dataset_name or data files, not both.")
     if dataset_name:
         data = load_dataset(dataset_name, dataset_config)
-    elif train_file:
-        files = {"train": train_file, "validation": validation_file, "test": test_file}
-        data = _load_files({split: path for split, path in files.items() if path})
-    elif validation_file or test_file:
-        raise ValueError("validation_file/test_file need a train_file too.")
+    elif files:
+        data = _load_files(files)
     else:
         data = load_default_corpus()
     data = _to_source_target(data, source_column or source_lang, target_column or target_lang)
 
     report = DataReport()
     data = _drop_empty(data, report)
+    if not for_training:
+        return data, report
     if "train" not in data:
         raise ValueError(f"The data has no train split (splits: {list(data)}).")
     if "validation" not in data:

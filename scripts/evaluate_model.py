@@ -1,0 +1,59 @@
+"""Score a trained model folder with BLEU and chrF (sacreBLEU, through `evaluate`).
+
+(Not named evaluate.py: a script of that name would shadow the `evaluate` library for every script here.)
+
+    python scripts/evaluate_model.py --model outputs/tiny-en-es      # embedded corpus, test split
+    python scripts/evaluate_model.py --model DIR --test_file test.tsv --source_lang de --target_lang en
+"""
+
+import argparse
+from pathlib import Path
+
+from vanilla_transformer.evaluation import evaluate_model
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", required=True, help="model folder (or Hub id)")
+parser.add_argument("--test_file", help="local .tsv/.csv/.jsonl file to score (default: embedded corpus)")
+parser.add_argument("--split", default="test", help="split of the embedded corpus (default: test)")
+parser.add_argument("--source_lang", default="en")
+parser.add_argument("--target_lang", default="es")
+parser.add_argument("--source_column")
+parser.add_argument("--target_column")
+parser.add_argument("--max_samples", type=int, help="score only the first N pairs")
+parser.add_argument("--batch_size", type=int, default=32)
+parser.add_argument("--num_beams", type=int, default=4)
+parser.add_argument("--length_penalty", type=float, default=0.6)
+parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")
+args = parser.parse_args()
+
+data_options = {
+    "source_lang": args.source_lang,
+    "target_lang": args.target_lang,
+    "source_column": args.source_column,
+    "target_column": args.target_column,
+}
+split = args.split
+if args.test_file:
+    data_options["test_file"] = args.test_file
+    split = "test"
+try:
+    result = evaluate_model(
+        args.model,
+        split=split,
+        max_samples=args.max_samples,
+        batch_size=args.batch_size,
+        device=args.device,
+        data_options=data_options,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+    )
+except (ValueError, FileNotFoundError) as error:
+    parser.error(str(error))
+for line in result["skipped"]:
+    print(line)
+print(f"{result['split']}: {result['sentences']} sentences")
+print(f"BLEU  {result['bleu']:.2f}   {result['bleu_signature']}")
+print(f"chrF  {result['chrf']:.2f}   {result['chrf_signature']}")
+if args.hypotheses:
+    args.hypotheses.write_text("".join(h + "\n" for h in result["hypotheses"]), encoding="utf-8")

@@ -1,0 +1,13 @@
+"""Train the paper's Transformer, evaluate it and write a model folder with its card.
+
+    accelerate launch scripts/train.py                      # tiny preset, embedded EN->ES corpus
+    accelerate launch --multi_gpu --num_processes 2 scripts/train.py   # 2 processes (GPUs, or CPUs: gloo)
+    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train.py --preset big ...
+
+Every flag is listed by --help; the logic lives in vanilla_transformer.training.
+"""
+
+from vanilla_transformer.training import format_summary, parse_config, train
+
+if __name__ == "__main__":
+    print(format_summary(train(parse_config())))

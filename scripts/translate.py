@@ -1,0 +1,45 @@
+"""Translate lines of text with a trained model folder, in batches.
+
+echo "In the beginning, God created the heavens and the earth." | python scripts/translate.py --model DIR
+python scripts/translate.py --model DIR --input en.txt --output es.txt --num_beams 4
+"""
+
+import argparse
+import sys
+
+from vanilla_transformer.evaluation import load_model_folder
+from vanilla_transformer.translation import translate_lines
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", required=True, help="model folder (or Hub id)")
+parser.add_argument(
+    "--input", type=argparse.FileType("r", encoding="utf-8"), default="-", help="default: stdin"
+)
+parser.add_argument(
+    "--output", type=argparse.FileType("w", encoding="utf-8"), default="-", help="default: stdout"
+)
+parser.add_argument("--batch_size", type=int, default=32)
+parser.add_argument("--num_beams", type=int, help="default: the model's generation config (4)")
+parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
+parser.add_argument("--max_new_tokens", type=int, help="default: source length + 50")
+parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+args = parser.parse_args()
+if args.batch_size < 1:
+    parser.error("--batch_size must be positive.")
+options = {
+    "num_beams": args.num_beams,
+    "length_penalty": args.length_penalty,
+    "max_new_tokens": args.max_new_tokens,
+}
+try:
+    model, tokenizer = load_model_folder(args.model, args.device)
+except (OSError, ValueError) as error:
+    parser.error(str(error))
+generate_kwargs = {key: value for key, value in options.items() if value is not None}
+for translation in translate_lines(
+    model, tokenizer, args.input, batch_size=args.batch_size, do_sample=args.do_sample, **generate_kwargs
+):
+    args.output.write(translation + "\n")
+    if args.output is sys.stdout:
+        sys.stdout.flush()

@@ -1,0 +1,336 @@
+"""BLEU/chrF metric module, batched translation, model card rendering and training-curve plots."""
+
+from pathlib import Path
+
+import jinja2
+import pytest
+import sacrebleu
+import torch
+from huggingface_hub import ModelCard
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from tests.conftest import tiny_config, tiny_model
+from vanilla_transformer.metrics import load_translation_metric, metric_module_path, score_translations
+from vanilla_transformer.model_card import (
+    _card_data,
+    _template_variables,
+    build_model_card,
+    default_template_path,
+    write_model_card,
+)
+from vanilla_transformer.plotting import plot_training_curves
+from vanilla_transformer.translation import translate
+
+REFERENCES = [
+    "In the beginning, God created the heavens and the earth.",
+    "The earth was formless and empty.",
+    "God said, “Let there be light,” and there was light.",
+    "Jesus wept.",
+]
+PREDICTIONS = [
+    "In the beginning God made the heaven and the earth.",
+    "The earth was without form and void.",
+    "And God said, Let there be light: and there was light.",
+    "Jesus wept.",
+]
+
+
+# ---------------------------------------------------------------- metric
+
+
+def test_metric_equals_sacrebleu_corpus_scores():
+    result = score_translations(PREDICTIONS, REFERENCES)
+    bleu = sacrebleu.corpus_bleu(PREDICTIONS, [REFERENCES])
+    chrf = sacrebleu.corpus_chrf(PREDICTIONS, [REFERENCES])
+    assert 0 < result["bleu"] < 100
+    assert result["bleu"] == pytest.approx(bleu.score, abs=1e-9)
+    assert result["chrf"] == pytest.approx(chrf.score, abs=1e-9)
+    assert result["bleu_precisions"] == pytest.approx(bleu.precisions)
+    assert result["brevity_penalty"] == pytest.approx(bleu.bp)
+    assert (result["sys_len"], result["ref_len"]) == (bleu.sys_len, bleu.ref_len)
+    assert (
+        result["bleu_signature"].startswith("nrefs:1|case:mixed|") and "tok:13a" in result["bleu_signature"]
+    )
+    assert result["chrf_signature"].startswith("nrefs:1|case:mixed|") and "nc:6" in result["chrf_signature"]
+    assert f"version:{sacrebleu.__version__}" in result["bleu_signature"]
+
+
+def test_metric_passes_tokenize_and_lowercase():
+    predictions = [p.upper() for p in PREDICTIONS]
+    result = score_translations(predictions, REFERENCES, tokenize="intl", lowercase=True)
+    expected = sacrebleu.corpus_bleu(predictions, [REFERENCES], tokenize="intl", lowercase=True)
+    assert result["bleu"] == pytest.approx(expected.score)
+    lowered = sacrebleu.corpus_chrf([p.lower() for p in predictions], [[r.lower() for r in REFERENCES]])
+    assert result["chrf"] == pytest.approx(lowered.score)
+    assert "case:lc" in result["bleu_signature"] and "tok:intl" in result["bleu_signature"]
+
+
+def test_perfect_translations_score_100():
+    result = load_translation_metric().compute(predictions=REFERENCES, references=REFERENCES)
+    assert result["bleu"] == pytest.approx(100.0)
+    assert result["chrf"] == pytest.approx(100.0)
+    assert result["brevity_penalty"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("predictions", "references", "match"),
+    [
+        (PREDICTIONS[:3], REFERENCES, "3 predictions but 4 references"),
+        ([], [], "empty"),
+        ("a sentence", "a sentence", "not a single string"),
+    ],
+)
+def test_score_translations_rejects_bad_inputs(predictions, references, match):
+    with pytest.raises(ValueError, match=match):
+        score_translations(predictions, references)
+
+
+def test_metric_module_rejects_bad_inputs():
+    metric = load_translation_metric()
+    with pytest.raises(ValueError, match="predictions"):
+        metric.compute(predictions=PREDICTIONS[:2], references=REFERENCES)
+    with pytest.raises(ValueError, match="empty"):
+        metric.compute(predictions=[], references=[])
+    with pytest.raises(ValueError, match="tokenize"):
+        metric.compute(predictions=PREDICTIONS, references=REFERENCES, tokenize="no-such-tokenizer")
+
+
+def test_metric_module_keeps_one_import_per_line():
+    source = (Path(metric_module_path()) / "bleu_chrf.py").read_text(encoding="utf-8")
+    imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+    assert imports and all("," not in line for line in imports if line.startswith("import "))
+    assert not any("vanilla_transformer" in line for line in imports)
+
+
+# ---------------------------------------------------------------- translate
+
+SOURCES = [
+    "In the beginning God created the heavens and the earth .",
+    "Jesus wept .",
+    "And God said , Let there be light : and there was light .",
+    "",
+    "The earth was formless and empty .",
+    "God saw the light , and saw that it was good .",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over SOURCES: <pad> 0, <s> 1, </s> 2, <unk> 3; every encoding ends with </s>."""
+    words = sorted({word for sentence in SOURCES for word in sentence.split()})
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def generate_one_by_one(model, tokenizer, sentences, **kwargs) -> list[str]:
+    outputs = []
+    with torch.no_grad():
+        for sentence in sentences:
+            input_ids = torch.tensor([tokenizer(sentence)["input_ids"]])
+            generated = model.generate(input_ids=input_ids, **kwargs)
+            outputs.append(tokenizer.decode(generated[0], skip_special_tokens=True).strip())
+    return outputs
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 32])
+def test_translate_equals_one_sentence_at_a_time(tokenizer, batch_size):
+    model = tiny_model(vocab_size=len(tokenizer), seed=4)
+    kwargs = {"num_beams": 1, "do_sample": False, "max_new_tokens": 7}
+    expected = generate_one_by_one(model, tokenizer, SOURCES, **kwargs)
+    assert len(set(expected)) >= 3, "pick a seed whose random model gives distinct outputs"
+    assert translate(model, tokenizer, SOURCES, batch_size=batch_size, **kwargs) == expected
+
+
+class EchoModel(torch.nn.Module):
+    """Stands in for a seq2seq model: "translates" a batch into its own (padded) input ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.batches: list[torch.Tensor] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.weight.device
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        assert not self.training and torch.is_inference_mode_enabled()
+        self.batches.append(attention_mask.sum(1))
+        return input_ids
+
+
+def test_translate_sorts_by_length_and_restores_order(tokenizer):
+    model = EchoModel().train()
+    model.layer.eval()  # a mixed train/eval state must come back exactly
+    assert translate(model, tokenizer, SOURCES, batch_size=2) == [s.strip() for s in SOURCES]
+    lengths = torch.cat(model.batches).tolist()
+    assert lengths == sorted(lengths, reverse=True)
+    assert [len(batch) for batch in model.batches] == [2, 2, 2]
+    assert model.training and not model.layer.training
+
+
+def test_translate_edge_cases(tokenizer):
+    model = tiny_model(vocab_size=len(tokenizer))
+    assert translate(model, tokenizer, []) == []
+    with pytest.raises(ValueError, match=r"sentences\[1\] is a int"):
+        translate(model, tokenizer, ["Jesus wept .", 3])
+    with pytest.raises(ValueError, match="single string"):
+        translate(model, tokenizer, "Jesus wept .")
+    with pytest.raises(ValueError, match="batch_size"):
+        translate(model, tokenizer, ["Jesus wept ."], batch_size=0)
+
+
+# ---------------------------------------------------------------- model card
+
+METRICS = {
+    "bleu": 23.4567,
+    "chrf": 48.1234,
+    "bleu_signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
+    "chrf_signature": "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0",
+    "val_loss": 3.1416,
+    "test_loss": 3.2718,
+}
+TRAINING = {
+    "steps": 12345,
+    "epochs": 17,
+    "train_time_s": 5432,
+    "hardware": "2 CPU cores",
+    "batch_tokens": 4096,
+    "warmup_steps": 4000,
+    "lr_peak": 7e-4,
+    "label_smoothing": 0.1,
+    "dropout": 0.1,
+    "averaged_checkpoints": 5,
+    "command": "python scripts/train.py --preset tiny",
+}
+DATASET = {
+    "name": "Bible verses en-es",
+    "hub_id": "someone/bible-en-es",
+    "description": "Short parallel verses.",
+    "license": "public domain",
+    "train_pairs": 11022,
+    "validation_pairs": 604,
+    "test_pairs": 605,
+}
+
+
+def card_kwargs(**overrides):
+    values = {
+        "model_name": "someone/vanilla-transformer-en-es",
+        "config": tiny_config(),
+        "metrics": METRICS,
+        "training": TRAINING,
+        "dataset": DATASET,
+        "source_lang": "en",
+        "target_lang": "es",
+    }
+    return {**values, **overrides}
+
+
+def test_model_card_shows_metrics_in_text_and_model_index():
+    card = build_model_card(**card_kwargs())
+    text = str(card)
+    assert text.startswith("---\n")
+    for expected in (
+        "| BLEU | 23.46 |",
+        "| chrF | 48.12 |",
+        METRICS["bleu_signature"],
+        METRICS["chrf_signature"],
+    ):
+        assert expected in text
+    for expected in ("12,345", "11,022", "1 h 30 min", "2 CPU cores", "4,000", "python scripts/train.py"):
+        assert expected in text
+    assert "arxiv.org/abs/1706.03762" in text and "@inproceedings{vaswani2017attention" in text
+
+    data = ModelCard(text).data.to_dict()  # offline re-parse of the YAML header
+    assert data["language"] == ["en", "es"]
+    assert data["license"] == "apache-2.0" and data["pipeline_tag"] == "translation"
+    assert data["library_name"] == "transformers" and data["datasets"] == ["someone/bible-en-es"]
+    assert {"translation", "vanilla-transformer"} <= set(data["tags"])
+    (entry,) = data["model-index"]
+    (result,) = entry["results"]
+    assert entry["name"] == "someone/vanilla-transformer-en-es"
+    assert result["dataset"]["split"] == "test" and result["dataset"]["type"] == "someone/bible-en-es"
+    metrics = {m["type"]: m for m in result["metrics"]}
+    assert metrics["bleu"]["value"] == 23.46 and metrics["chrf"]["value"] == 48.12
+    assert metrics["bleu"]["config"] == METRICS["bleu_signature"]
+
+
+def test_template_renders_with_optional_values_missing():
+    minimal = {"bleu": 12.5, "chrf": 40.0, "bleu_signature": "nrefs:1|tok:13a"}
+    card = build_model_card(**card_kwargs(metrics=minimal, training={}, dataset={}))
+    text = str(card)
+    assert "| BLEU | 12.50 |" in text and "nrefs:1|tok:13a" in text
+    assert "None" not in text
+    table_rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert all(cell.strip() for row in table_rows for cell in row.strip("|").split("|")[1:])
+    assert "training steps" not in text and "validation loss" not in text and "chrF:" not in text
+    assert "datasets" not in ModelCard(text).data.to_dict()
+    assert "\n\n\n\n" not in text.split("```python")[0]
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_template_uses_only_variables_it_is_given(full):
+    """StrictUndefined: a misspelt variable in the template fails instead of silently rendering empty."""
+    kwargs = (
+        card_kwargs() if full else card_kwargs(metrics={k: METRICS[k] for k in ("bleu", "chrf")}, training={})
+    )
+    kwargs["metrics"] = {**kwargs["metrics"], "bleu_signature": "sig"}
+    card_keys = ("model_name", "metrics", "dataset", "source_lang", "target_lang")
+    card_data = _card_data(license="mit", **{k: kwargs[k] for k in card_keys})
+    variables = _template_variables(**kwargs)
+    template = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(
+        default_template_path().read_text(encoding="utf-8")
+    )
+    text = template.render(card_data=card_data.to_yaml(), **{**card_data.to_dict(), **variables})
+    assert "| BLEU |" in text
+
+
+def test_model_card_errors_and_writing(tmp_path):
+    with pytest.raises(ValueError, match="bleu_signature"):
+        build_model_card(**card_kwargs(metrics={"bleu": 1.0, "chrf": 2.0}))
+    with pytest.raises(FileNotFoundError):
+        build_model_card(**card_kwargs(base_template=tmp_path / "missing.md"))
+    custom = tmp_path / "custom.md"
+    custom.write_text("---\n{{ card_data }}\n---\n\n# {{ model_name }}: BLEU {{ bleu }}\n", encoding="utf-8")
+    assert "# someone/vanilla-transformer-en-es: BLEU 23.4567" in str(
+        build_model_card(**card_kwargs(base_template=custom))
+    )
+    path = write_model_card(tmp_path / "out", **card_kwargs())
+    assert path == tmp_path / "out" / "README.md"
+    assert "model-index" in ModelCard.load(path).data.to_dict()
+
+
+def test_packaged_template_is_the_repository_template():
+    assert default_template_path().read_text(encoding="utf-8").startswith("---\n{{ card_data }}\n---\n")
+
+
+# ---------------------------------------------------------------- plots
+
+
+def test_plot_training_curves_writes_png(tmp_path):
+    history = [
+        {"step": step, "train_loss": 9.0 / (1 + step / 100), "lr": 1e-3 * min(1, step / 200)}
+        for step in range(0, 1001, 50)
+    ]
+    history += [
+        {"step": step, "val_loss": 8.0 / (1 + step / 120), "val_bleu": step / 50} for step in (250, 500, 1000)
+    ]
+    path = plot_training_curves(history, tmp_path / "plots" / "curves.png")
+    assert path == tmp_path / "plots" / "curves.png"
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_plot_training_curves_rejects_empty_history(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        plot_training_curves([], tmp_path / "curves.png")
+    with pytest.raises(ValueError, match="step"):
+        plot_training_curves([{"train_loss": 1.0}], tmp_path / "curves.png")
+    assert not (tmp_path / "curves.png").exists()

@@ -1,0 +1,160 @@
+"""The training job end to end on a small slice of the embedded corpus: one process, resume, two processes."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.training import (
+    TrainingConfig,
+    average_checkpoints,
+    list_checkpoints,
+    parse_config,
+    train,
+)
+from vanilla_transformer.translation import translate
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_MODEL = "d_model=64,d_ff=128,num_heads=4,num_encoder_layers=2,num_decoder_layers=2"
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory) -> dict[str, str]:
+    """400 / 40 / 16 pairs of the embedded corpus as TSV files."""
+    folder = tmp_path_factory.mktemp("corpus")
+    corpus = load_default_corpus()
+    files = {}
+    for split, count in (("train", 400), ("validation", 40), ("test", 16)):
+        rows = corpus[split].select(range(count))
+        path = folder / f"{split}.tsv"
+        path.write_text("en\tes\n" + "".join(f"{r['en']}\t{r['es']}\n" for r in rows), encoding="utf-8")
+        files[f"{split}_file"] = str(path)
+    return files
+
+
+def small_args(output_dir: Path, corpus_files: dict[str, str], **overrides) -> list[str]:
+    options = {
+        "output_dir": output_dir,
+        "config_overrides": SMALL_MODEL,
+        "vocab_size": 400,
+        "max_tokens": 600,
+        "max_steps": 24,
+        "warmup_steps": 8,
+        "lr_scale": 2.0,
+        "save_steps": 4,
+        "keep_checkpoints": 3,
+        "average_checkpoints": 3,
+        "eval_steps": 12,
+        "eval_samples": 8,
+        "test_samples": 8,
+        "eval_batch_size": 8,
+        "logging_steps": 4,
+        "report_to": "none",
+        **corpus_files,
+        **overrides,
+    }
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
+
+
+def test_training_writes_a_complete_model_folder(tmp_path, corpus_files):
+    output_dir = tmp_path / "run"
+    config = parse_config(small_args(output_dir, corpus_files, report_to="tensorboard"))
+    result = train(config)
+
+    losses = [h["train_loss"] for h in result["history"] if "train_loss" in h]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+    assert any("val_bleu" in h for h in result["history"])
+    # Checkpoints: the last 3 kept and averaged into the final weights.
+    assert [p.name for p in list_checkpoints(output_dir)] == [
+        "step-00000016",
+        "step-00000020",
+        "step-00000024",
+    ]
+    assert result["metrics"]["averaged_checkpoints"] == ["step-00000016", "step-00000020", "step-00000024"]
+
+    files = {p.name for p in output_dir.iterdir()}
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"}
+    expected |= {"modeling_vanilla_transformer.py", "configuration_vanilla_transformer.py"}
+    expected |= {"metrics.json", "training_curves.png", "logs"}
+    assert expected <= files
+    assert (output_dir / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any((output_dir / "logs").rglob("events.out.tfevents.*")), "TensorBoard events"
+
+    # The folder loads with the Auto classes and translates.
+    model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert model.generation_config.num_beams == 4 and model.generation_config.length_penalty == 0.6
+    averaged = average_checkpoints(list_checkpoints(output_dir))
+    assert (model.model.shared.weight == averaged["model.shared.weight"]).all()
+    outputs = translate(model, tokenizer, ["In the beginning.", "Jesus wept."], num_beams=2)
+    assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+
+    # The card carries the measured scores, in its text and its model-index.
+    metrics = json.loads((output_dir / "metrics.json").read_text())["metrics"]
+    card = ModelCard.load(output_dir / "README.md")
+    results = card.data.eval_results
+    assert {r.metric_type: r.metric_value for r in results} == {
+        "bleu": round(metrics["test_bleu"], 2),
+        "chrf": round(metrics["test_chrf"], 2),
+    }
+    assert metrics["test_bleu_signature"] in card.text
+    assert card.data.pipeline_tag == "translation" and card.data.language == ["en", "es"]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
+    common = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "eval_steps": 0, "test_samples": 1}
+    whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, **common)))
+    first = small_args(tmp_path / "parts", corpus_files, **(common | {"max_steps": 4}))
+    train(parse_config(first))
+    resumed = small_args(tmp_path / "parts", corpus_files, **(common | {"resume_from_checkpoint": "latest"}))
+    parts = train(parse_config(resumed))
+
+    def curve(result):
+        return [(h["step"], h["train_loss"]) for h in result["history"] if "train_loss" in h]
+
+    assert [s for s, _ in curve(parts)] == list(range(1, 9))
+    for (step, expected), (_, got) in zip(curve(whole), curve(parts), strict=True):
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
+    assert whole["metrics"]["parameter_checksums"] == parts["metrics"]["parameter_checksums"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_stay_in_sync_and_learn(tmp_path, corpus_files):
+    output_dir = tmp_path / "ddp"
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
+    command += [
+        str(ROOT / "scripts/train.py"),
+        *small_args(output_dir, corpus_files, max_steps=12, eval_steps=0),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())["metrics"]
+    checksums = metrics["parameter_checksums"]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]
+    state = json.loads((list_checkpoints(output_dir)[-1] / "trainer_state.json").read_text())
+    losses = [h["train_loss"] for h in state["history"] if "train_loss" in h]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert "test BLEU" in result.stdout
+
+
+def test_bad_flags_are_rejected():
+    with pytest.raises(ValueError, match="--max_steps must be positive"):
+        TrainingConfig(max_steps=0)
+    with pytest.raises(ValueError, match="--average_checkpoints cannot exceed"):
+        TrainingConfig(average_checkpoints=6, keep_checkpoints=5)
+    with pytest.raises(SystemExit):
+        parse_config(["--preset", "huge"])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="latest"))

@@ -1,0 +1,64 @@
+"""Scoring a trained model folder on a split or a file: BLEU and chrF with sacreBLEU through `evaluate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+from .metrics import score_translations
+from .parallel_data import load_parallel_data
+from .translation import translate
+
+
+def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any, Any]:
+    """Model and tokenizer of a folder written by the training script (or any seq2seq folder)."""
+    folder = Path(path)
+    looks_local = str(path).startswith(("/", ".", "~")) or str(path).count("/") > 1
+    if not folder.exists() and looks_local:
+        raise FileNotFoundError(f"No model folder at {folder}.")
+    if folder.exists() and not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
+    model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval(), tokenizer
+
+
+def evaluate_model(
+    model_path: str | Path,
+    *,
+    split: str = "test",
+    max_samples: int | None = None,
+    batch_size: int = 32,
+    device: str | None = None,
+    data_options: dict[str, Any] | None = None,
+    **generate_kwargs: Any,
+) -> dict[str, Any]:
+    """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus).
+
+    Returns the scores, the sacreBLEU signatures, and the sources, references and hypotheses.
+    """
+    data, report = load_parallel_data(**(data_options or {}), for_training=False)
+    if split not in data:
+        raise ValueError(f"No {split!r} split in the data (splits: {sorted(data)}).")
+    rows = data[split]
+    if max_samples is not None:
+        rows = rows.select(range(min(max_samples, len(rows))))
+    model, tokenizer = load_model_folder(model_path, device)
+    hypotheses = translate(model, tokenizer, rows["source"], batch_size=batch_size, **generate_kwargs)
+    scores = score_translations(hypotheses, rows["target"])
+    return {
+        **{k: scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
+        "split": split,
+        "sentences": len(rows),
+        "skipped": report.lines(),
+        "sources": rows["source"],
+        "references": rows["target"],
+        "hypotheses": hypotheses,
+    }
+
+
+__all__ = ["evaluate_model", "load_model_folder"]

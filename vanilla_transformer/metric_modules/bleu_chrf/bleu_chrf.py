@@ -1,0 +1,105 @@
+"""Corpus BLEU and chrF (sacreBLEU) as a local `evaluate` metric, loadable offline.
+
+Load it with `evaluate.load(<path of this folder>)`, or through `vanilla_transformer.metrics`. The file is
+copied by `evaluate` into its modules cache and imported from there, so it imports nothing from
+`vanilla_transformer` and keeps one `import` per line (evaluate scans its imports line by line).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import evaluate
+from sacrebleu.metrics import BLEU, CHRF
+
+_DESCRIPTION = """\
+Corpus-level BLEU (Papineni et al., 2002) and chrF (Popović, 2015) computed with sacreBLEU, with one
+reference per prediction. Both scores are on a 0-100 scale. The sacreBLEU signatures describe exactly how
+they were computed (tokenisation, casing, smoothing, sacreBLEU version) and should be reported with them.
+"""
+
+_KWARGS_DESCRIPTION = """\
+Args:
+    predictions (list of str): detokenised system outputs, one per segment.
+    references (list of str): detokenised references, one per prediction.
+    tokenize (str): BLEU tokeniser, one of sacreBLEU's ("13a", the default and WMT standard; "intl",
+        "char", "none", ...). chrF works on characters and ignores it.
+    lowercase (bool): lowercase predictions and references before scoring (default False).
+Returns:
+    bleu (float): corpus BLEU, 0-100.
+    chrf (float): corpus chrF (character 6-grams, beta 2), 0-100.
+    bleu_signature (str), chrf_signature (str): sacreBLEU signatures.
+    bleu_precisions (list of float): 1- to 4-gram precisions, 0-100.
+    brevity_penalty (float): BLEU's brevity penalty.
+    sys_len (int), ref_len (int): prediction and reference lengths in BLEU tokens.
+Examples:
+    >>> metric = evaluate.load("vanilla_transformer/metric_modules/bleu_chrf")
+    >>> result = metric.compute(predictions=["the cat sat on the mat"], references=["the cat sat on the mat"])
+    >>> result["bleu"], result["chrf"]
+    (100.00000000000004, 100.0)
+"""
+
+_CITATION = """\
+@inproceedings{post-2018-call,
+    title = "A Call for Clarity in Reporting {BLEU} Scores",
+    author = "Post, Matt",
+    booktitle = "Proceedings of the Third Conference on Machine Translation: Research Papers",
+    year = "2018",
+    publisher = "Association for Computational Linguistics",
+    url = "https://aclanthology.org/W18-6319",
+    pages = "186--191",
+}
+"""
+
+
+class BleuChrf(evaluate.Metric):
+    """Corpus BLEU and chrF from sacreBLEU, one reference per prediction."""
+
+    def _info(self) -> evaluate.MetricInfo:
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_KWARGS_DESCRIPTION,
+            features=datasets.Features(
+                {
+                    "predictions": datasets.Value("string"),
+                    "references": datasets.Value("string"),
+                }
+            ),
+            codebase_urls=["https://github.com/mjpost/sacrebleu"],
+            reference_urls=["https://aclanthology.org/W18-6319", "https://aclanthology.org/W15-3049"],
+        )
+
+    def _compute(
+        self,
+        predictions: list[str],
+        references: list[str],
+        tokenize: str = BLEU.TOKENIZER_DEFAULT,
+        lowercase: bool = False,
+    ) -> dict[str, Any]:
+        predictions, references = list(predictions), list(references)
+        if len(predictions) != len(references):
+            raise ValueError(
+                f"Got {len(predictions)} predictions but {len(references)} references; "
+                "pass exactly one reference per prediction."
+            )
+        if not predictions:
+            raise ValueError("No predictions to score: `predictions` and `references` are empty.")
+        if tokenize not in BLEU.TOKENIZERS:
+            raise ValueError(f"Unknown BLEU `tokenize` {tokenize!r}; choose one of {list(BLEU.TOKENIZERS)}.")
+
+        bleu = BLEU(tokenize=tokenize, lowercase=lowercase)
+        chrf = CHRF(lowercase=lowercase)
+        bleu_score = bleu.corpus_score(predictions, [references])
+        chrf_score = chrf.corpus_score(predictions, [references])
+        return {
+            "bleu": float(bleu_score.score),
+            "chrf": float(chrf_score.score),
+            "bleu_signature": str(bleu.get_signature()),
+            "chrf_signature": str(chrf.get_signature()),
+            "bleu_precisions": [float(p) for p in bleu_score.precisions],
+            "brevity_penalty": float(bleu_score.bp),
+            "sys_len": int(bleu_score.sys_len),
+            "ref_len": int(bleu_score.ref_len),
+        }

@@ -1,0 +1,54 @@
+"""Translation quality metrics: corpus BLEU and chrF (sacreBLEU) through a local `evaluate` module.
+
+`evaluate.load("sacrebleu")` needs the Hugging Face Hub; the module shipped in
+`vanilla_transformer/metric_modules/bleu_chrf/` works offline and from an installed (non-editable) package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import evaluate
+
+METRIC_NAME = "bleu_chrf"
+
+
+def metric_module_path() -> str:
+    """Absolute path of the folder holding the `bleu_chrf` evaluate metric module."""
+    path = Path(__file__).resolve().parent / "metric_modules" / METRIC_NAME
+    if not (path / f"{METRIC_NAME}.py").is_file():
+        raise FileNotFoundError(
+            f"The metric module {path / f'{METRIC_NAME}.py'} is missing; the package was installed without "
+            "its package data (`metric_modules/*/*.py`)."
+        )
+    return str(path)
+
+
+def load_translation_metric() -> evaluate.EvaluationModule:
+    """A fresh BLEU + chrF `evaluate` metric (kept in memory: no cache files, safe to use in parallel)."""
+    return evaluate.load(metric_module_path(), keep_in_memory=True)
+
+
+def score_translations(predictions: Sequence[str], references: Sequence[str], **kwargs: Any) -> dict:
+    """Corpus BLEU and chrF of `predictions` against one reference each.
+
+    Keyword arguments go to the metric: `tokenize` (BLEU tokeniser, default "13a") and `lowercase`
+    (default False). Returns the metric's dict: "bleu", "chrf", "bleu_signature", "chrf_signature",
+    "bleu_precisions", "brevity_penalty", "sys_len", "ref_len".
+    """
+    if isinstance(predictions, str) or isinstance(references, str):
+        raise ValueError("`predictions` and `references` must be sequences of strings, not a single string.")
+    predictions, references = list(predictions), list(references)
+    if len(predictions) != len(references):
+        raise ValueError(
+            f"Got {len(predictions)} predictions but {len(references)} references; "
+            "pass exactly one reference per prediction."
+        )
+    if not predictions:
+        raise ValueError("No predictions to score: `predictions` and `references` are empty.")
+    return load_translation_metric().compute(predictions=predictions, references=references, **kwargs)
+
+
+__all__ = ["load_translation_metric", "metric_module_path", "score_translations"]

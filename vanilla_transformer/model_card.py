@@ -1,0 +1,278 @@
+"""Hugging Face model cards (README.md with YAML metadata and a model-index) for trained models.
+
+The card is rendered from the Jinja2 template `model_card.md` at the repository root, shipped inside the
+package as `model_card_template.md`, with `huggingface_hub.ModelCard.from_template`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
+
+TEMPLATE_NAME = "model_card_template.md"
+TAGS = ["translation", "transformer", "vanilla-transformer", "seq2seq"]
+REQUIRED_METRICS = ("bleu", "chrf", "bleu_signature")
+# Decoding defaults of the paper (Section 6.1) and of the model's generation config.
+DEFAULT_DECODING = {"num_beams": 4, "length_penalty": 1.0, "max_length_offset": 50}
+LANGUAGE_NAMES = {
+    "ar": "Arabic",
+    "de": "German",
+    "en": "English",
+    "es": "Spanish",
+    "fr": "French",
+    "it": "Italian",
+    "ja": "Japanese",
+    "nl": "Dutch",
+    "pt": "Portuguese",
+    "ru": "Russian",
+    "zh": "Chinese",
+}
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "num_heads",
+    "head_dim",
+    "d_ff",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "dropout",
+    "attention_dropout",
+    "activation_function",
+    "norm_first",
+    "position_encoding_layout",
+    "tie_word_embeddings",
+)
+PRESET_FIELDS = ("d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers", "dropout")
+
+
+def default_template_path() -> Path:
+    """The packaged template (a link to the repository's `model_card.md` in a source checkout)."""
+    packaged = Path(__file__).resolve().parent / TEMPLATE_NAME
+    if packaged.is_file():
+        return packaged
+    checkout = Path(__file__).resolve().parent.parent / "model_card.md"
+    if checkout.is_file():
+        return checkout
+    raise FileNotFoundError(
+        f"The model-card template {packaged} is missing; the package was installed without its package data."
+    )
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    if minutes:
+        return f"{minutes} min {secs} s"
+    return f"{secs} s"
+
+
+def _preset_name(config: VanillaTransformerConfig) -> str | None:
+    defaults = VanillaTransformerConfig()
+    for name, overrides in PRESETS.items():
+        if all(getattr(config, f) == overrides.get(f, getattr(defaults, f)) for f in PRESET_FIELDS):
+            return name
+    return None
+
+
+def _count_parameters(config: VanillaTransformerConfig) -> int | None:
+    from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+    try:
+        with torch.device("meta"):  # no memory, no initialisation cost
+            model = VanillaTransformerForConditionalGeneration(config)
+        return model.num_parameters()
+    except Exception:
+        return None
+
+
+def _template_variables(
+    *,
+    model_name: str,
+    config: VanillaTransformerConfig,
+    metrics: Mapping[str, Any],
+    training: Mapping[str, Any],
+    dataset: Mapping[str, Any],
+    source_lang: str,
+    target_lang: str,
+) -> dict[str, Any]:
+    """Every variable the template uses; missing optional values are None."""
+    variables: dict[str, Any] = {field: getattr(config, field) for field in ARCHITECTURE_FIELDS}
+    train_time_s = training.get("train_time_s")
+    variables.update(
+        model_name=model_name,
+        source_lang=source_lang,
+        target_lang=target_lang,
+        source_language=LANGUAGE_NAMES.get(source_lang, source_lang),
+        target_language=LANGUAGE_NAMES.get(target_lang, target_lang),
+        preset=_preset_name(config),
+        num_parameters=_count_parameters(config),
+        dataset_name=dataset.get("name"),
+        dataset_hub_id=dataset.get("hub_id"),
+        dataset_description=dataset.get("description"),
+        dataset_license=dataset.get("license"),
+        train_pairs=dataset.get("train_pairs"),
+        validation_pairs=dataset.get("validation_pairs"),
+        test_pairs=dataset.get("test_pairs"),
+        steps=training.get("steps"),
+        epochs=training.get("epochs"),
+        train_time=_format_duration(train_time_s) if train_time_s is not None else None,
+        hardware=training.get("hardware"),
+        batch_tokens=training.get("batch_tokens"),
+        warmup_steps=training.get("warmup_steps"),
+        lr_peak=training.get("lr_peak"),
+        label_smoothing=training.get("label_smoothing", config.label_smoothing),
+        dropout_training=training.get("dropout", config.dropout),
+        averaged_checkpoints=training.get("averaged_checkpoints"),
+        command=training.get("command"),
+        bleu=float(metrics["bleu"]),
+        chrf=float(metrics["chrf"]),
+        bleu_signature=metrics["bleu_signature"],
+        chrf_signature=metrics.get("chrf_signature"),
+        val_loss=metrics.get("val_loss"),
+        test_loss=metrics.get("test_loss"),
+        eval_split=metrics.get("split", "test"),
+        translate_command=(
+            f"python scripts/translate.py --model {model_name} --input {source_lang}.txt "
+            f"--output {target_lang}.txt"
+        ),
+    )
+    for key, default in DEFAULT_DECODING.items():
+        variables[key] = metrics.get(key, default)
+    return variables
+
+
+def _card_data(
+    *,
+    model_name: str,
+    metrics: Mapping[str, Any],
+    dataset: Mapping[str, Any],
+    source_lang: str,
+    target_lang: str,
+    license: str,
+) -> ModelCardData:
+    dataset_name = dataset.get("name") or "unnamed dataset"
+    hub_id = dataset.get("hub_id")
+    common = {
+        "task_type": "translation",
+        "task_name": (
+            f"Translation {LANGUAGE_NAMES.get(source_lang, source_lang)} to "
+            f"{LANGUAGE_NAMES.get(target_lang, target_lang)}"
+        ),
+        "dataset_type": hub_id or dataset_name,
+        "dataset_name": dataset_name,
+        "dataset_config": f"{source_lang}-{target_lang}",
+        "dataset_split": metrics.get("split", "test"),
+    }
+    eval_results = [
+        EvalResult(
+            **common,
+            metric_type="bleu",
+            metric_name="BLEU",
+            metric_value=round(float(metrics["bleu"]), 2),
+            metric_config=str(metrics["bleu_signature"]),
+        ),
+        EvalResult(
+            **common,
+            metric_type="chrf",
+            metric_name="chrF",
+            metric_value=round(float(metrics["chrf"]), 2),
+            metric_config=str(metrics["chrf_signature"]) if metrics.get("chrf_signature") else None,
+        ),
+    ]
+    return ModelCardData(
+        model_name=model_name,
+        language=[source_lang, target_lang],
+        license=license,
+        library_name="transformers",
+        pipeline_tag="translation",
+        tags=list(TAGS),
+        datasets=[hub_id] if hub_id else None,
+        metrics=["bleu", "chrf"],
+        eval_results=eval_results,
+    )
+
+
+def build_model_card(
+    *,
+    model_name: str,
+    config: VanillaTransformerConfig,
+    metrics: dict,
+    training: dict,
+    dataset: dict,
+    source_lang: str,
+    target_lang: str,
+    license: str = "apache-2.0",
+    base_template: str | Path | None = None,
+) -> ModelCard:
+    """Render the model card of a trained model.
+
+    `metrics` needs "bleu", "chrf" and "bleu_signature", scored on the split named by "split" (default
+    "test"); "chrf_signature", "val_loss", "test_loss" and the decoding settings "num_beams",
+    "length_penalty", "max_length_offset" are optional.
+    `training` and `dataset` keys are all optional (see the template). `base_template` is the path of a
+    Jinja2 template (default: the packaged `model_card_template.md`). The YAML metadata carries a
+    model-index with test BLEU and chrF; the card is re-parsed to check it.
+    """
+    missing = [key for key in REQUIRED_METRICS if metrics.get(key) is None]
+    if missing:
+        raise ValueError(f"`metrics` lacks {missing}; it needs {list(REQUIRED_METRICS)}.")
+    for name, value in (
+        ("model_name", model_name),
+        ("source_lang", source_lang),
+        ("target_lang", target_lang),
+    ):
+        if not value:
+            raise ValueError(f"`{name}` must be a non-empty string.")
+    template_path = Path(base_template) if base_template is not None else default_template_path()
+    if not template_path.is_file():
+        raise FileNotFoundError(f"No model-card template at {template_path}.")
+
+    card_data = _card_data(
+        model_name=model_name,
+        metrics=metrics,
+        dataset=dataset,
+        source_lang=source_lang,
+        target_lang=target_lang,
+        license=license,
+    )
+    variables = _template_variables(
+        model_name=model_name,
+        config=config,
+        metrics=metrics,
+        training=training,
+        dataset=dataset,
+        source_lang=source_lang,
+        target_lang=target_lang,
+    )
+    card = ModelCard.from_template(card_data, template_path=str(template_path), **variables)
+    _check_metadata(str(card))
+    return card
+
+
+def _check_metadata(content: str) -> None:
+    """Re-parse the rendered card offline; raise ValueError unless its YAML has a model-index."""
+    data = ModelCard(content).data.to_dict()
+    if not data.get("model-index"):
+        raise ValueError("The rendered model card has no `model-index` in its YAML metadata.")
+
+
+def write_model_card(output_dir: str | Path, **kwargs: Any) -> Path:
+    """Build the card (`build_model_card` keyword arguments) and write it to `output_dir/README.md`."""
+    card = build_model_card(**kwargs)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "README.md"
+    path.write_text(str(card), encoding="utf-8")
+    return path
+
+
+__all__ = ["build_model_card", "default_template_path", "write_model_card"]

@@ -1,0 +1,694 @@
+"""Training the paper's way (Section 5) on Accelerate: one process, N processes, or N GPUs, same code.
+
+The loop: token-based batches, Adam (0.9, 0.98, 1e-9), the inverse-square-root learning rate with
+warm-up, label-smoothed loss normalised by the target tokens of the whole (accumulated, all-process)
+batch, periodic validation (loss and beam-search BLEU), atomic checkpoints that resume exactly, and at
+the end the average of the last checkpoints (Section 6.1), evaluated on the test split and written as
+a complete model folder with tokenizer, generation config, model card and training curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, gather_object, set_seed
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, DataCollatorForSeq2Seq, get_inverse_sqrt_schedule
+
+from .batching import TokenBatchSampler
+from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
+from .metrics import score_translations
+from .model_card import write_model_card
+from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
+from .parallel_data import load_parallel_data, tokenize_parallel_data
+from .plotting import plot_training_curves
+from .tokenization import train_bpe_tokenizer
+from .translation import translate
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)$")
+STATE_FILE = "trainer_state.json"
+MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
+
+
+@dataclass
+class TrainingConfig:
+    """Every option of `scripts/train.py`; the defaults train the tiny preset on the embedded corpus."""
+
+    output_dir: str = field(
+        default="outputs/tiny-en-es", metadata={"help": "where the model folder is written"}
+    )
+    preset: str = field(default="tiny", metadata={"help": f"model size: one of {sorted(PRESETS)}"})
+    config_overrides: str | None = field(
+        default=None, metadata={"help": "preset fields to change, e.g. 'd_model=128,num_encoder_layers=2'"}
+    )
+    # Data
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset, e.g. wmt/wmt14"})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config, e.g. de-en"})
+    train_file: str | None = field(default=None, metadata={"help": "local .tsv/.csv/.jsonl training file"})
+    validation_file: str | None = field(default=None, metadata={"help": "local validation file"})
+    test_file: str | None = field(default=None, metadata={"help": "local test file"})
+    source_lang: str = field(default="en", metadata={"help": "source language code (column name)"})
+    target_lang: str = field(default="es", metadata={"help": "target language code (column name)"})
+    source_column: str | None = field(default=None, metadata={"help": "source column if not source_lang"})
+    target_column: str | None = field(default=None, metadata={"help": "target column if not target_lang"})
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "existing tokenizer; default: train BPE"}
+    )
+    vocab_size: int = field(default=8000, metadata={"help": "joint BPE vocabulary size when training one"})
+    max_length: int = field(default=128, metadata={"help": "longest training sentence in tokens (per side)"})
+    # The paper's recipe
+    max_tokens: int = field(default=4096, metadata={"help": "source + target tokens per batch and process"})
+    max_steps: int = field(default=2400, metadata={"help": "optimizer updates"})
+    warmup_steps: int = field(default=400, metadata={"help": "linear warm-up updates (paper: 4000)"})
+    lr_scale: float = field(
+        default=1.0, metadata={"help": "lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)"}
+    )
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_epsilon: float = 1e-9
+    label_smoothing: float = field(default=0.1, metadata={"help": "epsilon_ls of the loss"})
+    dropout: float | None = field(default=None, metadata={"help": "override the preset's dropout"})
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = field(
+        default=None, metadata={"help": "clip gradients (the paper does not)"}
+    )
+    mixed_precision: str | None = field(
+        default=None, metadata={"help": "no, fp16 or bf16 (default: launcher's)"}
+    )
+    seed: int = 0
+    # Validation, checkpoints, output
+    eval_steps: int = field(default=800, metadata={"help": "validate every N updates (0: only at the end)"})
+    eval_samples: int = field(default=200, metadata={"help": "validation sentences translated for BLEU"})
+    save_steps: int = field(default=200, metadata={"help": "checkpoint every N updates"})
+    keep_checkpoints: int = field(default=5, metadata={"help": "checkpoints kept on disk"})
+    average_checkpoints: int = field(
+        default=5, metadata={"help": "average the last N checkpoints at the end"}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "a checkpoint folder or 'latest'"}
+    )
+    num_beams: int = field(default=4, metadata={"help": "beam size for BLEU"})
+    length_penalty: float = field(default=0.6, metadata={"help": "length penalty for BLEU"})
+    eval_batch_size: int = 64
+    test_samples: int | None = field(
+        default=None, metadata={"help": "score only the first N test pairs at the end (default: all)"}
+    )
+    logging_steps: int = 50
+    report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker, or 'none'"})
+
+    def __post_init__(self) -> None:
+        positive = ["vocab_size", "max_length", "max_tokens", "max_steps", "gradient_accumulation_steps"]
+        positive += ["save_steps", "keep_checkpoints", "average_checkpoints", "num_beams", "eval_batch_size"]
+        positive += ["logging_steps", "eval_samples"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}.")
+        if self.warmup_steps < 0 or self.eval_steps < 0:
+            raise ValueError("--warmup_steps and --eval_steps must not be negative.")
+        if self.average_checkpoints > self.keep_checkpoints:
+            raise ValueError(
+                "--average_checkpoints cannot exceed --keep_checkpoints (older ones are deleted)."
+            )
+        if self.mixed_precision not in (None, "no", "fp16", "bf16"):
+            raise ValueError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError("--max_grad_norm must be positive.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per `TrainingConfig` field (booleans as --flag/--no-flag)."""
+    parser = argparse.ArgumentParser(description="Train the Transformer of 'Attention Is All You Need'.")
+    hints = typing.get_type_hints(TrainingConfig)
+    for item in dataclasses.fields(TrainingConfig):
+        kind = hints[item.name]
+        options: dict[str, Any] = {"default": item.default, "help": item.metadata.get("help", "")}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            options["type"] = args[0] if isinstance(kind, types.UnionType) else kind
+        options["help"] = f"{options['help']} (default: {item.default})".lstrip()
+        parser.add_argument(f"--{item.name}", **options)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
+    """Command-line flags to a validated `TrainingConfig` (errors exit with the parser's usage)."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    try:
+        return TrainingConfig(**vars(namespace))
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # unreachable: parser.error exits
+
+
+def parse_overrides(text: str | None) -> dict[str, Any]:
+    """'d_model=128,norm_first=true' -> {"d_model": 128, "norm_first": True}, typed by the config's fields."""
+    if not text:
+        return {}
+    defaults = VanillaTransformerConfig()
+    fields = {f.name for f in dataclasses.fields(VanillaTransformerConfig)}
+    overrides: dict[str, Any] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in fields:
+            raise ValueError(
+                f"--config_overrides: {item!r} is not NAME=VALUE with a configuration field NAME."
+            )
+        if name.endswith("_token_id") or name == "vocab_size":
+            raise ValueError(f"--config_overrides: {name} comes from the tokenizer (see --vocab_size).")
+        kind = type(getattr(defaults, name))
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                overrides[name] = value.lower() == "true"
+            else:
+                overrides[name] = kind(value)
+        except ValueError:
+            raise ValueError(
+                f"--config_overrides: {name}={value!r} is not a valid {kind.__name__}."
+            ) from None
+    return overrides
+
+
+def paper_peak_lr(d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """The peak of lr = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), reached at step = warmup."""
+    return scale * d_model**-0.5 * max(warmup_steps, 1) ** -0.5
+
+
+# Checkpoints -------------------------------------------------------------------------------------
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (partially written ones are never named step-N)."""
+    folder = Path(output_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name))]
+    return [path for _, path in sorted(found)]
+
+
+def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
+    """'latest' or a path to a checkpoint folder, checked."""
+    if name == "latest":
+        checkpoints = list_checkpoints(output_dir)
+        if not checkpoints:
+            raise FileNotFoundError(
+                f"--resume_from_checkpoint latest: no checkpoint in {output_dir}/checkpoints."
+            )
+        return checkpoints[-1]
+    path = Path(name)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
+    return path
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write model, optimizer, scheduler and RNG states atomically: to a temporary folder, then rename."""
+    folder = output_dir / "checkpoints"
+    final = folder / f"step-{state['step']:08d}"
+    partial = folder / f".partial-step-{state['step']:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of the model weights saved in `paths` (paper Section 6.1)."""
+    if not paths:
+        raise ValueError("No checkpoint to average.")
+    total: dict[str, torch.Tensor] = {}
+    for path in paths:
+        weights = load_file(path / "model.safetensors")
+        for name, tensor in weights.items():
+            total[name] = total.get(name, 0) + tensor.double()
+    return {name: (tensor / len(paths)).float() for name, tensor in total.items()}
+
+
+# Batches, loss and evaluation ----------------------------------------------------------------------
+
+
+def make_loader(
+    dataset: Any, collator: Any, max_tokens: int, *, shuffle: bool, seed: int, num_shards: int
+) -> DataLoader:
+    sampler = TokenBatchSampler(
+        dataset["source_length"],
+        dataset["target_length"],
+        max_tokens,
+        shuffle=shuffle,
+        seed=seed,
+        num_shards=num_shards,
+    )
+    # Its own generator: starting an epoch's iterator must not draw from the global RNG (dropout's), or a
+    # resumed run, which starts its iterator after restoring that RNG, would drop out different units.
+    return DataLoader(
+        dataset.select_columns(MODEL_COLUMNS),
+        batch_sampler=sampler,
+        collate_fn=collator,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def windows(loader: Any, size: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Group micro-batches into gradient-accumulation windows (the last one may be shorter)."""
+    window: list[dict[str, torch.Tensor]] = []
+    for batch in loader:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+@torch.no_grad()
+def validation_loss(model: Any, loader: Any, accelerator: Accelerator, smoothing: float) -> dict[str, float]:
+    """Token-averaged label-smoothed loss and negative log-likelihood over the whole loader, all processes."""
+    model.eval()
+    sums = torch.zeros(3, device=accelerator.device, dtype=torch.float64)  # smoothed, nll, tokens
+    for batch in loader:
+        logits = model(**batch).logits.float()
+        labels = batch["labels"]
+        flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
+        sums[0] += torch.nn.functional.cross_entropy(
+            flat_logits, flat_labels, ignore_index=-100, label_smoothing=smoothing, reduction="sum"
+        )
+        sums[1] += torch.nn.functional.cross_entropy(
+            flat_logits, flat_labels, ignore_index=-100, reduction="sum"
+        )
+        sums[2] += (labels != -100).sum()
+    sums = accelerator.reduce(sums, reduction="sum")
+    model.train()
+    loss, nll = (sums[:2] / sums[2].clamp(min=1)).tolist()
+    return {"loss": loss, "nll": nll, "ppl": math.exp(min(nll, 50.0))}
+
+
+def translate_sharded(
+    accelerator: Accelerator, model: Any, tokenizer: Any, sources: Sequence[str], **generate_kwargs: Any
+) -> list[str]:
+    """Each process translates a contiguous slice; the slices are gathered back in order."""
+    count, shards = len(sources), accelerator.num_processes
+    start = accelerator.process_index * count // shards
+    end = (accelerator.process_index + 1) * count // shards
+    mine = translate(model, tokenizer, list(sources[start:end]), **generate_kwargs)
+    return gather_object(mine) if shards > 1 else mine
+
+
+# The loop ----------------------------------------------------------------------------------------
+
+
+def train(config: TrainingConfig) -> dict[str, Any]:
+    """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`)."""
+    output_dir = Path(config.output_dir)
+    resume_path = (
+        resolve_checkpoint(output_dir, config.resume_from_checkpoint)
+        if config.resume_from_checkpoint
+        else None
+    )
+    accelerator = Accelerator(
+        # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
+        # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs.
+        cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available(),
+        mixed_precision=config.mixed_precision,
+        log_with=None if config.report_to == "none" else config.report_to,
+        project_config=ProjectConfiguration(
+            project_dir=str(output_dir), logging_dir=str(output_dir / "logs")
+        ),
+        # Batches are sharded round-robin; TokenBatchSampler makes their count a multiple of the
+        # process count, so no process repeats examples to even out.
+        dataloader_config=DataLoaderConfiguration(even_batches=False),
+    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    log = (lambda message: logger.info(message)) if accelerator.is_main_process else (lambda message: None)
+    set_seed(config.seed)
+
+    # Data and tokenizer.
+    with accelerator.main_process_first():
+        data, report = load_parallel_data(
+            dataset_name=config.dataset_name,
+            dataset_config=config.dataset_config,
+            train_file=config.train_file,
+            validation_file=config.validation_file,
+            test_file=config.test_file,
+            source_lang=config.source_lang,
+            target_lang=config.target_lang,
+            source_column=config.source_column,
+            target_column=config.target_column,
+            seed=config.seed,
+        )
+    tokenizer = load_or_train_tokenizer(config, data, accelerator, output_dir, resume=resume_path is not None)
+    with accelerator.main_process_first():
+        tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
+    for line in report.lines():
+        log(line)
+    log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}")
+
+    # Model, optimizer and schedule (Section 5.3).
+    overrides: dict[str, Any] = {"label_smoothing": config.label_smoothing, "vocab_size": len(tokenizer)}
+    if config.dropout is not None:
+        overrides["dropout"] = config.dropout
+    overrides |= {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.bos_token_id,
+    }
+    model_config = VanillaTransformerConfig.from_preset(
+        config.preset, **parse_overrides(config.config_overrides), **overrides
+    )
+    model = VanillaTransformerForConditionalGeneration(model_config)
+    model.generation_config.num_beams = config.num_beams
+    model.generation_config.length_penalty = config.length_penalty
+    peak_lr = paper_peak_lr(model_config.d_model, config.warmup_steps, config.lr_scale)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=peak_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
+    )
+    # Stepped once per update by this loop (not by Accelerate, which would step it once per process).
+    schedule = get_inverse_sqrt_schedule(optimizer, num_warmup_steps=max(config.warmup_steps, 1))
+    accelerator.register_for_checkpointing(schedule)
+    log(f"model: {config.preset}, {model.num_parameters():,} parameters; peak lr {peak_lr:.2e}")
+
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    shards = accelerator.num_processes
+    train_loader = make_loader(
+        tokenized["train"], collator, config.max_tokens, shuffle=True, seed=config.seed, num_shards=shards
+    )
+    valid_loader = make_loader(
+        tokenized["validation"], collator, config.max_tokens, shuffle=False, seed=0, num_shards=shards
+    )
+    model, optimizer, train_loader, valid_loader = accelerator.prepare(
+        model, optimizer, train_loader, valid_loader
+    )
+    unwrapped = accelerator.unwrap_model(model)
+
+    state: dict[str, Any] = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "history": [], "train_time_s": 0.0}
+    if resume_path is not None:
+        accelerator.load_state(str(resume_path))
+        state = json.loads((resume_path / STATE_FILE).read_text())
+        log(f"resumed from {resume_path} at update {state['step']}")
+    if accelerator.is_main_process and config.report_to != "none":
+        accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
+
+    validation_sources = data["validation"]["source"][: config.eval_samples]
+    validation_refs = data["validation"]["target"][: config.eval_samples]
+    generate_kwargs = {"num_beams": config.num_beams, "length_penalty": config.length_penalty}
+
+    def validate() -> dict[str, float]:
+        losses = validation_loss(model, valid_loader, accelerator, config.label_smoothing)
+        hypotheses = translate_sharded(
+            accelerator,
+            unwrapped,
+            tokenizer,
+            validation_sources,
+            batch_size=config.eval_batch_size,
+            **generate_kwargs,
+        )
+        bleu = score_translations(hypotheses, validation_refs)["bleu"]
+        model.train()
+        return {"val_loss": losses["loss"], "val_ppl": losses["ppl"], "val_bleu": bleu}
+
+    progress = tqdm(
+        total=config.max_steps,
+        initial=state["step"],
+        disable=not accelerator.is_main_process,
+        desc="training",
+    )
+    model.train()
+    interval = {
+        "loss": torch.zeros((), device=accelerator.device, dtype=torch.float64),
+        "tokens": 0,
+        "time": 0.0,
+    }
+    started = time.perf_counter()
+    while state["step"] < config.max_steps:
+        train_loader.set_epoch(state["epoch"])
+        loader = train_loader
+        if state["batches_in_epoch"]:
+            loader = accelerator.skip_first_batches(train_loader, state["batches_in_epoch"])
+        for window in windows(loader, config.gradient_accumulation_steps):
+            # Normalise by the target tokens of the whole update, on every process (exact accumulation).
+            local_tokens = sum(int((b["labels"] != -100).sum()) for b in window)
+            update_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
+            for index, batch in enumerate(window):
+                last = index == len(window) - 1
+                with nullcontext() if last else accelerator.no_sync(model):
+                    loss = model(**batch, num_items_in_batch=update_tokens).loss
+                    interval["loss"] += loss.detach().double()
+                    # DDP averages gradients over processes; the loss is already a global mean.
+                    accelerator.backward(loss * accelerator.num_processes)
+            if config.max_grad_norm is not None:
+                accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            state["step"] += 1
+            state["batches_in_epoch"] += len(window)
+            interval["tokens"] += int(update_tokens)
+            progress.update(1)
+
+            if state["step"] % config.logging_steps == 0 or state["step"] == config.max_steps:
+                elapsed = time.perf_counter() - started
+                steps = state["step"] % config.logging_steps or config.logging_steps
+                train_loss = float(accelerator.reduce(interval["loss"], "sum")) / steps
+                record = {
+                    "step": state["step"],
+                    "epoch": state["epoch"],
+                    "train_loss": train_loss,
+                    "lr": schedule.get_last_lr()[0],
+                    "tokens_per_s": interval["tokens"] / max(elapsed - interval["time"], 1e-9),
+                }
+                interval["loss"].zero_()
+                interval["tokens"], interval["time"] = 0, elapsed
+                state["history"].append(record)
+                progress.set_postfix(
+                    loss=f"{train_loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
+                )
+                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
+
+            if (
+                config.eval_steps
+                and state["step"] % config.eval_steps == 0
+                and state["step"] < config.max_steps
+            ):
+                record = {"step": state["step"], **validate()}
+                state["history"].append(record)
+                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
+                log(
+                    f"update {state['step']}: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
+                )
+
+            if state["step"] % config.save_steps == 0 or state["step"] == config.max_steps:
+                state["train_time_s"] += time.perf_counter() - started
+                started = time.perf_counter()
+                interval["time"] = 0.0
+                save_checkpoint(accelerator, output_dir, state, config.keep_checkpoints)
+            if state["step"] >= config.max_steps:
+                break
+        else:
+            state["epoch"] += 1
+            state["batches_in_epoch"] = 0
+    progress.close()
+
+    # Data parallelism must leave every process with the same weights; a mismatch is a bug, not noise.
+    parameters = torch.cat([p.detach().double().flatten() for p in unwrapped.parameters()])
+    checksum = torch.stack([parameters.sum(), parameters.square().sum()])
+    checksums = accelerator.gather(checksum[None]).tolist()
+    if any(c != checksums[0] for c in checksums):
+        raise RuntimeError(f"Processes ended training with different parameters: {checksums}")
+
+    # Average the last checkpoints into the final model (Section 6.1) and evaluate it.
+    metrics: dict[str, Any] = {
+        "steps": state["step"],
+        "epochs": state["epoch"] + state["batches_in_epoch"] / max(len(train_loader), 1),
+    }
+    metrics["parameter_checksums"] = checksums
+    last = validate()
+    metrics |= {f"last_{k}": v for k, v in last.items()}
+    averaged = list_checkpoints(output_dir)[-config.average_checkpoints :]
+    if len(averaged) > 1:
+        result = unwrapped.load_state_dict(average_checkpoints(averaged), strict=False)
+        untied = set(result.missing_keys) - set(unwrapped.all_tied_weights_keys)
+        if untied or result.unexpected_keys:
+            raise RuntimeError(
+                f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}"
+            )
+        unwrapped.tie_weights()
+        metrics |= validate()
+    else:
+        metrics |= last
+    metrics["averaged_checkpoints"] = [p.name for p in averaged] if len(averaged) > 1 else []
+    state["history"].append(
+        {"step": state["step"], **{k: metrics[k] for k in ("val_loss", "val_ppl", "val_bleu")}}
+    )
+    log("validation: " + ", ".join(f"{k} {metrics[k]:.3f}" for k in ("val_loss", "val_ppl", "val_bleu")))
+
+    # Final scores on the test split (the validation split when there is none).
+    split = "test" if "test" in data else "validation"
+    final = data[split].select(range(min(config.test_samples or len(data[split]), len(data[split]))))
+    hypotheses = translate_sharded(
+        accelerator,
+        unwrapped,
+        tokenizer,
+        final["source"],
+        batch_size=config.eval_batch_size,
+        **generate_kwargs,
+    )
+    scores = score_translations(hypotheses, final["target"])
+    metrics |= {"split": split} | {
+        f"test_{k}": scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")
+    }
+    step = max(len(final) // 5, 1)
+    samples = [
+        {"source": s, "reference": r, "translation": h}
+        for s, r, h in list(zip(final["source"], final["target"], hypotheses, strict=True))[::step][:5]
+    ]
+    metrics["train_time_s"] = state["train_time_s"]
+
+    if accelerator.is_main_process:
+        write_model_folder(
+            config, output_dir, unwrapped, tokenizer, metrics, samples, state, tokenized, accelerator
+        )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {"metrics": metrics, "samples": samples, "history": state["history"]}
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """The end-of-run report: test scores and sample translations."""
+    metrics, lines = result["metrics"], []
+    if "test_bleu" in metrics:
+        lines.append(f"test BLEU {metrics['test_bleu']:.2f}, chrF {metrics['test_chrf']:.2f}")
+        lines.append(f"  {metrics['test_bleu_signature']}")
+    for sample in result["samples"]:
+        lines += ["", f"  source:      {sample['source']}", f"  reference:   {sample['reference']}"]
+        lines.append(f"  translation: {sample['translation']}")
+    return "\n".join(lines)
+
+
+def load_or_train_tokenizer(
+    config: TrainingConfig, data: Any, accelerator: Accelerator, output_dir: Path, *, resume: bool
+) -> Any:
+    """An existing tokenizer, the run's own one (on resume), or a joint BPE trained on the training split."""
+    if config.tokenizer_name:
+        return AutoTokenizer.from_pretrained(config.tokenizer_name)
+    folder = output_dir / "tokenizer"
+    if not resume and accelerator.is_main_process:
+        train = data["train"]
+        texts = (text for column in ("source", "target") for text in train[column])
+        tokenizer = train_bpe_tokenizer(texts, config.vocab_size, length=2 * len(train))
+        tokenizer.save_pretrained(folder)
+    accelerator.wait_for_everyone()
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"No tokenizer in {folder}: the run to resume did not write one.")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def write_model_folder(
+    config: TrainingConfig,
+    output_dir: Path,
+    model: VanillaTransformerForConditionalGeneration,
+    tokenizer: Any,
+    metrics: dict[str, Any],
+    samples: list[dict[str, str]],
+    state: dict[str, Any],
+    tokenized: Any,
+    accelerator: Accelerator,
+) -> None:
+    """The final folder: weights, config + code, tokenizer, generation config, card, curves, metrics."""
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    (output_dir / "metrics.json").write_text(json.dumps({"metrics": metrics, "samples": samples}, indent=1))
+    plot_training_curves(state["history"], output_dir / "training_curves.png")
+    default_corpus = not (config.dataset_name or config.train_file)
+    dataset = {
+        "name": "WEB-derived / Reina-Valera 1909 Bible verses (en-es)"
+        if default_corpus
+        else (config.dataset_name or Path(config.train_file).name),
+        "description": (
+            "Short verse pairs (<= 20 words a side) from the public-domain World English Bible (modified, so "
+            "'WEB-derived') and Reina-Valera 1909, shipped with vanilla_transformer; validation and test are "
+            "whole held-out books."
+            if default_corpus
+            else f"{config.dataset_name or config.train_file} ({config.source_lang}-{config.target_lang})"
+        ),
+        "license": "public domain" if default_corpus else None,
+        "train_pairs": len(tokenized["train"]),
+        "validation_pairs": len(tokenized["validation"]),
+        "test_pairs": len(tokenized["test"]) if "test" in tokenized else None,
+    }
+    if config.dataset_name:
+        dataset["hub_id"] = config.dataset_name
+    card_metrics = {
+        "split": metrics["split"],
+        "bleu": metrics["test_bleu"],
+        "chrf": metrics["test_chrf"],
+        "bleu_signature": metrics["test_bleu_signature"],
+        "chrf_signature": metrics["test_chrf_signature"],
+        "val_loss": metrics["val_loss"],
+        "num_beams": config.num_beams,
+        "length_penalty": config.length_penalty,
+    }
+    training = {
+        "steps": metrics["steps"],
+        "epochs": round(metrics["epochs"], 2),
+        "train_time_s": round(metrics["train_time_s"]),
+        "hardware": f"{accelerator.num_processes} x {accelerator.device.type}",
+        "batch_tokens": config.max_tokens * accelerator.num_processes * config.gradient_accumulation_steps,
+        "warmup_steps": config.warmup_steps,
+        "lr_peak": paper_peak_lr(model.config.d_model, config.warmup_steps, config.lr_scale),
+        "label_smoothing": config.label_smoothing,
+        "dropout": model.config.dropout,
+        "averaged_checkpoints": len(metrics["averaged_checkpoints"]),
+    }
+    write_model_card(
+        output_dir,
+        model_name=output_dir.name,
+        config=model.config,
+        metrics={k: v for k, v in card_metrics.items() if v is not None},
+        training=training,
+        dataset={k: v for k, v in dataset.items() if v is not None},
+        source_lang=config.source_lang,
+        target_lang=config.target_lang,
+    )
+
+
+__all__ = ["TrainingConfig", "average_checkpoints", "build_parser", "format_summary", "parse_config", "train"]
