@@ -62,10 +62,16 @@ def small_args(output_dir: Path, corpus_files: dict[str, str], **overrides) -> l
     return [item for key, value in options.items() for item in (f"--{key}", str(value))]
 
 
-def test_training_writes_a_complete_model_folder(tmp_path, corpus_files):
-    output_dir = tmp_path / "run"
-    config = parse_config(small_args(output_dir, corpus_files, report_to="tensorboard"))
-    result = train(config)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_files) -> tuple[Path, dict]:
+    """One small training run shared by the tests that inspect its output."""
+    output_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = train(parse_config(small_args(output_dir, corpus_files, report_to="tensorboard")))
+    return output_dir, result
+
+
+def test_training_writes_a_complete_model_folder(trained):
+    output_dir, result = trained
 
     losses = [h["train_loss"] for h in result["history"] if "train_loss" in h]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
@@ -158,3 +164,41 @@ def test_bad_flags_are_rejected():
         parse_config(["--preset", "huge"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="latest"))
+
+
+def run_script(name: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "scripts" / name), *args]
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_translate_script_keeps_lines_aligned(trained):
+    output_dir, _ = trained
+    result = run_script(
+        "translate.py",
+        "--model",
+        str(output_dir),
+        "--num_beams",
+        "2",
+        stdin="In the beginning.\n\nJesus wept.\n",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
+    model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert [lines[0], lines[2]] == translate(
+        model, tokenizer, ["In the beginning.", "Jesus wept."], num_beams=2
+    )
+    missing = run_script("translate.py", "--model", str(output_dir / "missing"))
+    assert missing.returncode == 2 and "No model folder" in missing.stderr
+
+
+def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_path):
+    output_dir, _ = trained
+    hypotheses = tmp_path / "hyp.txt"
+    args = ["--model", str(output_dir), "--test_file", corpus_files["test_file"], "--max_samples", "6"]
+    result = run_script("evaluate_model.py", *args, "--num_beams", "2", "--hypotheses", str(hypotheses))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test: 6 sentences" in result.stdout
+    assert "BLEU" in result.stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in result.stdout
+    assert "chrF" in result.stdout and len(hypotheses.read_text().splitlines()) == 6
