@@ -1,0 +1,152 @@
+"""Fine-tuning a trained model folder with transformers' `Seq2SeqTrainer` on local parallel text.
+
+The standard transformers path, for users who already know it: `AutoModelForSeq2SeqLM`,
+`DataCollatorForSeq2Seq` (which builds the shifted decoder inputs with the model's
+`prepare_decoder_input_ids_from_labels`), `Seq2SeqTrainingArguments` with label smoothing and gradient
+accumulation, and evaluation by beam search (`predict_with_generate`) scored with sacreBLEU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    EvalPrediction,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+)
+
+from .metrics import score_translations
+from .parallel_data import load_parallel_data, tokenize_parallel_data
+
+
+@dataclass
+class FinetuneConfig:
+    """Every option of `scripts/finetune.py`."""
+
+    model: str = field(metadata={"help": "trained model folder (or Hub id) to start from"})
+    train_file: str = field(metadata={"help": "local .tsv/.csv/.jsonl training file"})
+    output_dir: str = field(metadata={"help": "where checkpoints and the fine-tuned model go"})
+    validation_file: str | None = field(default=None, metadata={"help": "default: hold out part of train"})
+    source_lang: str = "en"
+    target_lang: str = "es"
+    source_column: str | None = None
+    target_column: str | None = None
+    max_length: int = field(default=128, metadata={"help": "longest training sentence in tokens"})
+    max_steps: int = 200
+    learning_rate: float = 1e-4
+    warmup_steps: int = 20
+    per_device_train_batch_size: int = 32
+    per_device_eval_batch_size: int = 32
+    gradient_accumulation_steps: int = 1
+    label_smoothing_factor: float = field(default=0.1, metadata={"help": "the paper's epsilon_ls"})
+    eval_steps: int = 100
+    num_beams: int = field(default=4, metadata={"help": "beam size when evaluating"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "evaluate on the first N pairs"})
+    validation_size: int = field(default=500, metadata={"help": "pairs held out when no validation_file"})
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_length", "max_steps", "per_device_train_batch_size", "eval_steps", "num_beams"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        if not 0 <= self.label_smoothing_factor < 1:
+            raise ValueError("--label_smoothing_factor must be in [0, 1).")
+
+
+def bleu_metric_fn(tokenizer: Any) -> Any:
+    """`compute_metrics` for `Seq2SeqTrainer(predict_with_generate=True)`: corpus BLEU and chrF."""
+
+    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
+        predictions, labels = prediction.predictions, prediction.label_ids
+        if isinstance(predictions, tuple):
+            predictions = predictions[0]
+        # Padding of generated sequences and of labels is -100 after gathering: decode it as pad.
+        predictions = np.where(predictions != -100, predictions, tokenizer.pad_token_id)
+        labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
+        hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
+        references = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        scores = score_translations(hypotheses, references)
+        lengths = [int(np.count_nonzero(row != tokenizer.pad_token_id)) for row in predictions]
+        return {"bleu": scores["bleu"], "chrf": scores["chrf"], "gen_len": float(np.mean(lengths))}
+
+    return compute_metrics
+
+
+def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
+    """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
+    if Path(config.model).exists() and not (Path(config.model) / "config.json").is_file():
+        raise FileNotFoundError(f"{config.model} is not a model folder (no config.json).")
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    model = AutoModelForSeq2SeqLM.from_pretrained(config.model, trust_remote_code=True)
+    data, report = load_parallel_data(
+        train_file=config.train_file,
+        validation_file=config.validation_file,
+        source_lang=config.source_lang,
+        target_lang=config.target_lang,
+        source_column=config.source_column,
+        target_column=config.target_column,
+        validation_size=config.validation_size,
+        seed=config.seed,
+    )
+    tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
+    columns = ["input_ids", "attention_mask", "labels"]
+    validation = tokenized["validation"]
+    if config.max_eval_samples is not None:
+        validation = validation.select(range(min(config.max_eval_samples, len(validation))))
+
+    arguments = Seq2SeqTrainingArguments(
+        output_dir=config.output_dir,
+        max_steps=config.max_steps,
+        learning_rate=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        lr_scheduler_type="inverse_sqrt",
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_epsilon=1e-9,
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        per_device_eval_batch_size=config.per_device_eval_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        label_smoothing_factor=config.label_smoothing_factor,
+        eval_strategy="steps",
+        eval_steps=config.eval_steps,
+        save_strategy="steps",
+        save_steps=config.eval_steps,
+        save_total_limit=2,
+        logging_steps=max(config.eval_steps // 5, 1),
+        predict_with_generate=True,
+        generation_num_beams=config.num_beams,
+        train_sampling_strategy="group_by_length",
+        length_column_name="source_length",
+        report_to="none",
+        seed=config.seed,
+        **argument_overrides,
+    )
+    return Seq2SeqTrainer(
+        model=model,
+        args=arguments,
+        train_dataset=tokenized["train"].select_columns([*columns, "source_length"]),
+        eval_dataset=validation.select_columns(columns),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        processing_class=tokenizer,
+        compute_metrics=bleu_metric_fn(tokenizer),
+    )
+
+
+def finetune(config: FinetuneConfig) -> dict[str, float]:
+    """Evaluate, fine-tune, evaluate again and save; returns the metrics before and after."""
+    trainer = build_trainer(config)
+    before = trainer.evaluate(metric_key_prefix="before")
+    trainer.train()
+    after = trainer.evaluate(metric_key_prefix="after")
+    trainer.save_model(config.output_dir)
+    return before | after
+
+
+__all__ = ["FinetuneConfig", "bleu_metric_fn", "build_trainer", "finetune"]
