@@ -12,6 +12,7 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerModel,
     VanillaTransformerPreTrainedModel,
 )
+from .pipeline_vanilla_transformer import TranslationPipeline
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ VanillaTransformerForConditionalGeneration.register_for_auto_class("AutoModelFor
 
 __all__ = [
     "PRESETS",
+    "TranslationPipeline",
     "VanillaTransformerConfig",
     "VanillaTransformerForConditionalGeneration",
     "VanillaTransformerModel",

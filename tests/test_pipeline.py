@@ -1,0 +1,86 @@
+"""pipeline("translation") for this model on transformers 5, which removed its own translation pipeline."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import pipeline
+
+from tests.conftest import tiny_model
+from vanilla_transformer import TranslationPipeline
+from vanilla_transformer.tokenization import train_bpe_tokenizer
+from vanilla_transformer.translation import translate
+
+SENTENCES = ["In the beginning, God created the heavens and the earth.", "Jesus wept.", "And God said."]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A small model with a real tokenizer, saved; returns folder, model and tokenizer."""
+    tokenizer = train_bpe_tokenizer(
+        SENTENCES * 10 + ["En el principio crió Dios.", "Y lloró Jesús."] * 10, 99
+    )
+    model = tiny_model(seed=4)
+    folder = tmp_path_factory.mktemp("pipeline") / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
+
+def test_saved_folder_declares_the_pipeline(saved):
+    folder, _, _ = saved
+    config = json.loads((folder / "config.json").read_text())
+    assert (
+        config["custom_pipelines"]["translation"]["impl"]
+        == "pipeline_vanilla_transformer.TranslationPipeline"
+    )
+    assert (folder / "pipeline_vanilla_transformer.py").is_file()
+
+
+def test_wrapping_a_loaded_model_matches_generate(saved):
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer)
+    single = translator(SENTENCES[0], num_beams=1, max_new_tokens=8)
+    assert single == [
+        {"translation_text": translate(model, tokenizer, SENTENCES[:1], num_beams=1, max_new_tokens=8)[0]}
+    ]
+    batched = translator(SENTENCES, batch_size=2, num_beams=3, max_new_tokens=6)
+    expected = [translate(model, tokenizer, [s], num_beams=3, max_new_tokens=6)[0] for s in SENTENCES]
+    assert batched == [{"translation_text": text} for text in expected]
+    with pytest.raises(ValueError, match="string or a list of strings"):
+        translator(42)
+    with pytest.raises(ValueError, match="empty string"):
+        translator("   ")
+
+
+def test_pipeline_task_by_name_from_the_folder(saved):
+    folder, model, tokenizer = saved
+    translator = pipeline("translation", model=str(folder), trust_remote_code=True)
+    expected = translate(model, tokenizer, SENTENCES, num_beams=2, max_new_tokens=5)
+    assert translator(SENTENCES, num_beams=2, max_new_tokens=5) == [{"translation_text": t} for t in expected]
+    with pytest.raises(KeyError, match="removed"):
+        pipeline("translation", model=torch.nn.Linear(1, 1))  # transformers' own task is gone
+
+
+def test_pipeline_without_the_package_installed(saved, tmp_path):
+    folder, model, tokenizer = saved
+    expected = translate(model, tokenizer, SENTENCES, num_beams=4, max_new_tokens=7)
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.modules["vanilla_transformer"] = None
+        from transformers import pipeline
+        translator = pipeline("translation", model={str(folder)!r}, trust_remote_code=True)
+        assert type(translator).__module__.startswith("transformers_modules"), type(translator).__module__
+        print(json.dumps([translator(SENTENCE, max_new_tokens=7) for SENTENCE in {SENTENCES!r}]))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outputs == [[{"translation_text": text}] for text in expected]  # default: beam 4

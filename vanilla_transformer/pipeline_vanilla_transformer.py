@@ -1,0 +1,76 @@
+"""A "translation" pipeline for sequence-to-sequence models (transformers 5 removed its own).
+
+Self-contained (imports only torch and transformers): saved next to the model, with `custom_pipelines`
+in config.json, so that `pipeline("translation", model=FOLDER_OR_REPO, trust_remote_code=True)` works
+where this package is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForSeq2SeqLM, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+
+class TranslationPipeline(Pipeline):
+    """Translate a string or a list of strings with `model.generate`.
+
+    Returns `[{"translation_text": ...}]` per input, as transformers' translation pipeline did before
+    version 5. Generation options (`num_beams`, `max_new_tokens`, `length_penalty`, ...) pass through,
+    either at construction or per call; the model's generation config applies otherwise.
+    """
+
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _load_tokenizer = True
+
+    def _sanitize_parameters(
+        self, clean_up_tokenization_spaces: bool | None = None, **generate_kwargs: Any
+    ) -> tuple[dict, dict, dict]:
+        postprocess_params = {}
+        if clean_up_tokenization_spaces is not None:
+            postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
+        return {}, {"generate_kwargs": generate_kwargs}, postprocess_params
+
+    def __call__(self, inputs: str | list[str], **kwargs: Any) -> list:
+        """A sentence gives `[{"translation_text": ...}]`; a list gives one such dict per sentence."""
+        if isinstance(inputs, str):
+            return super().__call__(inputs, **kwargs)
+        if not isinstance(inputs, (list, tuple)) or not all(isinstance(text, str) for text in inputs):
+            raise ValueError("The translation pipeline takes a string or a list of strings.")
+        results = super().__call__(list(inputs), **kwargs)
+        # One translation per sentence: a flat list, as the pipeline of transformers 4 returned.
+        return [result[0] for result in results] if all(len(r) == 1 for r in results) else results
+
+    def preprocess(self, text: str) -> dict[str, torch.Tensor]:
+        if not text.strip():
+            raise ValueError("Cannot translate an empty string.")
+        return self.tokenizer(text, return_tensors="pt")
+
+    def _forward(
+        self, model_inputs: dict[str, torch.Tensor], generate_kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        model_inputs.pop("token_type_ids", None)
+        return {"output_ids": self.model.generate(**model_inputs, **generate_kwargs)}
+
+    def postprocess(
+        self, model_outputs: dict[str, Any], clean_up_tokenization_spaces: bool = False
+    ) -> list[dict[str, str]]:
+        return [
+            {
+                "translation_text": self.tokenizer.decode(
+                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
+                ).strip()
+            }
+            for ids in model_outputs["output_ids"]
+        ]
+
+
+PIPELINE_REGISTRY.register_pipeline(
+    "translation", pipeline_class=TranslationPipeline, pt_model=AutoModelForSeq2SeqLM
+)
+
+__all__ = ["TranslationPipeline"]
