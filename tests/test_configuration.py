@@ -55,6 +55,11 @@ def test_standard_attribute_names_are_aliases():
         ({"position_encoding_layout": "rotary"}, "Unknown `position_encoding_layout`"),
         ({"pad_token_id": 37000}, "`pad_token_id`"),
         ({"eos_token_id": [2, 99999]}, "`eos_token_id`"),
+        ({"decoder_vocab_size": 500}, "`decoder_vocab_size` \\(500\\) differs"),
+        (
+            {"share_encoder_decoder_embeddings": False, "decoder_vocab_size": 0},
+            "`decoder_vocab_size` must be",
+        ),
         ({"layer_norm_eps": 0.0}, "`layer_norm_eps`"),
     ],
 )

@@ -48,8 +48,11 @@ class VanillaTransformerConfig(PretrainedConfig):
         norm_first: False is the paper's post-LN `LayerNorm(x + Sublayer(x))`; True is pre-LN with a
             final LayerNorm on each stack.
         scale_embedding: multiply embeddings by sqrt(d_model) (paper Section 3.4).
-        tie_word_embeddings: share the embedding matrix with the pre-softmax projection. Source and
-            target embeddings are always one matrix (joint vocabulary).
+        tie_word_embeddings: share the (target) embedding matrix with the pre-softmax projection.
+        share_encoder_decoder_embeddings: one matrix for source and target embeddings (the paper's
+            joint vocabulary). False gives the decoder its own vocabulary of `decoder_vocab_size`.
+        decoder_vocab_size: target vocabulary size when the embeddings are not shared.
+        add_final_logits_bias: a bias on the output logits (not in the paper; Marian checkpoints have one).
         position_encoding_layout: "interleaved" (sin on even, cos on odd dimensions: the paper) or
             "concatenated" (all sines then all cosines: transformers' Marian).
         label_smoothing: epsilon_ls of the training loss (paper Section 5.4).
@@ -85,6 +88,9 @@ class VanillaTransformerConfig(PretrainedConfig):
     norm_first: bool = False
     scale_embedding: bool = True
     tie_word_embeddings: bool = True
+    share_encoder_decoder_embeddings: bool = True
+    decoder_vocab_size: int | None = None
+    add_final_logits_bias: bool = False
     position_encoding_layout: str = "interleaved"
     label_smoothing: float | int = 0.1
     use_cache: bool = True
@@ -96,11 +102,19 @@ class VanillaTransformerConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
+        if self.decoder_vocab_size is None:
+            self.decoder_vocab_size = self.vocab_size
         self._check_values()
 
     def _check_values(self) -> None:
+        if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
+            raise ValueError(
+                f"`decoder_vocab_size` ({self.decoder_vocab_size}) differs from `vocab_size` "
+                f"({self.vocab_size}) while `share_encoder_decoder_embeddings` is True (one matrix)."
+            )
         for name in (
             "vocab_size",
+            "decoder_vocab_size",
             "d_model",
             "num_heads",
             "d_ff",
@@ -134,14 +148,15 @@ class VanillaTransformerConfig(PretrainedConfig):
                 f"Unknown `position_encoding_layout` {self.position_encoding_layout!r}; "
                 f"choose one of {POSITION_ENCODING_LAYOUTS}."
             )
-        for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"`{name}` ({value}) must lie in [0, vocab_size={self.vocab_size}).")
+        smallest = min(self.vocab_size, self.decoder_vocab_size)
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        for value in eos:
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"`eos_token_id` ({value}) must lie in [0, vocab_size={self.vocab_size}).")
+        named = [("pad_token_id", self.pad_token_id), ("bos_token_id", self.bos_token_id)]
+        named += [("decoder_start_token_id", self.decoder_start_token_id)] + [
+            ("eos_token_id", e) for e in eos
+        ]
+        for name, value in named:
+            if value is not None and not 0 <= value < smallest:
+                raise ValueError(f"`{name}` ({value}) must lie in [0, {smallest}), the vocabulary size.")
 
     @property
     def head_dim(self) -> int:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 # When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
 # plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").
 DEFAULT_MAX_LENGTH_OFFSET = 50
+# The translation pipeline's module, saved next to every model (see `save_pretrained`).
+PIPELINE_FILE = "pipeline_vanilla_transformer.py"
 
 
 def sinusoidal_position_encoding(
@@ -292,19 +296,36 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        """`PreTrainedModel.save_pretrained`, with `auto_map` naming both model classes.
+        """`PreTrainedModel.save_pretrained`, plus what makes the folder usable without this package.
 
-        Whichever of the two models is saved, the folder then loads with `AutoModel` and
-        `AutoModelForSeq2SeqLM` under `trust_remote_code=True`.
+        `auto_map` names both model classes, so the folder loads with `AutoModel` and
+        `AutoModelForSeq2SeqLM` under `trust_remote_code=True`; and the translation pipeline's code is
+        copied next to the model with `custom_pipelines` in config.json, so that
+        `pipeline("translation", model=folder, trust_remote_code=True)` works (transformers 5 has none).
         """
+        module = __name__.rsplit(".", 1)[-1]
         if self._auto_class is not None:
-            module = __name__.rsplit(".", 1)[-1]
             self.config.auto_map = {
                 **(getattr(self.config, "auto_map", None) or {}),
                 "AutoModel": f"{module}.VanillaTransformerModel",
                 "AutoModelForSeq2SeqLM": f"{module}.VanillaTransformerForConditionalGeneration",
             }
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # Beside this file in the package, and in a remote-code cache once the pipeline has been used.
+        pipeline_file = Path(__file__).with_name(PIPELINE_FILE)
+        pipelines = dict(getattr(self.config, "custom_pipelines", None) or {})
+        if pipeline_file.is_file():
+            pipelines["translation"] = {
+                "impl": f"{pipeline_file.stem}.TranslationPipeline",
+                "pt": ["AutoModelForSeq2SeqLM"],
+                "type": "text",
+            }
+        else:
+            pipelines.pop("translation", None)  # never point at code the folder does not carry
+        self.config.custom_pipelines = pipelines
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if pipeline_file.is_file() and kwargs.get("is_main_process", True):
+            shutil.copyfile(pipeline_file, Path(save_directory) / PIPELINE_FILE)
+        return result
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -318,6 +339,11 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
+        elif (
+            isinstance(module, VanillaTransformerForConditionalGeneration)
+            and module.final_logits_bias is not None
+        ):
+            init.zeros_(module.final_logits_bias)
 
 
 def _check_token_ids(
@@ -451,7 +477,7 @@ class VanillaTransformerDecoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if inputs_embeds is None:
-            _check_token_ids("decoder_input_ids", input_ids, self.config.vocab_size)
+            _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
         if encoder_hidden_states is None:
@@ -512,7 +538,11 @@ class VanillaTransformerDecoder(nn.Module):
 
 
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
-    """Encoder and decoder sharing one embedding matrix (Section 3.4), without the output projection."""
+    """Encoder and decoder sharing one embedding matrix (Section 3.4), without the output projection.
+
+    With `config.share_encoder_decoder_embeddings=False` (Marian checkpoints with two vocabularies)
+    the encoder and the decoder each have their own embedding matrix and there is no `shared`.
+    """
 
     _tied_weights_keys = {
         "encoder.embed_tokens.weight": "shared.weight",
@@ -521,9 +551,20 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
-        self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
-        self.encoder = VanillaTransformerEncoder(config, self.shared)
-        self.decoder = VanillaTransformerDecoder(config, self.shared)
+        if config.share_encoder_decoder_embeddings:
+            self.shared = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_token_id)
+            source_embedding = target_embedding = self.shared
+        else:
+            self.shared = None
+            self._tied_weights_keys = {}
+            source_embedding = nn.Embedding(
+                config.vocab_size, config.d_model, padding_idx=config.pad_token_id
+            )
+            target_embedding = nn.Embedding(
+                config.decoder_vocab_size, config.d_model, padding_idx=config.pad_token_id
+            )
+        self.encoder = VanillaTransformerEncoder(config, source_embedding)
+        self.decoder = VanillaTransformerDecoder(config, target_embedding)
         self.post_init()
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
@@ -534,9 +575,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         return dict(self._tied_weights_keys)
 
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.shared
+        return self.encoder.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
+        if not self.config.share_encoder_decoder_embeddings:
+            raise ValueError(
+                "This model has separate source and target vocabularies; set each embedding itself."
+            )
         self.shared = value
         self.encoder.embed_tokens = value
         self.decoder.embed_tokens = value
@@ -653,7 +698,13 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
         self.model = VanillaTransformerModel(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if not config.share_encoder_decoder_embeddings:
+            self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+        self.lm_head = nn.Linear(config.d_model, config.decoder_vocab_size, bias=False)
+        # Not in the paper; Marian checkpoints carry one (see `convert_from_marian`).
+        self.final_logits_bias = (
+            nn.Parameter(torch.zeros(1, config.decoder_vocab_size)) if config.add_final_logits_bias else None
+        )
         self.post_init()
         # Paper Section 6.1: beam size 4, stop when all beams are finished.
         self.generation_config = GenerationConfig(
@@ -709,7 +760,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             `Seq2SeqLMOutput` with `logits` (B, T, V), `loss`, `cache` and optional attentions.
         """
         if labels is not None:
-            _check_token_ids("labels", labels, self.config.vocab_size, allow_ignore=True)
+            _check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
@@ -728,6 +779,8 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             output_hidden_states=output_hidden_states,
         )
         logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
 
         loss = None
         if labels is not None:
@@ -749,6 +802,16 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
         )
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings`, for the paper's single shared vocabulary."""
+        if not self.config.share_encoder_decoder_embeddings or self.final_logits_bias is not None:
+            raise ValueError(
+                "Resizing needs one shared vocabulary and no final logits bias (a converted Marian model)."
+            )
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
+        return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Teacher-forcing decoder inputs for `DataCollatorForSeq2Seq`: labels shifted right."""

@@ -1,0 +1,31 @@
+"""Convert an OPUS-MT / Marian checkpoint (a folder or a Hub id) into a vanilla_transformer model folder.
+
+    python scripts/convert_marian.py --model Helsinki-NLP/opus-mt-en-de --output outputs/opus-mt-en-de
+
+The folder then loads with AutoModelForSeq2SeqLM (trust_remote_code=True where the package is not
+installed) and gives the same logits and generations as the MarianMTModel. The Marian tokenizer is
+copied along (it needs the `sentencepiece` package).
+"""
+
+import argparse
+
+from transformers import AutoTokenizer, MarianMTModel
+
+from vanilla_transformer.conversion import convert_from_marian
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", required=True, help="Marian model folder or Hub id")
+parser.add_argument("--output", required=True, help="folder to write")
+args = parser.parse_args()
+try:
+    marian = MarianMTModel.from_pretrained(args.model)
+    model = convert_from_marian(marian)
+except (OSError, ValueError) as error:
+    parser.error(str(error))
+model.save_pretrained(args.output)
+try:
+    AutoTokenizer.from_pretrained(args.model).save_pretrained(args.output)
+except (OSError, ValueError, ImportError) as error:
+    print(f"model written to {args.output}; its tokenizer was not copied: {error}")
+else:
+    print(f"model and tokenizer written to {args.output}")

@@ -1,0 +1,127 @@
+"""OPUS-MT / Marian import: identical logits and generate() output, on randomly initialised MarianMTModels."""
+
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
+
+from vanilla_transformer import VanillaTransformerForConditionalGeneration
+from vanilla_transformer.conversion import config_from_marian, convert_from_marian
+
+VARIANTS = {
+    # The OPUS-MT layout: shared vocabulary, swish, scaled embeddings, tied output projection.
+    "opus-mt": {"activation_function": "swish"},
+    "separate-vocabularies": {
+        "share_encoder_decoder_embeddings": False,
+        "decoder_vocab_size": 71,
+        "pad_token_id": 70,
+        "decoder_start_token_id": 70,
+        "activation_function": "relu",
+        "encoder_layers": 3,
+        "decoder_layers": 1,
+        "scale_embedding": False,
+    },
+    "untied-gelu": {
+        "activation_function": "gelu",
+        "tie_word_embeddings": False,
+        "d_model": 48,
+        "encoder_ffn_dim": 40,
+        "decoder_ffn_dim": 40,
+        "encoder_attention_heads": 6,
+        "decoder_attention_heads": 6,
+    },
+}
+
+
+def marian_model(**overrides) -> MarianMTModel:
+    values = {
+        "vocab_size": 99,
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "max_position_embeddings": 256,
+        "scale_embedding": True,
+        "pad_token_id": 98,
+        "decoder_start_token_id": 98,
+        "eos_token_id": 0,
+        "forced_eos_token_id": 0,
+    }
+    torch.manual_seed(0)
+    config = MarianConfig(**{**values, **overrides})
+    config._attn_implementation = "eager"
+    model = MarianMTModel(config).eval()
+    with torch.no_grad():  # Marian's bias starts at zero; make it matter
+        model.final_logits_bias.normal_(0, 0.5)
+    return model
+
+
+def inputs(config: MarianConfig) -> dict[str, torch.Tensor]:
+    """Three source sentences ending in </s> (id 0), the last one padded, and decoder inputs."""
+    generator = torch.Generator().manual_seed(1)
+    source = torch.randint(1, 60, (3, 11), generator=generator)
+    source[:, -1] = 0
+    mask = torch.ones_like(source)
+    source[2, 7:], mask[2, 7:] = config.pad_token_id, 0
+    source[2, 6] = 0
+    target = torch.randint(1, 60, (3, 6), generator=generator)
+    return {"input_ids": source, "attention_mask": mask, "decoder_input_ids": target}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_converted_model_has_identical_logits_and_generations(variant, tmp_path):
+    marian = marian_model(**VARIANTS[variant])
+    ours = convert_from_marian(marian)
+    assert isinstance(ours, VanillaTransformerForConditionalGeneration)
+    assert ours.config.position_encoding_layout == "concatenated"
+    batch = inputs(marian.config)
+    with torch.no_grad():
+        expected = marian(**batch).logits
+        torch.testing.assert_close(ours(**batch).logits, expected, atol=1e-5, rtol=1e-5)
+
+    generate = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "max_new_tokens": 12,
+    }
+    for options in ({"num_beams": 1, "do_sample": False}, {"num_beams": 4}):
+        torch.testing.assert_close(
+            ours.generate(**generate, **options), marian.generate(**generate, **options)
+        )
+
+    # The converted model saves and loads like any other.
+    ours.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, expected, atol=1e-5, rtol=1e-5)
+    tied = marian.config.tie_word_embeddings
+    assert (loaded.lm_head.weight is loaded.model.decoder.embed_tokens.weight) == tied
+
+
+def test_separate_vocabularies_keep_their_sizes():
+    ours = convert_from_marian(marian_model(**VARIANTS["separate-vocabularies"]))
+    assert ours.model.shared is None
+    assert ours.model.encoder.embed_tokens.weight.shape == (99, 32)
+    assert ours.model.decoder.embed_tokens.weight.shape == (71, 32)
+    assert ours.lm_head.weight.shape == (71, 32) and ours.final_logits_bias.shape == (1, 71)
+    with pytest.raises(ValueError, match="`decoder_input_ids` holds ids"):
+        ours(input_ids=torch.tensor([[5, 0]]), decoder_input_ids=torch.tensor([[80]]))
+
+
+def test_unsupported_marian_configurations_are_refused():
+    with pytest.raises(ValueError, match="attention heads"):
+        config_from_marian(MarianConfig(encoder_attention_heads=4, decoder_attention_heads=8, d_model=32))
+    with pytest.raises(ValueError, match="feed-forward widths differ"):
+        config_from_marian(
+            MarianConfig(
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=32,
+                d_model=32,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+            )
+        )
+    with pytest.raises(ValueError, match="Expected a MarianMTModel"):
+        convert_from_marian(torch.nn.Linear(2, 2))

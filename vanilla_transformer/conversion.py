@@ -1,0 +1,102 @@
+"""Import OPUS-MT / Marian checkpoints (transformers' `MarianMTModel`) as this package's model.
+
+Marian models are post-LN Transformers with sinusoidal positions, like the paper's, with a few
+differences this conversion carries over: the positions' concatenated (sin half, cos half) layout,
+the activation (OPUS-MT uses swish), a bias on the output logits, optionally separate source and
+target vocabularies, and the pad token as decoder start. Logits and `generate()` outputs are identical.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, MarianConfig, MarianMTModel
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+
+def config_from_marian(marian: MarianConfig) -> VanillaTransformerConfig:
+    """The configuration of the same network; raises ValueError for what the paper's model cannot express."""
+    if marian.encoder_attention_heads != marian.decoder_attention_heads:
+        raise ValueError(
+            f"Encoder and decoder have {marian.encoder_attention_heads} and {marian.decoder_attention_heads} "
+            "attention heads; this model uses one head count for both."
+        )
+    if marian.encoder_ffn_dim != marian.decoder_ffn_dim:
+        raise ValueError(
+            f"Encoder and decoder feed-forward widths differ ({marian.encoder_ffn_dim} and "
+            f"{marian.decoder_ffn_dim}); this model uses one d_ff for both."
+        )
+    shared = marian.share_encoder_decoder_embeddings
+    config = VanillaTransformerConfig(
+        vocab_size=marian.vocab_size,
+        decoder_vocab_size=marian.vocab_size if shared else marian.decoder_vocab_size,
+        share_encoder_decoder_embeddings=shared,
+        d_model=marian.d_model,
+        num_heads=marian.encoder_attention_heads,
+        d_ff=marian.encoder_ffn_dim,
+        num_encoder_layers=marian.encoder_layers,
+        num_decoder_layers=marian.decoder_layers,
+        dropout=marian.dropout,
+        attention_dropout=marian.attention_dropout,
+        activation_dropout=marian.activation_dropout,
+        activation_function=marian.activation_function,
+        layer_norm_eps=1e-5,  # torch's LayerNorm default, which Marian uses
+        norm_first=False,
+        scale_embedding=marian.scale_embedding,
+        tie_word_embeddings=marian.tie_word_embeddings,
+        position_encoding_layout="concatenated",
+        add_final_logits_bias=True,
+        label_smoothing=0.0,  # Marian's loss is plain cross entropy
+        pad_token_id=marian.pad_token_id,
+        bos_token_id=marian.bos_token_id,
+        eos_token_id=marian.eos_token_id,
+        decoder_start_token_id=marian.decoder_start_token_id,
+    )
+    config._attn_implementation = marian._attn_implementation
+    return config
+
+
+def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForConditionalGeneration:
+    """A `VanillaTransformerForConditionalGeneration` with the same weights and generation config.
+
+    Module names already match (both follow BART's); the sinusoidal tables Marian stores are dropped
+    because this model computes positions. Embedding sharing and output tying follow the weights.
+    The generation config is Marian's, unchanged, so that `generate()` gives the same tokens
+    (including its length limits).
+    """
+    if not isinstance(marian_model, MarianMTModel):
+        raise ValueError(f"Expected a MarianMTModel, got {type(marian_model).__name__}.")
+    config = config_from_marian(marian_model.config)
+    # Which matrices are one and the same is read off the weights, not the flags: a MarianMTModel
+    # created with tie_word_embeddings=False has three independent embedding matrices.
+    source = marian_model.model.encoder.embed_tokens.weight
+    target = marian_model.model.decoder.embed_tokens.weight
+    config.share_encoder_decoder_embeddings = source.shape == target.shape and torch.equal(source, target)
+    config.decoder_vocab_size = target.shape[0]
+    config.tie_word_embeddings = torch.equal(marian_model.lm_head.weight, target)
+
+    state = {
+        k: v
+        for k, v in marian_model.state_dict().items()
+        if "embed_positions" not in k and not k.endswith(("shared.weight", "embed_tokens.weight"))
+    }
+    if config.share_encoder_decoder_embeddings:
+        state["model.shared.weight"] = source
+    else:
+        state["model.encoder.embed_tokens.weight"] = source
+        state["model.decoder.embed_tokens.weight"] = target
+    with torch.device("meta"):
+        model = VanillaTransformerForConditionalGeneration(config)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    untied = set(result.missing_keys) - set(model.all_tied_weights_keys)
+    if untied or result.unexpected_keys:
+        raise ValueError(
+            f"Marian weights do not map onto the model: missing {untied}, extra {result.unexpected_keys}"
+        )
+    model.tie_weights()
+    model.generation_config = GenerationConfig.from_dict(marian_model.generation_config.to_dict())
+    return model.to(marian_model.dtype).train(marian_model.training)
+
+
+__all__ = ["config_from_marian", "convert_from_marian"]
