@@ -34,6 +34,7 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, get_inverse_sqrt
 from .batching import TokenBatchSampler
 from .cli import parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
+from .hub import check_repo_id, push_model_folder, resolve_token
 from .metrics import score_translations
 from .model_card import write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
@@ -164,6 +165,9 @@ class TrainingConfig:
         default=None, metadata={"help": "score only the first N test pairs at the end (default: all)"}
     )
     logging_steps: int = 50
+    push_to_hub: bool = field(default=False, metadata={"help": "upload the final folder to the Hub"})
+    hub_model_id: str | None = field(default=None, metadata={"help": "namespace/name (default: output name)"})
+    hub_private: bool = field(default=False, metadata={"help": "create the Hub repo as private"})
     report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker, or 'none'"})
 
     def __post_init__(self) -> None:
@@ -368,6 +372,9 @@ def translate_sharded(
 def train(config: TrainingConfig) -> dict[str, Any]:
     """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`)."""
     output_dir = Path(config.output_dir)
+    if config.push_to_hub:  # fail now, not after training
+        check_repo_id(config.hub_model_id or output_dir.name)
+        resolve_token()
     resume_path = (
         resolve_checkpoint(output_dir, config.resume_from_checkpoint)
         if config.resume_from_checkpoint
@@ -618,6 +625,11 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         write_model_folder(
             config, output_dir, unwrapped, tokenizer, metrics, samples, state, tokenized, accelerator
         )
+        if config.push_to_hub:
+            metrics["hub_commit"] = push_model_folder(
+                output_dir, config.hub_model_id or output_dir.name, private=config.hub_private
+            )
+            log(f"uploaded to the Hub: {metrics['hub_commit']}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"metrics": metrics, "samples": samples, "history": state["history"]}

@@ -1,0 +1,26 @@
+"""Publish a trained model folder to the Hugging Face Hub (weights, config, code, tokenizer, card).
+
+    python scripts/push_to_hub.py --folder outputs/tiny-en-es --repo_id your-name/transformer-tiny-en-es
+
+The token comes from --token, HF_TOKEN or `hf auth login`. The folder is checked first: a missing
+file, an invalid repo id or a missing token stop with a message before anything is uploaded.
+"""
+
+import argparse
+
+from vanilla_transformer.hub import push_model_folder
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--folder", required=True, help="model folder written by scripts/train.py")
+parser.add_argument("--repo_id", required=True, help="namespace/name on the Hub")
+parser.add_argument("--token", help="default: HF_TOKEN or the token saved by `hf auth login`")
+parser.add_argument("--private", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument("--commit_message", default="Upload vanilla_transformer model")
+args = parser.parse_args()
+try:
+    url = push_model_folder(
+        args.folder, args.repo_id, token=args.token, private=args.private, commit_message=args.commit_message
+    )
+except (OSError, ValueError) as error:
+    parser.error(str(error))
+print(f"uploaded: {url}")

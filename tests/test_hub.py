@@ -1,0 +1,311 @@
+"""Publishing to the Hub and loading back by repo id, against a Hub-compatible server on localhost.
+
+huggingface.co cannot be reached here. `olah` (a self-hosted Hub mirror) serves the Hub's *download*
+API for real from a local git repository: resolve, revisions, file listings. It has no upload API, so
+the two calls through which uploads reach the network, `HfApi.create_repo` and `HfApi.create_commit`,
+are redirected into that git repository. Everything above them is real (folder checks, file
+selection, commit operations); the upload wire protocol itself (preupload, LFS/Xet) is not exercised
+here. `test_real_hub_round_trip` does that, and runs only with a token and network access.
+"""
+
+import http.client
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, RepoUrl
+
+from tests.conftest import tiny_model
+from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.hub import check_model_folder, push_model_folder
+from vanilla_transformer.metrics import score_translations
+from vanilla_transformer.model_card import write_model_card
+from vanilla_transformer.tokenization import train_bpe_tokenizer
+from vanilla_transformer.translation import translate
+
+REPO_ID = "vanilla-tests/transformer-tiny-en-es"
+SENTENCES = ["In the beginning, God created the heavens and the earth.", "Jesus wept."]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    """A small model folder as the training script writes it, with a card holding its measured scores."""
+    folder = tmp_path_factory.mktemp("hub") / "model"
+    test = load_default_corpus()["test"].select(range(8))
+    tokenizer = train_bpe_tokenizer(list(test["en"]) * 5 + list(test["es"]) * 5 + SENTENCES * 5, 99)
+    model = tiny_model(seed=4)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    hypotheses = translate(model, tokenizer, test["en"], num_beams=2, max_new_tokens=8)
+    scores = score_translations(hypotheses, test["es"])
+    write_model_card(
+        folder,
+        model_name="transformer-tiny-en-es",
+        config=model.config,
+        metrics={k: scores[k] for k in ("bleu", "chrf", "bleu_signature")},
+        training={},
+        dataset={"name": "WEB-derived / Reina-Valera 1909 Bible verses (en-es)", "test_pairs": len(test)},
+        source_lang="en",
+        target_lang="es",
+    )
+    (folder / "checkpoints" / "step-1").mkdir(parents=True)  # training by-products stay local
+    (folder / "checkpoints" / "step-1" / "optimizer.bin").write_bytes(b"\0" * 16)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def git(repo: Path, *args: str) -> str:
+    result = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True)
+    return result.stdout.strip()
+
+
+@pytest.fixture
+def local_hub(tmp_path, monkeypatch):
+    """olah on 127.0.0.1, serving git repositories under `mirrors/`, behind `NotFoundAs404`.
+
+    Yields the endpoint clients use and the mirrors folder.
+    """
+    olah = shutil.which("olah-cli")
+    assert olah, "olah-cli is missing: install the test extra, pip install -e '.[test]'"
+    port, mirrors = free_port(), tmp_path / "mirrors"
+    (mirrors / "models").mkdir(parents=True)
+    config = tmp_path / "olah.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""
+            [basic]
+            host = "127.0.0.1"
+            port = {port}
+            repos-path = "{tmp_path / "repos"}"
+            mirror-netloc = "127.0.0.1:{port}"
+            mirror-lfs-netloc = "127.0.0.1:{port}"
+            mirrors-path = ["{mirrors}"]
+
+            [accessibility]
+            offline = true
+            """
+        )
+    )
+    log = (tmp_path / "olah.log").open("w")
+    server = subprocess.Popen(
+        [olah, "--config", str(config)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                assert server.poll() is None, (tmp_path / "olah.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "olah did not start within 60 s"
+                time.sleep(0.3)
+        handler = type("Handler", (NotFoundAs404,), {"upstream": f"127.0.0.1:{port}"})
+        proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{proxy.server_address[1]}"
+        redirect_uploads(monkeypatch, endpoint, mirrors)
+        try:
+            yield endpoint, mirrors
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+        log.close()
+
+
+class NotFoundAs404(http.server.BaseHTTPRequestHandler):
+    """Forwards to olah, answering 404 EntryNotFound where olah answers 401 for a missing file or folder.
+
+    transformers probes optional files (tokenizer.model, chat templates, ...) and expects the Hub's 404
+    for those it lacks; olah's 401 reads as "repository not found" and aborts the load.
+    """
+
+    upstream = ""  # "127.0.0.1:PORT", set per server
+
+    def forward(self) -> None:
+        connection = http.client.HTTPConnection(self.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+        connection.request(self.command, self.path, headers=headers)
+        response = connection.getresponse()
+        body = response.read()
+        status = 404 if response.status == 401 else response.status
+        self.send_response(status)
+        # A HEAD answer keeps olah's Content-Length: it announces the size of the file.
+        dropped = ("transfer-encoding", "connection") + (
+            () if self.command == "HEAD" else ("content-length",)
+        )
+        for key, value in response.getheaders():
+            if key.lower() not in dropped:
+                self.send_header(key, value)
+        if status == 404:
+            self.send_header("X-Error-Code", "EntryNotFound")
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        connection.close()
+
+    do_GET = do_HEAD = forward
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def redirect_uploads(monkeypatch, endpoint: str, mirrors: Path) -> None:
+    """Replace create_repo and create_commit by writes and commits in olah's git repositories."""
+
+    def create_repo(self, repo_id, *, private=False, exist_ok=False, repo_type=None, **kwargs):
+        repo = mirrors / "models" / repo_id
+        if (repo / ".git").is_dir() and not exist_ok:
+            raise FileExistsError(repo_id)
+        repo.mkdir(parents=True, exist_ok=True)
+        git(repo, "init", "-q", "-b", "main")
+        return RepoUrl(f"{endpoint}/{repo_id}", endpoint=endpoint)
+
+    def create_commit(self, repo_id, operations, *, commit_message, repo_type=None, **kwargs):
+        repo = mirrors / "models" / repo_id
+        for operation in operations:
+            target = repo / operation.path_in_repo
+            if isinstance(operation, CommitOperationAdd):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = operation.path_or_fileobj
+                if isinstance(source, (str, Path)):
+                    shutil.copyfile(source, target)
+                else:
+                    target.write_bytes(source if isinstance(source, bytes) else source.read())
+            elif isinstance(operation, CommitOperationDelete):
+                target.unlink()
+        git(repo, "add", "-A")
+        git(
+            repo,
+            "-c",
+            "user.name=test",
+            "-c",
+            "user.email=test@localhost",
+            "commit",
+            "-q",
+            "-m",
+            commit_message,
+        )
+        oid = git(repo, "rev-parse", "HEAD")
+        return CommitInfo(f"{endpoint}/{repo_id}/commit/{oid}", commit_message, "", oid, _endpoint=endpoint)
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+
+
+def test_push_and_load_by_repo_id_without_the_package(model_folder, local_hub, tmp_path, monkeypatch):
+    endpoint, mirrors = local_hub
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    url = push_model_folder(model_folder, REPO_ID, token="hf_dummy", endpoint=endpoint)
+    assert url.startswith(f"{endpoint}/{REPO_ID}/commit/")
+    uploaded = set(git(mirrors / "models" / REPO_ID, "ls-files").splitlines())
+    assert {"model.safetensors", "config.json", "README.md", "pipeline_vanilla_transformer.py"} <= uploaded
+    assert not any(name.startswith("checkpoints/") for name in uploaded)
+
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    expected = translate(model, tokenizer, SENTENCES, max_new_tokens=9)  # beam 4 by default
+
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.modules["vanilla_transformer"] = None  # the package cannot be imported
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+        repo = {REPO_ID!r}
+        config = AutoConfig.from_pretrained(repo, trust_remote_code=True)
+        tokenizer = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
+        model = AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_code=True)
+        batch = tokenizer({SENTENCES!r}, padding=True, return_tensors="pt")
+        batch.pop("token_type_ids", None)
+        output_ids = model.generate(**batch, max_new_tokens=9)
+        generated = tokenizer.batch_decode(output_ids, skip_special_tokens=True)
+        translator = pipeline("translation", model=repo, trust_remote_code=True)
+        piped = [out["translation_text"] for out in translator({SENTENCES!r}, max_new_tokens=9)]
+        print(json.dumps({{"type": config.model_type, "generated": generated, "piped": piped}}))
+        """
+    )
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_TOKEN": "hf_dummy",
+        "HF_HOME": str(tmp_path / "hf_home"),
+    }
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outputs["type"] == "vanilla_transformer"
+    assert [t.strip() for t in outputs["generated"]] == expected
+    assert outputs["piped"] == expected
+    assert any((tmp_path / "hf_home").rglob("model.safetensors")), "the weights came over HTTP into the cache"
+
+
+def test_push_refuses_bad_input_before_uploading(model_folder, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda *a, **k: calls.append("create_repo"))
+    monkeypatch.setattr(HfApi, "create_commit", lambda *a, **k: calls.append("create_commit"))
+    with pytest.raises(ValueError, match="Invalid Hub repo id"):
+        push_model_folder(model_folder, "not a repo id!", token="hf_dummy")
+    with pytest.raises(FileNotFoundError, match=r"missing model\.safetensors"):
+        empty = tmp_path / "incomplete"
+        shutil.copytree(model_folder, empty, ignore=shutil.ignore_patterns("model.safetensors"))
+        push_model_folder(empty, REPO_ID, token="hf_dummy")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no_token_home"))
+    with pytest.raises(ValueError, match="No Hugging Face token"):
+        push_model_folder(model_folder, REPO_ID)
+    assert calls == []
+    card = check_model_folder(model_folder)
+    assert card.data.pipeline_tag == "translation"
+    assert json.loads((model_folder / "config.json").read_text())["custom_pipelines"]
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HF_TOKEN") or os.environ.get("HF_HUB_OFFLINE") == "1",
+    reason="needs HF_TOKEN and access to huggingface.co",
+)
+def test_real_hub_round_trip(model_folder, tmp_path):
+    api = HfApi()
+    repo_id = f"{api.whoami()['name']}/vanilla-transformer-test-{os.getpid()}"
+    try:
+        push_model_folder(model_folder, repo_id, private=True)
+        from transformers import AutoModelForSeq2SeqLM
+
+        loaded = AutoModelForSeq2SeqLM.from_pretrained(repo_id, trust_remote_code=True, cache_dir=tmp_path)
+        assert loaded.config.model_type == "vanilla_transformer"
+    finally:
+        api.delete_repo(repo_id, missing_ok=True)

@@ -1,0 +1,107 @@
+"""Publishing a trained model folder to the Hugging Face Hub, checked before anything is sent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, get_token
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+# What a folder written by the training script holds and a Hub user needs: weights, configuration
+# with auto_map and custom_pipelines, the code they point to, tokenizer, generation defaults, card.
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "configuration_vanilla_transformer.py",
+    "modeling_vanilla_transformer.py",
+    "pipeline_vanilla_transformer.py",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "README.md",
+)
+# Training by-products that stay local: folders of the output directory.
+LOCAL_ONLY = ("checkpoints", "logs", "tokenizer")
+
+
+def check_repo_id(repo_id: str) -> str:
+    """`namespace/name` (or `name`), as the Hub accepts it; a ValueError says what is wrong."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"Invalid Hub repo id {repo_id!r}: {error}") from None
+    return repo_id
+
+
+def resolve_token(token: str | None = None) -> str:
+    """The token to publish with: the argument, else HF_TOKEN or the one saved by `hf auth login`."""
+    token = token or get_token()
+    if not token:
+        raise ValueError("No Hugging Face token: set HF_TOKEN, run `hf auth login`, or pass --token.")
+    return token
+
+
+def check_model_folder(folder: str | Path) -> ModelCard:
+    """Raise unless `folder` is a complete trained model folder; returns its parsed model card.
+
+    The card's YAML metadata is parsed by huggingface_hub (`ModelCard`/`ModelCardData`), including the
+    model-index with the measured scores.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"No model folder at {folder}.")
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{folder} is not a complete trained model folder (missing {', '.join(missing)}); "
+            "write one with scripts/train.py."
+        )
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != "vanilla_transformer":
+        raise ValueError(
+            f"{folder} holds a {config.get('model_type')!r} model, not a vanilla_transformer one."
+        )
+    if "translation" not in (config.get("custom_pipelines") or {}) or "AutoModelForSeq2SeqLM" not in (
+        config.get("auto_map") or {}
+    ):
+        raise ValueError(f"{folder}/config.json lacks auto_map or custom_pipelines; re-save the model.")
+    card = ModelCard.load(folder / "README.md")
+    if not card.data.eval_results:
+        raise ValueError(f"The model card in {folder} has no model-index with results.")
+    return card
+
+
+def push_model_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload vanilla_transformer model",
+    endpoint: str | None = None,
+) -> str:
+    """Create the repo if needed and upload the folder in one commit; returns the commit URL.
+
+    Training by-products (checkpoints, logs, the tokenizer's working copy) stay local. `endpoint`
+    selects another Hub deployment (default: HF_ENDPOINT or huggingface.co).
+    """
+    check_repo_id(repo_id)
+    check_model_folder(folder)
+    folder = Path(folder)
+    api = HfApi(token=resolve_token(token), endpoint=endpoint)
+    files = sorted(
+        path
+        for path in folder.rglob("*")
+        if path.is_file()
+        and path.relative_to(folder).parts[0] not in LOCAL_ONLY
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+    operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), str(path)) for path in files]
+    repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    commit = api.create_commit(repo.repo_id, operations, commit_message=commit_message, repo_type="model")
+    return commit.commit_url
+
+
+__all__ = ["check_model_folder", "check_repo_id", "push_model_folder", "resolve_token"]
