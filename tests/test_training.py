@@ -86,7 +86,11 @@ def test_training_writes_a_complete_model_folder(trained):
 
     files = {p.name for p in output_dir.iterdir()}
     expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"}
-    expected |= {"modeling_vanilla_transformer.py", "configuration_vanilla_transformer.py"}
+    expected |= {
+        "modeling_vanilla_transformer.py",
+        "configuration_vanilla_transformer.py",
+        "pipeline_vanilla_transformer.py",
+    }
     expected |= {"metrics.json", "training_curves.png", "logs"}
     assert expected <= files
     assert (output_dir / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
