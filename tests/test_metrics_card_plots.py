@@ -76,7 +76,7 @@ def test_perfect_translations_score_100():
 @pytest.mark.parametrize(
     ("predictions", "references", "match"),
     [
-        (PREDICTIONS[:3], REFERENCES, "3 predictions but 4 references"),
+        (PREDICTIONS[:3], REFERENCES, r"number of predictions \(3\) and references \(4\)"),
         ([], [], "empty"),
         ("a sentence", "a sentence", "not a single string"),
     ],

@@ -40,15 +40,10 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
     """
     if isinstance(predictions, str) or isinstance(references, str):
         raise ValueError("`predictions` and `references` must be sequences of strings, not a single string.")
-    predictions, references = list(predictions), list(references)
-    if len(predictions) != len(references):
-        raise ValueError(
-            f"Got {len(predictions)} predictions but {len(references)} references; "
-            "pass exactly one reference per prediction."
-        )
-    if not predictions:
-        raise ValueError("No predictions to score: `predictions` and `references` are empty.")
-    return load_translation_metric().compute(predictions=predictions, references=references, **kwargs)
+    # Length and emptiness are checked by evaluate and by the metric module itself.
+    return load_translation_metric().compute(
+        predictions=list(predictions), references=list(references), **kwargs
+    )
 
 
 __all__ = ["load_translation_metric", "metric_module_path", "score_translations"]
