@@ -1,0 +1,41 @@
+"""Benchmark this model against transformers' MarianMTModel of identical shape; print tables.
+
+    python scripts/benchmark.py                                   # tiny and base presets, CPU, float32
+    python scripts/benchmark.py --presets tiny --json bench.json --plot docs/attention_scaling.png
+    python scripts/benchmark.py --device cuda --dtype bfloat16
+
+Logic in vanilla_transformer.benchmark.
+"""
+
+import argparse
+
+from vanilla_transformer.benchmark import format_tables, run, save_json
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+parser.add_argument("--max_tokens", type=int, default=4096, help="source + target tokens per training batch")
+parser.add_argument("--batches", type=int, default=4, help="training batches per round")
+parser.add_argument("--rounds", type=int, default=2, help="passes over those batches")
+parser.add_argument("--repeats", type=int, default=3, help="timed runs of each generate() call")
+parser.add_argument("--attention_lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
+parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
+parser.add_argument("--json", help="also write every measurement here")
+parser.add_argument("--plot", default="attention_scaling.png", help="log-log plot of attention cost")
+args = parser.parse_args()
+results = run(
+    args.presets,
+    device=args.device,
+    dtype=args.dtype,
+    max_tokens=args.max_tokens,
+    batches=args.batches,
+    rounds=args.rounds,
+    repeats=args.repeats,
+    attention_lengths=args.attention_lengths,
+    memory=args.memory,
+    plot_path=args.plot if args.attention_lengths else None,
+)
+print(format_tables(results))
+if args.json:
+    save_json(results, args.json)

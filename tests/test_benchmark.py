@@ -1,0 +1,65 @@
+"""The benchmark compares like with like: MarianMTModel of the same shape, the same batches."""
+
+import torch
+
+from tests.conftest import tiny_config
+from vanilla_transformer.benchmark import (
+    benchmark_generate,
+    build_model,
+    corpus_batches,
+    format_tables,
+    marian_like,
+    step_flops,
+)
+from vanilla_transformer.conversion import config_from_marian
+from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+
+def test_marian_counterpart_has_the_same_architecture_and_size():
+    config = tiny_config(num_encoder_layers=3)
+    models = {kind: build_model(kind, config, "cpu", torch.float32) for kind in ("ours", "marian")}
+    trained = {kind: sum(p.numel() for p in m.parameters() if p.requires_grad) for kind, m in models.items()}
+    # Marian's frozen position tables and its final-logits-bias buffer are not trained.
+    assert trained["marian"] == trained["ours"]
+    back = config_from_marian(marian_like(config))
+    for field in ("d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers", "vocab_size"):
+        assert getattr(back, field) == getattr(config, field), field
+    assert back.activation_function == "relu" and back.scale_embedding and back.tie_word_embeddings
+    assert (
+        models["marian"].config._attn_implementation == models["ours"].config._attn_implementation == "sdpa"
+    )
+
+
+def test_batches_flops_and_tables():
+    train = load_default_corpus()["train"].select(range(2000))
+    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), 300)
+    bucketed = corpus_batches(tokenizer, 1024, 3, padding_heavy=False)
+    heavy = corpus_batches(tokenizer, 1024, 3, padding_heavy=True)
+
+    def padding(batches):
+        return 1 - sum(int((b["labels"] != -100).sum()) for b in batches) / sum(
+            b["labels"].numel() for b in batches
+        )
+
+    assert padding(heavy) > padding(bucketed) + 0.1
+    assert [len(b["input_ids"]) for b in heavy] == [len(b["input_ids"]) for b in bucketed]
+    config = tiny_config(vocab_size=len(tokenizer))
+    model = build_model("ours", config, "cpu", torch.float32)
+    batch = bucketed[0]
+    tokens = batch["labels"].numel()
+    # Forward + backward of the output projection alone is 3 x 2 x tokens x d_model x vocab FLOPs.
+    assert step_flops(model, batch) > 6 * tokens * config.d_model * config.vocab_size
+    models = {"ours": model, "marian": build_model("marian", config, "cpu", torch.float32)}
+    timings = benchmark_generate(models, "cpu", batch_size=2, num_beams=2, repeats=1)
+    table = format_tables(
+        {
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": 2,
+            "torch": torch.__version__,
+            "matmul_peak_flops": 1e9,
+            "presets": {"tiny": {"generate beam 2 batch 2": timings}},
+        }
+    )
+    assert "| tiny | generate beam 2 batch 2 (s) |" in table

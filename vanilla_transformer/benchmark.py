@@ -1,0 +1,443 @@
+"""Side-by-side speed and memory of this model and transformers' MarianMTModel at the same shape.
+
+MarianMTModel is configured as the paper's model (post-LN, ReLU, scaled embeddings, one tied
+embedding matrix, same d_model/heads/d_ff/layers/vocabulary) and both run the same inputs, in
+alternation, in one process, so that machine noise hits both alike; medians of repeated runs are
+reported. Peak memory is measured in a fresh child process per model: its resident memory, sampled
+every millisecond during three training steps, above the level after building the model (on a
+GPU, CUDA's peak allocation above the allocation before the steps).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
+
+from .batching import TokenBatchSampler
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .corpus import load_default_corpus
+from .modeling_vanilla_transformer import (
+    VanillaTransformerEncoderLayer,
+    VanillaTransformerForConditionalGeneration,
+)
+from .tokenization import train_bpe_tokenizer
+
+MODELS = ("ours", "marian")
+
+
+def marian_like(config: VanillaTransformerConfig) -> MarianConfig:
+    """A MarianConfig of the same network as `config` (post-LN, ReLU, scaled, tied embeddings)."""
+    return MarianConfig(
+        vocab_size=config.vocab_size,
+        d_model=config.d_model,
+        encoder_layers=config.num_encoder_layers,
+        decoder_layers=config.num_decoder_layers,
+        encoder_attention_heads=config.num_heads,
+        decoder_attention_heads=config.num_heads,
+        encoder_ffn_dim=config.d_ff,
+        decoder_ffn_dim=config.d_ff,
+        activation_function=config.activation_function,
+        dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
+        activation_dropout=config.activation_dropout,
+        scale_embedding=config.scale_embedding,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+        pad_token_id=config.pad_token_id,
+        eos_token_id=config.eos_token_id,
+        decoder_start_token_id=config.decoder_start_token_id,
+        forced_eos_token_id=None,
+    )
+
+
+def build_model(
+    kind: str, config: VanillaTransformerConfig, device: str, dtype: torch.dtype
+) -> torch.nn.Module:
+    """This package's model or the equivalent MarianMTModel, both with SDPA attention."""
+    torch.manual_seed(0)
+    if kind == "ours":
+        config = VanillaTransformerConfig(**config.to_dict())
+        config._attn_implementation = "sdpa"
+        model = VanillaTransformerForConditionalGeneration(config)
+    elif kind == "marian":
+        marian = marian_like(config)
+        marian._attn_implementation = "sdpa"
+        model = MarianMTModel(marian)
+    else:
+        raise ValueError(f"Unknown model {kind!r}; choose one of {MODELS}.")
+    return model.to(device=device, dtype=dtype)
+
+
+def corpus_batches(
+    tokenizer: Any, max_tokens: int, count: int, *, padding_heavy: bool, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Training batches of real sentence pairs from the embedded corpus.
+
+    Length-bucketed: TokenBatchSampler's batches. Padding-heavy: the same number of pairs per batch,
+    drawn at random, so short sentences are padded to the longest one.
+    """
+    train = load_default_corpus()["train"]
+    encoded = tokenizer(list(train["en"]), text_target=list(train["es"]))
+    rows = [
+        {"input_ids": i, "attention_mask": m, "labels": t}
+        for i, m, t in zip(encoded["input_ids"], encoded["attention_mask"], encoded["labels"], strict=True)
+    ]
+    sampler = TokenBatchSampler(
+        [len(r["input_ids"]) for r in rows], [len(r["labels"]) for r in rows], max_tokens, seed=seed
+    )
+    batches = list(sampler)[:count]
+    if padding_heavy:
+        rng = random.Random(seed)
+        batches = [rng.sample(range(len(rows)), len(batch)) for batch in batches]
+    collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
+    collated = []
+    for batch in batches:
+        features = collate([rows[i] for i in batch])
+        labels = features["labels"]
+        decoder_input_ids = labels.new_full(labels.shape, tokenizer.pad_token_id)
+        decoder_input_ids[:, 0] = tokenizer.bos_token_id
+        decoder_input_ids[:, 1:] = labels[:, :-1].clamp(min=0)
+        features["decoder_input_ids"] = decoder_input_ids.masked_fill(decoder_input_ids == -100, 0)
+        collated.append(dict(features))
+    return collated
+
+
+def to_device(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def training_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The paper's loss for either model: label-smoothed (0.1) cross entropy over non-padding targets.
+
+    This package's model computes it itself; MarianMTModel's own loss has no smoothing, so its logits
+    go through the same `cross_entropy` call (what transformers' Trainer label smoother amounts to).
+    """
+    if isinstance(model, VanillaTransformerForConditionalGeneration):
+        return model(**batch).loss
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, label_smoothing=0.1
+    )
+
+
+def train_step_fn(model: torch.nn.Module, device: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Forward + backward + Adam step on one batch."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    model.train()
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        loss = training_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak_flops(device: str, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """The machine's measured matrix-multiply rate (FLOP/s) at this dtype: the MFU denominator."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)
+    seconds = median_time(lambda: torch.matmul(a, b), device, repeats)
+    return 2 * size**3 / seconds
+
+
+def step_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward + backward, counted by torch's FlopCounterMode."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        training_loss(model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def benchmark_training(
+    models: dict[str, torch.nn.Module], batches: Sequence[dict[str, torch.Tensor]], device: str, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Target tokens per second of full training steps, the models taking turns batch by batch."""
+    steps = {kind: train_step_fn(model, device) for kind, model in models.items()}
+    for kind in models:  # warm-up
+        for batch in batches[:2]:
+            steps[kind](batch)
+    times: dict[str, list[float]] = {kind: [] for kind in models}
+    for _ in range(rounds):
+        for batch in batches:
+            for kind in models:
+                times[kind].append(median_time(lambda k=kind, b=batch: steps[k](b), device, 1))
+    tokens = sum(int((b["labels"] != -100).sum()) for b in batches) * rounds
+    return {
+        kind: {"tokens_per_s": tokens / sum(t), "step_s": statistics.median(t)} for kind, t in times.items()
+    }
+
+
+def benchmark_generate(
+    models: dict[str, torch.nn.Module], device: str, *, batch_size: int, num_beams: int, repeats: int
+) -> dict[str, float]:
+    """Median seconds for `generate` on 32-token sources, producing exactly 32 new tokens."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = next(iter(models.values())).config.vocab_size
+    source = torch.randint(4, vocab, (batch_size, 32), generator=generator).to(device)
+    options = {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32}
+    results = {}
+    with torch.inference_mode():
+        for model in models.values():
+            model.eval()
+            model.generate(source, **options)  # warm-up
+        for kind, model in models.items():
+            results[kind] = median_time(lambda m=model: m.generate(source, **options), device, repeats)
+    return results
+
+
+def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
+    """Run in a child process: peak memory (bytes) of training steps above the level after setup."""
+    config = VanillaTransformerConfig.from_preset(preset, vocab_size=8000)
+    model = build_model(kind, config, device, getattr(torch, dtype))
+    generator = torch.Generator().manual_seed(0)
+    batch_size = max_tokens // 64
+    batch = {
+        "input_ids": torch.randint(4, 8000, (batch_size, 32), generator=generator),
+        "decoder_input_ids": torch.randint(4, 8000, (batch_size, 32), generator=generator),
+        "labels": torch.randint(4, 8000, (batch_size, 32), generator=generator),
+    }
+    batch = to_device(batch, device)
+    step = train_step_fn(model, device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(3):
+            step(batch)
+        return torch.cuda.max_memory_allocated() - base
+    # On CPU: sample this process's resident memory every millisecond while it trains.
+    process = psutil.Process()
+    base = process.memory_info().rss
+    peak, done = [base], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    for _ in range(3):
+        step(batch)
+    done.set()
+    sampler.join()
+    return peak[0] - base
+
+
+def peak_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
+    """`probe_memory` in a fresh Python process, so that each model starts from the same baseline."""
+    code = (
+        "from vanilla_transformer.benchmark import probe_memory; "
+        f"print(probe_memory({kind!r}, {preset!r}, {max_tokens}, {device!r}, {dtype!r}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(result.stdout.strip().splitlines()[-1])
+
+
+def attention_scaling(
+    lengths: Sequence[int],
+    device: str,
+    dtype: torch.dtype,
+    repeats: int = 3,
+    d_model: int = 512,
+    heads: int = 8,
+) -> list[dict[str, Any]]:
+    """Forward time of one encoder layer on one sequence of each length, eager vs SDPA.
+
+    Memory is the size of the attention-probability tensor the eager kernel materialises,
+    heads x n x n; SDPA's fused kernels on GPU avoid it (on CPU it is computed in blocks).
+    """
+    rows = []
+    for implementation in ("eager", "sdpa"):
+        config = VanillaTransformerConfig(d_model=d_model, num_heads=heads, d_ff=4 * d_model, dropout=0.0)
+        config._attn_implementation = implementation
+        torch.manual_seed(0)
+        layer = VanillaTransformerEncoderLayer(config).to(device=device, dtype=dtype).eval()
+        for n in lengths:
+            x = torch.randn(1, n, d_model, device=device, dtype=dtype)
+            with torch.inference_mode():
+                layer(x)
+                seconds = median_time(lambda la=layer, xx=x: la(xx), device, repeats)
+            element = torch.finfo(dtype).bits // 8
+            rows.append(
+                {
+                    "attention": implementation,
+                    "n": n,
+                    "seconds": seconds,
+                    "scores_bytes": heads * n * n * element,
+                }
+            )
+    return rows
+
+
+def plot_attention_scaling(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Log-log plot of layer time against n, with an n^2 reference line."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    figure = Figure(figsize=(6, 4.2))
+    axes = figure.add_subplot()
+    for implementation in ("eager", "sdpa"):
+        points = [(r["n"], r["seconds"]) for r in rows if r["attention"] == implementation]
+        axes.loglog(*zip(*points, strict=True), marker="o", label=f"{implementation} attention")
+    n0, t0 = max((r["n"], r["seconds"]) for r in rows if r["attention"] == "eager")
+    ns = sorted({r["n"] for r in rows})
+    axes.loglog(ns, [t0 * (n / n0) ** 2 for n in ns], "k--", linewidth=1, label="∝ n² (paper, Table 1)")
+    axes.set_xticks(ns, [str(n) for n in ns])
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.set_xlabel("sequence length n")
+    axes.set_ylabel("seconds per encoder-layer forward")
+    axes.set_title("One encoder layer: the n² attention term takes over at long n", fontsize=10)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def run(
+    presets: Sequence[str] = ("tiny", "base"),
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_tokens: int = 4096,
+    batches: int = 4,
+    rounds: int = 2,
+    repeats: int = 3,
+    attention_lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
+    memory: bool = True,
+    plot_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """Every measurement, as a dict (what `--json` writes)."""
+    torch_dtype = getattr(torch, dtype)
+    train = load_default_corpus()["train"]
+    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), 8000)
+    data = {
+        "length-bucketed": corpus_batches(tokenizer, max_tokens, batches, padding_heavy=False),
+        "padding-heavy": corpus_batches(tokenizer, max_tokens, batches, padding_heavy=True),
+    }
+    results: dict[str, Any] = {
+        "device": device,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "matmul_peak_flops": matmul_peak_flops(device, torch_dtype),
+        "presets": {},
+    }
+    for preset in presets:
+        config = VanillaTransformerConfig.from_preset(preset, vocab_size=len(tokenizer))
+        models = {kind: build_model(kind, config, device, torch_dtype) for kind in MODELS}
+        entry: dict[str, Any] = {"parameters": sum(p.numel() for p in models["ours"].parameters())}
+        for name, batch_list in data.items():
+            moved = [to_device(b, device) for b in batch_list]
+            entry[f"train {name}"] = benchmark_training(models, moved, device, rounds)
+            padded = sum(b["labels"].numel() for b in moved)
+            entry[f"train {name}"]["padding_fraction"] = (
+                1 - sum(int((b["labels"] != -100).sum()) for b in moved) / padded
+            )
+        flops = {
+            kind: step_flops(model, to_device(data["length-bucketed"][0], device))
+            for kind, model in models.items()
+        }
+        for kind in MODELS:
+            step_s = entry["train length-bucketed"][kind]["step_s"]
+            entry["train length-bucketed"][kind]["mfu"] = flops[kind] / step_s / results["matmul_peak_flops"]
+        for batch_size in (1, 32):
+            for beams in (1, 4):
+                name = f"generate {'greedy' if beams == 1 else 'beam 4'} batch {batch_size}"
+                entry[name] = benchmark_generate(
+                    models, device, batch_size=batch_size, num_beams=beams, repeats=repeats
+                )
+        if memory:
+            entry["peak training memory"] = {
+                kind: peak_memory(kind, preset, max_tokens, device, dtype) for kind in MODELS
+            }
+        results["presets"][preset] = entry
+        del models
+    if attention_lengths:
+        results["attention"] = attention_scaling(attention_lengths, device, torch_dtype)
+        if plot_path is not None:
+            results["attention_plot"] = str(plot_attention_scaling(results["attention"], plot_path))
+    return results
+
+
+def format_tables(results: dict[str, Any]) -> str:
+    """Markdown tables: absolute figures for both models and the ratio ours / Marian."""
+    lines = [
+        f"device {results['device']}, {results['dtype']}, {results['threads']} threads, "
+        f"torch {results['torch']}; measured matmul peak {results['matmul_peak_flops'] / 1e9:.1f} GFLOP/s",
+        "",
+        "| preset | measurement | ours | MarianMTModel | ours / Marian |",
+        "|---|---|---|---|---|",
+    ]
+    for preset, entry in results["presets"].items():
+        for name, values in entry.items():
+            if name.startswith("train"):
+                ours, marian = values["ours"]["tokens_per_s"], values["marian"]["tokens_per_s"]
+                label = f"{name} (target tokens/s, {values['padding_fraction']:.0%} padding)"
+                lines.append(f"| {preset} | {label} | {ours:,.0f} | {marian:,.0f} | {ours / marian:.2f}x |")
+                if "mfu" in values["ours"]:
+                    o, m = values["ours"]["mfu"], values["marian"]["mfu"]
+                    lines.append(f"| {preset} | model FLOPs utilisation | {o:.1%} | {m:.1%} | {o / m:.2f}x |")
+            elif name.startswith("generate"):
+                ours, marian = values["ours"], values["marian"]
+                lines.append(f"| {preset} | {name} (s) | {ours:.3f} | {marian:.3f} | {ours / marian:.2f}x |")
+            elif name == "peak training memory":
+                ours, marian = values["ours"], values["marian"]
+                lines.append(
+                    f"| {preset} | peak training memory (MiB) | {ours / 2**20:,.0f} | {marian / 2**20:,.0f} "
+                    f"| {ours / max(marian, 1):.2f}x |"
+                )
+    if "attention" in results:
+        lines += ["", "| n | eager (s) | SDPA (s) | eager scores tensor (MiB) |", "|---|---|---|---|"]
+        by_n: dict[int, dict[str, Any]] = {}
+        for row in results["attention"]:
+            by_n.setdefault(row["n"], {})[row["attention"]] = row
+        for n, pair in sorted(by_n.items()):
+            lines.append(
+                f"| {n} | {pair['eager']['seconds']:.4f} | {pair['sdpa']['seconds']:.4f} "
+                f"| {pair['eager']['scores_bytes'] / 2**20:,.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def save_json(results: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(results, indent=1, default=float))
+
+
+__all__ = ["format_tables", "marian_like", "run", "save_json"]
