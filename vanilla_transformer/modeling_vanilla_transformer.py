@@ -354,11 +354,14 @@ def _check_token_ids(
         return
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ValueError(f"`{name}` must hold integer token ids, got dtype {ids.dtype}.")
-    checked = ids[ids != -100] if allow_ignore else ids
-    if checked.numel() and (checked.min() < 0 or checked.max() >= vocab_size):
+    invalid = (ids < 0) | (ids >= vocab_size)
+    if allow_ignore:
+        invalid &= ids != -100
+    if invalid.any():  # one reduction, one device sync; the details only on the error path
         allowed = f"[0, {vocab_size})" + (" or -100 (ignored)" if allow_ignore else "")
+        seen = ids[ids != -100] if allow_ignore else ids
         raise ValueError(
-            f"`{name}` holds ids from {int(checked.min())} to {int(checked.max())}, outside {allowed}. "
+            f"`{name}` holds ids from {int(seen.min())} to {int(seen.max())}, outside {allowed}. "
             "Was the input tokenized with this model's tokenizer?"
         )
 
@@ -477,7 +480,8 @@ class VanillaTransformerDecoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if inputs_embeds is None:
-            _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
+            if cache is None or cache.get_seq_length() == 0:  # later steps feed back the model's own tokens
+                _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
         if encoder_hidden_states is None:
