@@ -22,7 +22,7 @@ parser.add_argument("--repeats", type=int, default=3, help="timed runs of each g
 parser.add_argument("--attention_lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
 parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument("--json", help="also write every measurement here")
-parser.add_argument("--plot", default="attention_scaling.png", help="log-log plot of attention cost")
+parser.add_argument("--plot", default="docs/attention_scaling.png", help="log-log plot of attention cost")
 args = parser.parse_args()
 results = run(
     args.presets,
