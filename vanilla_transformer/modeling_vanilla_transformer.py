@@ -125,7 +125,6 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D)."""
         batch_size, length, _ = hidden_states.shape
@@ -134,17 +133,11 @@ class VanillaTransformerAttention(nn.Module):
             self.q_proj(hidden_states).view(batch_size, length, -1, self.head_dim).transpose(1, 2)
         )  # (B,H,T,Dh)
 
-        layer_cache = None
+        layer_cache, reuse = None, False
         if cache is not None:
+            layer_cache = cache.cross_attention_cache if is_cross_attention else cache.self_attention_cache
             # Cross-attention keys/values depend only on the encoder output: computed once, then reused.
-            if is_cross_attention:
-                layer_cache = cache.cross_attention_cache
-                reuse = cache.is_updated.get(self.layer_idx, False)
-            else:
-                layer_cache = cache.self_attention_cache
-                reuse = False
-        else:
-            reuse = False
+            reuse = is_cross_attention and cache.is_updated.get(self.layer_idx, False)
 
         if reuse:
             key = layer_cache.layers[self.layer_idx].keys
