@@ -317,6 +317,12 @@ def test_num_items_in_batch_makes_accumulated_loss_equal_the_full_batch_loss(mod
     assert not torch.allclose(mean_of_means, full)
 
 
+def test_loss_of_fully_ignored_labels_is_zero_not_nan():
+    loss = label_smoothed_cross_entropy(torch.randn(3, 10, requires_grad=True), torch.full((3,), -100), 0.1)
+    assert loss.item() == 0.0
+    loss.backward()
+
+
 def test_loss_ignores_padding_labels():
     logits = torch.randn(4, 10)
     labels = torch.tensor([1, -100, 3, -100])

@@ -676,7 +676,7 @@ def label_smoothed_cross_entropy(
         logits.float(), labels, ignore_index=-100, label_smoothing=smoothing, reduction="sum"
     )
     if num_items_in_batch is None:
-        num_items_in_batch = (labels != -100).sum()
+        num_items_in_batch = (labels != -100).sum().clamp(min=1)  # all ignored: loss 0, not NaN
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
