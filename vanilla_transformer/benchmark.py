@@ -128,11 +128,12 @@ def synchronize(device: str) -> None:
 def training_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The paper's loss for either model: label-smoothed (0.1) cross entropy over non-padding targets.
 
-    This package's model computes it itself; MarianMTModel's own loss has no smoothing, so its logits
+    This package's model computes it itself, on non-padding positions only (`return_logits=False`, as
+    the training script does); MarianMTModel's own loss has no smoothing, so its logits
     go through the same `cross_entropy` call (what transformers' Trainer label smoother amounts to).
     """
     if isinstance(model, VanillaTransformerForConditionalGeneration):
-        return model(**batch).loss
+        return model(**batch, return_logits=False).loss  # what the training script runs
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
     return torch.nn.functional.cross_entropy(

@@ -742,6 +742,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        return_logits: bool = True,
         **kwargs: Any,
     ) -> Seq2SeqLMOutput:
         """Logits over the vocabulary for each target position, and the loss when `labels` are given.
@@ -753,6 +754,9 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             labels: (B, T) target ids, -100 where no loss is wanted (padding).
             num_items_in_batch: number of non-ignored target tokens in the whole (accumulated) batch;
                 the loss is then sum / num_items_in_batch instead of a per-batch mean.
+            return_logits: with `labels`, False skips the (B, T, V) logits: the output projection and
+                the loss run only on positions whose label is not -100 (less compute and memory;
+                the training script uses it). The loss and gradients are the same.
         Returns:
             `Seq2SeqLMOutput` with `logits` (B, T, V), `loss`, `cache` and optional attentions.
         """
@@ -775,18 +779,24 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
-        if self.final_logits_bias is not None:
-            logits = logits + self.final_logits_bias
-
-        loss = None
-        if labels is not None:
+        hidden_states = outputs.last_hidden_state  # (B, T, D)
+        loss = logits = None
+        if labels is not None and not return_logits:
+            targets = labels.to(hidden_states.device)
+            kept = targets != -100
+            kept_logits = self.project(hidden_states[kept])  # (N, V): padding positions skipped
             loss = label_smoothed_cross_entropy(
-                logits.flatten(0, 1),
-                labels.flatten().to(logits.device),
-                self.config.label_smoothing,
-                num_items_in_batch,
+                kept_logits, targets[kept], self.config.label_smoothing, num_items_in_batch
             )
+        else:
+            logits = self.project(hidden_states)  # (B, T, V)
+            if labels is not None:
+                loss = label_smoothed_cross_entropy(
+                    logits.flatten(0, 1),
+                    labels.flatten().to(logits.device),
+                    self.config.label_smoothing,
+                    num_items_in_batch,
+                )
 
         return Seq2SeqLMOutput(
             loss=loss,
@@ -799,6 +809,11 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
         )
+
+    def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The pre-softmax linear transformation (Section 3.4): (..., D) -> (..., V) logits."""
+        logits = self.lm_head(hidden_states)
+        return logits if self.final_logits_bias is None else logits + self.final_logits_bias[0]
 
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
         """`PreTrainedModel.resize_token_embeddings`, for the paper's single shared vocabulary."""

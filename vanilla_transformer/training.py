@@ -507,7 +507,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
             for index, batch in enumerate(window):
                 last = index == len(window) - 1
                 with nullcontext() if last else accelerator.no_sync(model):
-                    loss = model(**batch, num_items_in_batch=update_tokens).loss
+                    loss = model(**batch, num_items_in_batch=update_tokens, return_logits=False).loss
                     interval["loss"] += loss.detach().double()
                     # DDP averages gradients over processes; the loss is already a global mean.
                     accelerator.backward(loss * accelerator.num_processes)
