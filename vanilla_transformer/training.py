@@ -489,12 +489,10 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         desc="training",
     )
     model.train()
-    interval = {
-        "loss": torch.zeros((), device=accelerator.device, dtype=torch.float64),
-        "tokens": 0,
-        "time": 0.0,
-    }
-    started = time.perf_counter()
+    # Since the last log line: summed update losses, updates, target tokens, and when it began.
+    interval_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    interval_updates = interval_tokens = 0
+    interval_start = segment_start = time.perf_counter()  # segment: training time not yet in `state`
     while state["step"] < config.max_steps:
         train_loader.set_epoch(state["epoch"])
         loader = train_loader
@@ -508,7 +506,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 last = index == len(window) - 1
                 with nullcontext() if last else accelerator.no_sync(model):
                     loss = model(**batch, num_items_in_batch=update_tokens, return_logits=False).loss
-                    interval["loss"] += loss.detach().double()
+                    interval_loss += loss.detach().double()
                     # DDP averages gradients over processes; the loss is already a global mean.
                     accelerator.backward(loss * accelerator.num_processes)
             if config.max_grad_norm is not None:
@@ -519,22 +517,22 @@ def train(config: TrainingConfig) -> dict[str, Any]:
 
             state["step"] += 1
             state["batches_in_epoch"] += len(window)
-            interval["tokens"] += int(update_tokens)
+            interval_updates += 1
+            interval_tokens += int(update_tokens)
             progress.update(1)
 
             if state["step"] % config.logging_steps == 0 or state["step"] == config.max_steps:
-                elapsed = time.perf_counter() - started
-                steps = state["step"] % config.logging_steps or config.logging_steps
-                train_loss = float(accelerator.reduce(interval["loss"], "sum")) / steps
+                train_loss = float(accelerator.reduce(interval_loss, "sum")) / interval_updates
                 record = {
                     "step": state["step"],
                     "epoch": state["epoch"],
                     "train_loss": train_loss,
                     "lr": schedule.get_last_lr()[0],
-                    "tokens_per_s": interval["tokens"] / max(elapsed - interval["time"], 1e-9),
+                    "tokens_per_s": interval_tokens / max(time.perf_counter() - interval_start, 1e-9),
                 }
-                interval["loss"].zero_()
-                interval["tokens"], interval["time"] = 0, elapsed
+                interval_loss.zero_()
+                interval_updates = interval_tokens = 0
+                interval_start = time.perf_counter()
                 state["history"].append(record)
                 progress.set_postfix(
                     loss=f"{train_loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
@@ -546,6 +544,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 and state["step"] % config.eval_steps == 0
                 and state["step"] < config.max_steps
             ):
+                paused = time.perf_counter()
                 record = {"step": state["step"], **validate()}
                 state["history"].append(record)
                 accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
@@ -553,12 +552,14 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                     f"update {state['step']}: "
                     + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
                 )
+                interval_start += time.perf_counter() - paused  # validation is not training throughput
 
             if state["step"] % config.save_steps == 0 or state["step"] == config.max_steps:
-                state["train_time_s"] += time.perf_counter() - started
-                started = time.perf_counter()
-                interval["time"] = 0.0
+                paused = time.perf_counter()
+                state["train_time_s"] += paused - segment_start
                 save_checkpoint(accelerator, output_dir, state, config.keep_checkpoints)
+                segment_start = time.perf_counter()
+                interval_start += segment_start - paused
             if state["step"] >= config.max_steps:
                 break
         else:
