@@ -472,17 +472,16 @@ class VanillaTransformerDecoder(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
+        if encoder_hidden_states is None:
+            raise ValueError("The decoder needs `encoder_hidden_states` (the encoder output) to attend to.")
+        past_length = cache.get_seq_length() if cache is not None else 0
         if inputs_embeds is None:
-            if cache is None or cache.get_seq_length() == 0:  # later steps feed back the model's own tokens
+            if past_length == 0:  # later steps of cached decoding feed back the model's own tokens
                 _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
-        if encoder_hidden_states is None:
-            raise ValueError("The decoder needs `encoder_hidden_states` (the encoder output) to attend to.")
-
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        past_length = cache.get_seq_length() if cache is not None else 0
         _check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
         _check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
 
