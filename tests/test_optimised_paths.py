@@ -1,25 +1,159 @@
-"""Faster paths give the same numbers as the plain ones."""
+"""Faster paths give the same numbers as the plain ones (logits, loss, gradients, generated tokens).
+
+The optimised training path skips padding in every per-token operation (`TokenPacking`), computes the
+output projection and loss in chunks without the (N, V) logits (`projected_label_smoothed_loss`), and
+draws dropout masks faster on CPU; beam search skips reordering the cross-attention cache. The plain
+references: the same model with packing switched off and logits materialised, each sentence run on its
+own without padding, `F.cross_entropy` on full logits, `F.dropout`'s definition, and transformers'
+default cache reordering.
+"""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.conftest import tiny_model
+from tests.conftest import EOS, PAD, tiny_model
+from vanilla_transformer import VanillaTransformerForConditionalGeneration
+from vanilla_transformer.modeling_vanilla_transformer import (
+    TokenPacking,
+    dropout,
+    label_smoothed_cross_entropy,
+    projected_label_smoothed_loss,
+)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"add_final_logits_bias": True}, {"tie_word_embeddings": False}])
-def test_loss_on_labelled_positions_only_matches_the_full_logits_path(batch, overrides):
-    def run(return_logits: bool):
-        model = tiny_model(**overrides).train()  # dropout 0 in the tiny test config
-        if model.final_logits_bias is not None:
-            with torch.no_grad():
-                model.final_logits_bias.normal_()
-        output = model(**batch, num_items_in_batch=torch.tensor(9), return_logits=return_logits)
-        output.loss.backward()
-        return output, {name: p.grad.clone() for name, p in model.named_parameters()}
+def ragged_batch() -> dict[str, torch.Tensor]:
+    """Padded sources and targets, with an ignored label in the middle of a row (it stays computed)."""
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 99, (3, 8), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, length in ((1, 5), (2, 2)):
+        input_ids[row, length:], attention_mask[row, length:] = PAD, 0
+    labels = torch.randint(3, 99, (3, 6), generator=generator)
+    labels[0, -1] = EOS
+    labels[1, 3], labels[1, 4:] = EOS, -100
+    labels[2, 1] = -100  # ignored, but positions 2-3 still need it
+    labels[2, 3], labels[2, 4:] = EOS, -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
-    (full, full_grads), (kept, kept_grads) = run(True), run(False)
-    assert kept.logits is None and full.logits.shape == (2, 7, 99)
-    torch.testing.assert_close(kept.loss, full.loss, atol=1e-6, rtol=1e-6)
-    assert full_grads.keys() == kept_grads.keys()
-    for name in full_grads:
-        torch.testing.assert_close(kept_grads[name], full_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+def loss_and_grads(model, batch, **kwargs):
+    output = model(**batch, num_items_in_batch=torch.tensor(11), **kwargs)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return output, grads
+
+
+CONFIGS = [
+    ("eager", {}),
+    ("sdpa", {}),
+    ("sdpa", {"norm_first": True}),
+    ("eager", {"add_final_logits_bias": True}),
+    ("sdpa", {"tie_word_embeddings": False}),
+]
+
+
+@pytest.mark.parametrize(("attention", "overrides"), CONFIGS)
+def test_optimised_training_path_matches_the_plain_one(monkeypatch, attention, overrides):
+    batch = ragged_batch()
+    model = tiny_model(attention, **overrides)  # eval(): dropout off, gradients still computed
+    if model.final_logits_bias is not None:
+        with torch.no_grad():
+            model.final_logits_bias.normal_()
+    fast, fast_grads = loss_and_grads(model, batch, return_logits=False)
+    fast_logits = model(**batch).logits.detach()
+
+    monkeypatch.setattr(TokenPacking, "from_mask", classmethod(lambda cls, keep: None))
+    plain, plain_grads = loss_and_grads(model, batch)  # full (B, T, V) logits, F.cross_entropy
+    assert fast.logits is None and plain.logits.shape == (3, 6, 99)
+    labelled = batch["labels"] != -100
+    torch.testing.assert_close(fast_logits[labelled], plain.logits[labelled].detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.loss, plain.loss, atol=1e-6, rtol=1e-6)
+    assert fast_grads.keys() == plain_grads.keys()
+    for name in plain_grads:
+        torch.testing.assert_close(fast_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_padded_batch_matches_each_sentence_run_alone():
+    """Independent of the packing code: padding must not change any real position."""
+    batch, model = ragged_batch(), tiny_model("sdpa")
+    with torch.no_grad():
+        output = model(**batch)
+        for row in range(3):
+            length = int(batch["attention_mask"][row].sum())
+            target = batch["labels"][row : row + 1]
+            alone = model(input_ids=batch["input_ids"][row : row + 1, :length], labels=target)
+            torch.testing.assert_close(
+                output.encoder_last_hidden_state[row, :length],
+                alone.encoder_last_hidden_state[0],
+                atol=1e-5,
+                rtol=1e-5,
+            )
+            labelled = target[0] != -100
+            torch.testing.assert_close(
+                output.logits[row][labelled], alone.logits[0][labelled], atol=1e-5, rtol=1e-5
+            )
+        assert (output.encoder_last_hidden_state[2, 2:] == 0).all()  # skipped padding comes back as zeros
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_generated_tokens_are_unchanged(monkeypatch, num_beams):
+    batch, model = ragged_batch(), tiny_model("sdpa")
+    options = {"num_beams": num_beams, "max_new_tokens": 8}
+    options |= {"output_scores": True, "return_dict_in_generate": True}
+    source = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    fast = model.generate(**source, **options)
+
+    # transformers' own reordering of both caches, and every position computed
+    monkeypatch.setattr(
+        VanillaTransformerForConditionalGeneration,
+        "_reorder_cache",
+        lambda self, cache, beam_idx: (cache.reorder_cache(beam_idx), cache)[1],
+    )
+    monkeypatch.setattr(TokenPacking, "from_mask", classmethod(lambda cls, keep: None))
+    plain = model.generate(**source, **options)
+    assert torch.equal(fast.sequences, plain.sequences)
+    if num_beams > 1:
+        torch.testing.assert_close(fast.sequences_scores, plain.sequences_scores)
+
+
+def test_projected_loss_matches_cross_entropy_on_full_logits():
+    """Several chunks (vocabulary 40,000 -> 104 tokens per chunk), with a bias, in float64."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(40_000, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    bias = torch.randn(40_000, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 40_000, (300,), generator=generator)
+
+    fast = projected_label_smoothed_loss(hidden, weight, bias, labels, 0.1, num_items_in_batch=500)
+    fast_grads = torch.autograd.grad(2.5 * fast, (hidden, weight, bias))
+    plain = label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, 0.1, num_items_in_batch=500)
+    plain_grads = torch.autograd.grad(2.5 * plain, (hidden, weight, bias))
+    torch.testing.assert_close(fast, plain.float(), atol=1e-6, rtol=1e-6)
+    for got, expected in zip(fast_grads, plain_grads, strict=True):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # evaluation: the same loss, no gradient work
+        torch.testing.assert_close(
+            projected_label_smoothed_loss(hidden, weight, bias, labels, 0.1, 500), fast.detach()
+        )
+
+
+def test_cpu_dropout_is_dropout():
+    torch.manual_seed(0)
+    inputs = torch.ones(1_000_000, requires_grad=True)
+    outputs = dropout(inputs, 0.1, training=True)
+    kept = outputs != 0
+    # kept with probability 0.9: 5 standard deviations of a binomial proportion
+    assert abs(kept.float().mean().item() - 0.9) < 5 * (0.9 * 0.1 / 1e6) ** 0.5
+    assert torch.allclose(outputs[kept], torch.tensor(1 / 0.9))
+    (grad,) = torch.autograd.grad(outputs, inputs, torch.full_like(outputs, 2.0))
+    assert torch.equal(grad, 2.0 * outputs.detach())  # backward uses the same mask and scale
+    torch.manual_seed(5)
+    first = dropout(torch.ones(1000), 0.3, training=True)
+    torch.manual_seed(5)
+    assert torch.equal(first, dropout(torch.ones(1000), 0.3, training=True))  # seeded like torch's
+    x = torch.randn(4, 5)
+    assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0, training=True) is x
+    assert (dropout(x, 1.0, training=True) == 0).all()

@@ -72,6 +72,40 @@ def sinusoidal_position_encoding(
     return encoding.to(dtype)
 
 
+class _CPUDropout(torch.autograd.Function):
+    """Dropout whose keep mask comes from 32-bit random integers, for CPU tensors.
+
+    The same operation as `F.dropout` (each element kept with probability 1 - p, to within 2^-32, and
+    scaled by 1 / (1 - p)), but torch's CPU `bernoulli_` draws one random number per element on a
+    single thread and costs more than a (T, d_model) x (d_model, d_model) matrix product; drawing 64
+    random bits at a time makes the whole dropout about 1.6x faster (`scripts/benchmark.py`).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, inputs: torch.Tensor, p: float) -> torch.Tensor:
+        count = inputs.numel()
+        bits = torch.empty((count + 1) // 2, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
+        uniform = bits.view(torch.int32)[:count].view(inputs.shape)  # uniform over [-2^31, 2^31)
+        keep = uniform >= round(p * 2**32) - 2**31
+        ctx.save_for_backward(keep)
+        ctx.scale = 1.0 / (1.0 - p)
+        return inputs * keep * ctx.scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (keep,) = ctx.saved_tensors
+        return grad_output * keep * ctx.scale, None
+
+
+def dropout(inputs: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`F.dropout`, with a faster mask draw on CPU (`_CPUDropout`)."""
+    if not training or p == 0.0:
+        return inputs
+    if inputs.device.type == "cpu" and 0.0 < p < 1.0 and inputs.numel() > 0:
+        return _CPUDropout.apply(inputs, p)
+    return F.dropout(inputs, p=p, training=True)
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -94,6 +128,41 @@ def eager_attention_forward(
     weights = F.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, Dh)
     return output, weights
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class TokenPacking:
+    """Where the computed tokens of a padded (B, L) batch sit, to run per-token work on them only.
+
+    Everything in a layer except attention acts on each token separately (projections, feed-forward,
+    layer norms, dropout), so it can run on the (N, D) rows of real tokens instead of the (B, L, D)
+    padded batch. Attention unpacks its queries, keys and values into the padded layout (zeros at
+    padding, which the mask excludes) and packs its output again. Results at the kept positions are
+    the same as the padded computation's; skipped positions come back as zeros.
+    """
+
+    def __init__(self, keep: torch.Tensor):
+        self.batch_size, self.length = keep.shape
+        self.index = keep.flatten().nonzero().squeeze(-1)  # (N,) flat positions b * L + t
+
+    @classmethod
+    def from_mask(cls, keep: torch.Tensor | None) -> TokenPacking | None:
+        """A packing for `keep` (B, L) (True = compute), or None when nothing would be skipped."""
+        if keep is None or keep.dim() != 2 or bool(keep.all()):
+            return None
+        return cls(keep.bool())
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) -> (N, ...)."""
+        return padded.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (B, L, ...), zeros at skipped positions."""
+        padded = packed.new_zeros(self.batch_size * self.length, *packed.shape[1:])
+        return padded.index_copy(0, self.index, packed).view(self.batch_size, self.length, *packed.shape[1:])
 
 
 class VanillaTransformerAttention(nn.Module):
@@ -125,13 +194,20 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        packing: TokenPacking | None = None,
+        key_value_packing: TokenPacking | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D)."""
-        batch_size, length, _ = hidden_states.shape
+        """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D).
+
+        With `packing`, hidden_states holds only the packed tokens, (N, D), and so does the result;
+        with `key_value_packing`, key_value_states is packed, (N_S, D).
+        """
         is_cross_attention = key_value_states is not None
-        query = (
-            self.q_proj(hidden_states).view(batch_size, length, -1, self.head_dim).transpose(1, 2)
-        )  # (B,H,T,Dh)
+        query = self.q_proj(hidden_states)
+        if packing is not None:
+            query = packing.unpack(query)  # (B, T, D)
+        batch_size, length, _ = query.shape
+        query = query.view(batch_size, length, -1, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
 
         layer_cache, reuse = None, False
         if cache is not None:
@@ -144,8 +220,12 @@ class VanillaTransformerAttention(nn.Module):
             value = layer_cache.layers[self.layer_idx].values
         else:
             source = key_value_states if is_cross_attention else hidden_states
-            key = self.k_proj(source).view(batch_size, source.shape[1], -1, self.head_dim).transpose(1, 2)
-            value = self.v_proj(source).view(batch_size, source.shape[1], -1, self.head_dim).transpose(1, 2)
+            source_packing = key_value_packing if is_cross_attention else packing
+            key, value = self.k_proj(source), self.v_proj(source)
+            if source_packing is not None:
+                key, value = source_packing.unpack(key), source_packing.unpack(value)
+            key = key.view(batch_size, key.shape[1], -1, self.head_dim).transpose(1, 2)
+            value = value.view(batch_size, value.shape[1], -1, self.head_dim).transpose(1, 2)
             if layer_cache is not None:
                 key, value = layer_cache.update(key, value, self.layer_idx)  # (B, H, P+T, Dh)
                 if is_cross_attention:
@@ -164,6 +244,8 @@ class VanillaTransformerAttention(nn.Module):
             scaling=self.scaling,
         )
         output = output.reshape(batch_size, length, -1)  # (B, T, D)
+        if packing is not None:
+            output = packing.pack(output)  # (N, D)
         return self.out_proj(output), weights
 
 
@@ -190,7 +272,7 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
     def _sublayer_output(
         self, residual: torch.Tensor, output: torch.Tensor, norm: nn.LayerNorm
     ) -> torch.Tensor:
-        hidden_states = residual + F.dropout(output, p=self.dropout, training=self.training)
+        hidden_states = residual + dropout(output, self.dropout, self.training)
         return hidden_states if self.norm_first else norm(hidden_states)
 
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -199,9 +281,7 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         hidden_states = self.activation_fn(
             self.fc1(self._sublayer_input(hidden_states, self.final_layer_norm))
         )
-        hidden_states = F.dropout(
-            hidden_states, p=self.activation_dropout, training=self.training
-        )  # (B, T, F)
+        hidden_states = dropout(hidden_states, self.activation_dropout, self.training)  # (..., F)
         return self._sublayer_output(residual, self.fc2(hidden_states), self.final_layer_norm)
 
 
@@ -214,12 +294,20 @@ class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        packing: TokenPacking | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states: (B, S, D). Returns the new hidden states and the self-attention weights."""
+        """hidden_states: (B, S, D), or (N, D) packed tokens with `packing`.
+
+        Returns the new hidden states and the self-attention weights.
+        """
         residual = hidden_states
         hidden_states, weights = self.self_attn(
-            self._sublayer_input(hidden_states, self.self_attn_layer_norm), attention_mask=attention_mask
+            self._sublayer_input(hidden_states, self.self_attn_layer_norm),
+            attention_mask=attention_mask,
+            packing=packing,
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.self_attn_layer_norm)
         return self._feed_forward(hidden_states), weights
@@ -246,9 +334,12 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         encoder_attention_mask: torch.Tensor | None = None,
         cache: EncoderDecoderCache | None = None,
         use_cache: bool = False,
+        packing: TokenPacking | None = None,
+        encoder_packing: TokenPacking | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """hidden_states: (B, T, D); encoder_hidden_states: (B, S, D).
 
+        With `packing` / `encoder_packing` these hold only the packed tokens, (N, D) / (N_S, D).
         Returns the new hidden states, the self-attention and the cross-attention weights.
         """
         residual = hidden_states
@@ -256,6 +347,7 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
             self._sublayer_input(hidden_states, self.self_attn_layer_norm),
             attention_mask=attention_mask,
             cache=cache,
+            packing=packing,
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.self_attn_layer_norm)
 
@@ -265,6 +357,8 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
             key_value_states=encoder_hidden_states,
             attention_mask=encoder_attention_mask,
             cache=cache,
+            packing=packing,
+            key_value_packing=encoder_packing,
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.encoder_attn_layer_norm)
         return self._feed_forward(hidden_states), self_weights, cross_weights
@@ -413,24 +507,31 @@ class VanillaTransformerEncoder(nn.Module):
         hidden_states = inputs_embeds * self.embed_scale + sinusoidal_position_encoding(
             positions, self.config.d_model, self.config.position_encoding_layout, inputs_embeds.dtype
         )
-        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)  # (B, S, D)
+        # Padding is never attended to, so only real tokens go through the layers (zeros come back).
+        packing = TokenPacking.from_mask(attention_mask)
+        if packing is not None:
+            hidden_states = packing.pack(hidden_states)  # (N, D)
+        hidden_states = dropout(hidden_states, self.dropout, self.training)
         mask = create_bidirectional_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
 
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        padded = packing.unpack if packing is not None else _identity
+        all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for layer in self.layers:
-            hidden_states, weights = layer(hidden_states, mask)
+            hidden_states, weights = layer(hidden_states, mask, packing)
             if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+                all_hidden_states += (padded(hidden_states),)
             if output_attentions:
                 all_attentions += (weights,)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
 
         return BaseModelOutput(
-            last_hidden_state=hidden_states, hidden_states=all_hidden_states, attentions=all_attentions
+            last_hidden_state=padded(hidden_states),
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
         )
 
 
@@ -464,11 +565,15 @@ class VanillaTransformerDecoder(nn.Module):
         use_cache: bool = False,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        target_lengths: torch.Tensor | None = None,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """input_ids: (B, T) target ids (shifted right); attention_mask: (B, P + T) with 0 on padding.
 
         encoder_hidden_states: (B, S, D); encoder_attention_mask: (B, S). Returns `last_hidden_state`
         (B, T, D) and the updated `cache` when `use_cache`.
+        target_lengths: (B,) optional, without a cache: only the first `target_lengths[b]` positions of
+        row b are needed. Attention is causal, so the positions after them cannot change them and are
+        skipped (they come back as zeros). The loss uses it to skip trailing target padding.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
@@ -489,7 +594,20 @@ class VanillaTransformerDecoder(nn.Module):
         hidden_states = inputs_embeds * self.embed_scale + sinusoidal_position_encoding(
             positions, self.config.d_model, self.config.position_encoding_layout, inputs_embeds.dtype
         )
-        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)  # (B, T, D)
+        packing = encoder_packing = None
+        if cache is None:  # one full forward (teacher forcing): per-token work on the needed tokens only
+            if target_lengths is not None:
+                needed = torch.arange(length, device=hidden_states.device) < target_lengths[:, None].to(
+                    hidden_states.device
+                )
+                packing = TokenPacking.from_mask(needed)
+            encoder_packing = TokenPacking.from_mask(encoder_attention_mask)
+        if packing is not None:
+            hidden_states = packing.pack(hidden_states)  # (N, D)
+        encoder_states = encoder_hidden_states
+        if encoder_packing is not None:
+            encoder_states = encoder_packing.pack(encoder_hidden_states)  # (N_S, D)
+        hidden_states = dropout(hidden_states, self.dropout, self.training)
 
         self_mask = create_causal_mask(
             config=self.config,
@@ -504,20 +622,23 @@ class VanillaTransformerDecoder(nn.Module):
             encoder_hidden_states=encoder_hidden_states,
         )
 
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        padded = packing.unpack if packing is not None else _identity
+        all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_self_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions else None
         for layer in self.layers:
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states,
                 self_mask,
-                encoder_hidden_states,
+                encoder_states,
                 encoder_attention_mask=cross_mask,
                 cache=cache,
                 use_cache=use_cache,
+                packing=packing,
+                encoder_packing=encoder_packing,
             )
             if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+                all_hidden_states += (padded(hidden_states),)
             if output_attentions:
                 all_self_attentions += (self_weights,)
                 all_cross_attentions += (cross_weights,)
@@ -525,7 +646,7 @@ class VanillaTransformerDecoder(nn.Module):
             hidden_states = self.layer_norm(hidden_states)
 
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states,
+            last_hidden_state=padded(hidden_states),
             cache=cache if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_self_attentions,
@@ -599,11 +720,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        target_lengths: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Seq2SeqModelOutput:
         """input_ids: (B, S); decoder_input_ids: (B, T).
 
-        Returns the decoder states (B, T, D) and the encoder states (B, S, D).
+        Returns the decoder states (B, T, D) and the encoder states (B, S, D). `target_lengths` (B,):
+        see `VanillaTransformerDecoder.forward`.
         """
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
@@ -638,6 +761,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            target_lengths=target_lengths,
         )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -679,6 +803,96 @@ def label_smoothed_cross_entropy(
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
+    """Sum over N tokens of the label-smoothed cross entropy of logits = hidden W^T + b.
+
+    Equal to `label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, smoothing)` summed,
+    without ever holding the (N, V) logits: tokens go through in chunks, and since the loss is a
+    scalar each chunk's gradient (softmax - (1 - eps) one-hot - eps / V) is formed right away and
+    multiplied into the gradients of hidden, W and b. Backward only scales them. This saves the
+    memory of the logits, log-probabilities and their gradient (3 x N x V floats) and two passes over
+    them, the largest tensors of a training step.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        smoothing: float,
+        with_gradients: bool,
+    ) -> torch.Tensor:
+        vocab_size = weight.shape[0]
+        chunk = max(1, 2**22 // vocab_size)  # ~16 MiB of float32 logits at a time
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grads = None
+        if with_gradients:
+            grads = [
+                torch.empty_like(hidden),
+                torch.zeros_like(weight, dtype=torch.float32),
+                None if bias is None else torch.zeros_like(bias, dtype=torch.float32),
+            ]
+        for start in range(0, hidden.shape[0], chunk):
+            part, targets = hidden[start : start + chunk], labels[start : start + chunk]
+            logits = F.linear(part, weight, bias).float()  # (C, V)
+            log_normalizer = torch.logsumexp(logits, dim=-1)  # (C,)
+            # -(1 - eps) log p_y - eps / V sum_v log p_v, with log p_v = logit_v - log_normalizer
+            target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+            mean_logits = logits.mean(-1)
+            losses = log_normalizer - (1.0 - smoothing) * target_logits - smoothing * mean_logits
+            total += losses.sum()
+            if grads is None:
+                continue
+            grad_logits = logits.sub_(log_normalizer[:, None]).exp_().sub_(smoothing / vocab_size)
+            grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
+            grads[1].addmm_(grad_logits.t(), part.float())
+            if grads[2] is not None:
+                grads[2] += grad_logits.sum(0)
+            grad_logits = grad_logits.to(hidden.dtype)
+            grads[0][start : start + chunk] = grad_logits @ weight
+        if grads is not None:
+            ctx.save_for_backward(*(g for g in grads if g is not None))
+            ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        scale = grad_total.float()
+        return (
+            grad_hidden * scale.to(grad_hidden.dtype),
+            (grad_weight * scale).to(weight_dtype),
+            (grad_bias[0] * scale).to(bias_dtype) if grad_bias else None,
+            None,
+            None,
+            None,
+        )
+
+
+def projected_label_smoothed_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    smoothing: float,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, ...)` for labels without -100,
+    in bounded memory (`_ProjectedLabelSmoothedLoss`). hidden: (N, D); weight: (V, D); labels: (N,)."""
+    with_gradients = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    total = _ProjectedLabelSmoothedLoss.apply(hidden, weight, bias, labels, smoothing, with_gradients)
+    if num_items_in_batch is None:
+        num_items_in_batch = max(labels.numel(), 1)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
@@ -750,7 +964,9 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             input_ids: (B, S) source token ids. attention_mask: (B, S), 1 = token, 0 = padding.
             decoder_input_ids: (B, T) target ids shifted right; built from `labels` when omitted.
             decoder_attention_mask: (B, P + T), 0 on target padding (causality is always applied).
-            labels: (B, T) target ids, -100 where no loss is wanted (padding).
+            labels: (B, T) target ids, -100 where no loss is wanted (padding). The positions after
+                a row's last label are not computed (causal attention: nothing depends on them);
+                their logits are those of a zero decoder state.
             num_items_in_batch: number of non-ignored target tokens in the whole (accumulated) batch;
                 the loss is then sum / num_items_in_batch instead of a per-batch mean.
             return_logits: with `labels`, False skips the (B, T, V) logits: the output projection and
@@ -759,11 +975,15 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         Returns:
             `Seq2SeqLMOutput` with `logits` (B, T, V), `loss`, `cache` and optional attentions.
         """
+        target_lengths = None
         if labels is not None:
             _check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+            # Positions after a row's last label (its padding) affect no loss term: skip their compute.
+            positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+            target_lengths = torch.where(labels != -100, positions, 0).amax(dim=1)
 
         outputs = self.model(
             input_ids=input_ids,
@@ -777,15 +997,21 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            target_lengths=target_lengths,
         )
         hidden_states = outputs.last_hidden_state  # (B, T, D)
         loss = logits = None
         if labels is not None and not return_logits:
             targets = labels.to(hidden_states.device)
             kept = targets != -100
-            kept_logits = self.project(hidden_states[kept])  # (N, V): padding positions skipped
-            loss = label_smoothed_cross_entropy(
-                kept_logits, targets[kept], self.config.label_smoothing, num_items_in_batch
+            bias = None if self.final_logits_bias is None else self.final_logits_bias[0]
+            loss = projected_label_smoothed_loss(  # padding positions skipped, no (N, V) logits kept
+                hidden_states[kept],
+                self.lm_head.weight,
+                bias,
+                targets[kept],
+                self.config.label_smoothing,
+                num_items_in_batch,
             )
         else:
             logits = self.project(hidden_states)  # (B, T, V)
@@ -827,6 +1053,19 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Teacher-forcing decoder inputs for `DataCollatorForSeq2Seq`: labels shifted right."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
+        """Beam search's cache reordering, without copying the cross-attention keys and values.
+
+        `generate` gives every beam of an input the same encoder output, and beam search only
+        reorders beams within an input, so the cross-attention cache is unchanged by any reordering:
+        only the self-attention cache is gathered (transformers' default gathers both).
+        """
+        if isinstance(cache, EncoderDecoderCache):
+            cache.self_attention_cache.reorder_cache(beam_idx)
+        else:
+            cache.reorder_cache(beam_idx)
+        return cache
 
     def generate(
         self,
