@@ -7,7 +7,9 @@ from vanilla_transformer.benchmark import (
     benchmark_generate,
     build_model,
     corpus_batches,
+    dropout_timing,
     format_tables,
+    generate_forward_share,
     marian_like,
     step_flops,
 )
@@ -52,6 +54,8 @@ def test_batches_flops_and_tables():
     assert step_flops(model, batch) > 6 * tokens * config.d_model * config.vocab_size
     models = {"ours": model, "marian": build_model("marian", config, "cpu", torch.float32)}
     timings = benchmark_generate(models, "cpu", batch_size=2, num_beams=2, repeats=1)
+    shares = generate_forward_share(models, "cpu", batch_size=2, num_beams=2)
+    assert all(0.0 < share < 1.0 for share in shares.values())
     table = format_tables(
         {
             "device": "cpu",
@@ -59,7 +63,16 @@ def test_batches_flops_and_tables():
             "threads": 2,
             "torch": torch.__version__,
             "matmul_peak_flops": 1e9,
-            "presets": {"tiny": {"generate beam 2 batch 2": timings}},
+            "presets": {
+                "tiny": {"generate beam 2 batch 2": timings, "generate beam 2 share in forward": shares}
+            },
         }
     )
     assert "| tiny | generate beam 2 batch 2 (s) |" in table
+    assert "| tiny | generate beam 2: share of time in model forward |" in table
+
+
+def test_dropout_timing_compares_both_implementations():
+    timings = dropout_timing((64, 32), repeats=2)
+    assert set(timings) == {"F.dropout", "vanilla_transformer dropout"}
+    assert all(seconds > 0 for seconds in timings.values())

@@ -128,8 +128,8 @@ def synchronize(device: str) -> None:
 def training_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The paper's loss for either model: label-smoothed (0.1) cross entropy over non-padding targets.
 
-    This package's model computes it itself, on non-padding positions only (`return_logits=False`, as
-    the training script does); MarianMTModel's own loss has no smoothing, so its logits
+    This package's model computes it itself (`return_logits=False`, as the training script does: no
+    work on padding, no (N, V) logits kept); MarianMTModel's own loss has no smoothing, so its logits
     go through the same `cross_entropy` call (what transformers' Trainer label smoother amounts to).
     """
     if isinstance(model, VanillaTransformerForConditionalGeneration):
@@ -173,6 +173,43 @@ def matmul_peak_flops(device: str, dtype: torch.dtype, size: int = 2048, repeats
     torch.matmul(a, b)
     seconds = median_time(lambda: torch.matmul(a, b), device, repeats)
     return 2 * size**3 / seconds
+
+
+def read_bandwidth(device: str, megabytes: int = 512, repeats: int = 5) -> float:
+    """The machine's measured memory read rate (bytes/s): a sum over a tensor far larger than the caches."""
+    data = torch.ones(megabytes * 2**20 // 4, device=device)
+    data.sum()
+    return data.numel() * 4 / median_time(data.sum, device, repeats)
+
+
+def decode_bytes_per_token(model: VanillaTransformerForConditionalGeneration) -> int:
+    """Bytes of weights one greedy decoding step at batch 1 must read: every decoder weight except the
+    cross-attention key/value projections (their outputs are cached), plus the output projection."""
+    decoder = model.get_decoder()
+    skipped = {
+        id(p)
+        for layer in decoder.layers
+        for m in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)
+        for p in m.parameters()
+    }
+    weights = [p for p in decoder.layers.parameters() if id(p) not in skipped] + [model.lm_head.weight]
+    return sum(p.numel() * p.element_size() for p in weights)
+
+
+def dropout_timing(shape: Sequence[int] = (3500, 512), p: float = 0.1, repeats: int = 20) -> dict[str, float]:
+    """Median seconds of dropout forward + backward on CPU: `F.dropout` against this package's `dropout`."""
+    from .modeling_vanilla_transformer import dropout
+
+    inputs = torch.randn(*shape, requires_grad=True)
+    functions = {
+        "F.dropout": lambda: torch.nn.functional.dropout(inputs, p, True),
+        "vanilla_transformer dropout": lambda: dropout(inputs, p, True),
+    }
+    results = {}
+    for _ in range(2):  # alternate, keep the second pass
+        for name, function in functions.items():
+            results[name] = median_time(lambda f=function: f().sum().backward(), "cpu", repeats)
+    return results
 
 
 def step_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -219,6 +256,45 @@ def benchmark_generate(
         for kind, model in models.items():
             results[kind] = median_time(lambda m=model: m.generate(source, **options), device, repeats)
     return results
+
+
+def forward_share(model: torch.nn.Module, device: str, fn: Callable[[], Any]) -> float:
+    """Fraction of the wall time of `fn()` spent inside `model`'s forward calls."""
+    inside, started = [0.0], [0.0]
+
+    def before(*_: Any) -> None:
+        synchronize(device)
+        started[0] = time.perf_counter()
+
+    def after(*_: Any) -> None:
+        synchronize(device)
+        inside[0] += time.perf_counter() - started[0]
+
+    hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    try:
+        total = median_time(fn, device, 1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return inside[0] / total
+
+
+def generate_forward_share(
+    models: dict[str, torch.nn.Module], device: str, *, batch_size: int, num_beams: int
+) -> dict[str, float]:
+    """Fraction of `generate()` time spent inside the model's forward calls; the rest is transformers'
+    generation loop (logits processing, beam bookkeeping, cache reordering), which the models share."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = next(iter(models.values())).config.vocab_size
+    source = torch.randint(4, vocab, (batch_size, 32), generator=generator).to(device)
+    options = {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32}
+    shares = {}
+    with torch.inference_mode():
+        for kind, model in models.items():
+            model.eval()
+            model.generate(source, **options)  # warm-up
+            shares[kind] = forward_share(model, device, lambda m=model: m.generate(source, **options))
+    return shares
 
 
 def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
@@ -358,6 +434,7 @@ def run(
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "matmul_peak_flops": matmul_peak_flops(device, torch_dtype),
+        "read_bandwidth": read_bandwidth(device),
         "presets": {},
     }
     for preset in presets:
@@ -384,6 +461,10 @@ def run(
                 entry[name] = benchmark_generate(
                     models, device, batch_size=batch_size, num_beams=beams, repeats=repeats
                 )
+        entry["decode bytes per token"] = decode_bytes_per_token(models["ours"])
+        entry["generate greedy batch 1 share in forward"] = generate_forward_share(
+            models, device, batch_size=1, num_beams=1
+        )
         if memory:
             entry["peak training memory"] = {
                 kind: peak_memory(kind, preset, max_tokens, device, dtype) for kind in MODELS
@@ -401,7 +482,12 @@ def format_tables(results: dict[str, Any]) -> str:
     """Markdown tables: absolute figures for both models and the ratio ours / Marian."""
     lines = [
         f"device {results['device']}, {results['dtype']}, {results['threads']} threads, "
-        f"torch {results['torch']}; measured matmul peak {results['matmul_peak_flops'] / 1e9:.1f} GFLOP/s",
+        f"torch {results['torch']}; measured matmul peak {results['matmul_peak_flops'] / 1e9:.1f} GFLOP/s"
+        + (
+            f", memory read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s"
+            if "read_bandwidth" in results
+            else ""
+        ),
         "",
         "| preset | measurement | ours | MarianMTModel | ours / Marian |",
         "|---|---|---|---|---|",
@@ -415,6 +501,21 @@ def format_tables(results: dict[str, Any]) -> str:
                 if "mfu" in values["ours"]:
                     o, m = values["ours"]["mfu"], values["marian"]["mfu"]
                     lines.append(f"| {preset} | model FLOPs utilisation | {o:.1%} | {m:.1%} | {o / m:.2f}x |")
+            elif name == "decode bytes per token":
+                greedy = entry.get("generate greedy batch 1")
+                if greedy is None or "read_bandwidth" not in results:
+                    continue
+                floor = values / results["read_bandwidth"]  # seconds per token if only weights were read
+                ours, marian = greedy["ours"] / 32, greedy["marian"] / 32  # 32 new tokens per call
+                lines.append(
+                    f"| {preset} | greedy batch 1, ms per new token (floor: {values / 2**20:,.0f} MiB of "
+                    f"weights per token / read bandwidth = {floor * 1e3:.2f} ms) | {ours * 1e3:.2f} "
+                    f"| {marian * 1e3:.2f} | {ours / marian:.2f}x |"
+                )
+            elif name.endswith("share in forward"):
+                ours, marian = values["ours"], values["marian"]
+                label = name.replace(" share in forward", ": share of time in model forward")
+                lines.append(f"| {preset} | {label} | {ours:.0%} | {marian:.0%} | {ours / marian:.2f}x |")
             elif name.startswith("generate"):
                 ours, marian = values["ours"], values["marian"]
                 lines.append(f"| {preset} | {name} (s) | {ours:.3f} | {marian:.3f} | {ours / marian:.2f}x |")

@@ -78,7 +78,7 @@ class _CPUDropout(torch.autograd.Function):
     The same operation as `F.dropout` (each element kept with probability 1 - p, to within 2^-32, and
     scaled by 1 / (1 - p)), but torch's CPU `bernoulli_` draws one random number per element on a
     single thread and costs more than a (T, d_model) x (d_model, d_model) matrix product; drawing 64
-    random bits at a time makes the whole dropout about 1.6x faster (`scripts/benchmark.py`).
+    random bits at a time makes dropout forward + backward faster (`benchmark.dropout_timing`).
     """
 
     @staticmethod
@@ -89,12 +89,12 @@ class _CPUDropout(torch.autograd.Function):
         keep = uniform >= round(p * 2**32) - 2**31
         ctx.save_for_backward(keep)
         ctx.scale = 1.0 / (1.0 - p)
-        return inputs * keep * ctx.scale
+        return torch.mul(inputs, keep).mul_(ctx.scale)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
         (keep,) = ctx.saved_tensors
-        return grad_output * keep * ctx.scale, None
+        return torch.mul(grad_output, keep).mul_(ctx.scale), None
 
 
 def dropout(inputs: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -278,9 +278,11 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3), as a residual sub-layer."""
         residual = hidden_states
-        hidden_states = self.activation_fn(
-            self.fc1(self._sublayer_input(hidden_states, self.final_layer_norm))
-        )
+        hidden_states = self.fc1(self._sublayer_input(hidden_states, self.final_layer_norm))  # (..., F)
+        if isinstance(self.activation_fn, nn.ReLU):  # in place: saves a (tokens x d_ff) tensor
+            hidden_states = F.relu(hidden_states, inplace=True)
+        else:
+            hidden_states = self.activation_fn(hidden_states)
         hidden_states = dropout(hidden_states, self.activation_dropout, self.training)  # (..., F)
         return self._sublayer_output(residual, self.fc2(hidden_states), self.final_layer_norm)
 
@@ -839,15 +841,19 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             part, targets = hidden[start : start + chunk], labels[start : start + chunk]
             logits = F.linear(part, weight, bias).float()  # (C, V)
-            log_normalizer = torch.logsumexp(logits, dim=-1)  # (C,)
-            # -(1 - eps) log p_y - eps / V sum_v log p_v, with log p_v = logit_v - log_normalizer
             target_logits = logits.gather(1, targets[:, None]).squeeze(1)
             mean_logits = logits.mean(-1)
+            # log-sum-exp, reusing exp(logits - max) in place for the softmax below
+            maximum = logits.amax(-1, keepdim=True)
+            exponentials = logits.sub_(maximum).exp_()
+            normalizer = exponentials.sum(-1)
+            log_normalizer = maximum.squeeze(1) + normalizer.log()  # (C,)
+            # -(1 - eps) log p_y - eps / V sum_v log p_v, with log p_v = logit_v - log_normalizer
             losses = log_normalizer - (1.0 - smoothing) * target_logits - smoothing * mean_logits
             total += losses.sum()
             if grads is None:
                 continue
-            grad_logits = logits.sub_(log_normalizer[:, None]).exp_().sub_(smoothing / vocab_size)
+            grad_logits = exponentials.div_(normalizer[:, None]).sub_(smoothing / vocab_size)
             grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
             grads[1].addmm_(grad_logits.t(), part.float())
             if grads[2] is not None:
