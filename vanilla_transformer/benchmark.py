@@ -240,14 +240,21 @@ def benchmark_training(
     }
 
 
+def generation_inputs(
+    models: dict[str, torch.nn.Module], device: str, batch_size: int, num_beams: int
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Random 32-token sources and `generate` options that produce exactly 32 new tokens."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = next(iter(models.values())).config.vocab_size
+    source = torch.randint(4, vocab, (batch_size, 32), generator=generator).to(device)
+    return source, {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32}
+
+
 def benchmark_generate(
     models: dict[str, torch.nn.Module], device: str, *, batch_size: int, num_beams: int, repeats: int
 ) -> dict[str, float]:
     """Median seconds for `generate` on 32-token sources, producing exactly 32 new tokens."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = next(iter(models.values())).config.vocab_size
-    source = torch.randint(4, vocab, (batch_size, 32), generator=generator).to(device)
-    options = {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32}
+    source, options = generation_inputs(models, device, batch_size, num_beams)
     results = {}
     with torch.inference_mode():
         for model in models.values():
@@ -284,10 +291,7 @@ def generate_forward_share(
 ) -> dict[str, float]:
     """Fraction of `generate()` time spent inside the model's forward calls; the rest is transformers'
     generation loop (logits processing, beam bookkeeping, cache reordering), which the models share."""
-    generator = torch.Generator().manual_seed(0)
-    vocab = next(iter(models.values())).config.vocab_size
-    source = torch.randint(4, vocab, (batch_size, 32), generator=generator).to(device)
-    options = {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32}
+    source, options = generation_inputs(models, device, batch_size, num_beams)
     shares = {}
     with torch.inference_mode():
         for kind, model in models.items():
