@@ -1,0 +1,43 @@
+"""Draw a trained model's attention maps for one sentence, and the sinusoidal positional encoding.
+
+python scripts/visualize_attention.py --model outputs/tiny-en-es --source "The animal did not cross the road."
+python scripts/visualize_attention.py --model DIR --source "..." --target "..." --output_dir pictures
+
+Writes encoder_self_attention.png, decoder_self_attention.png, cross_attention.png (a grid of layers x
+heads plus the mean over heads) and positional_encoding.png. Without --target, the model's own
+translation (beam search, its generation config) is used. Logic in vanilla_transformer.visualization.
+"""
+
+import argparse
+
+from vanilla_transformer.evaluation import load_model_folder
+from vanilla_transformer.visualization import attention_maps, plot_attention_maps, plot_positional_encoding
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--model", required=True, help="model folder (or Hub id) with its tokenizer")
+parser.add_argument("--source", required=True, help="source sentence")
+parser.add_argument("--target", help="target sentence (default: the model's translation)")
+parser.add_argument("--output_dir", default="attention_maps", help="where the PNGs go")
+parser.add_argument("--positions", type=int, default=100, help="positions in the encoding pictures")
+parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+args = parser.parse_args()
+if args.positions < 2:
+    parser.error("--positions must be at least 2.")
+try:
+    model, tokenizer = load_model_folder(args.model, args.device)
+    maps = attention_maps(model, tokenizer, args.source, args.target)
+except (OSError, ValueError) as error:
+    parser.error(str(error))
+
+paths = plot_attention_maps(maps, args.output_dir)
+paths["positional_encoding"] = f"{args.output_dir}/positional_encoding.png"
+plot_positional_encoding(
+    paths["positional_encoding"],
+    d_model=model.config.d_model,
+    length=args.positions,
+    layout=model.config.position_encoding_layout,
+)
+print("source:", " ".join(maps.source_tokens))
+print("target:", " ".join(maps.target_tokens))
+for path in paths.values():
+    print("wrote", path)

@@ -1,0 +1,179 @@
+"""Attention pictures show the model's own weights; positional-encoding pictures show the formula."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.visualization import (
+    attention_maps,
+    plot_attention_grid,
+    plot_attention_maps,
+    plot_positional_encoding,
+    position_similarity,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "In the beginning God created the heaven and the earth."
+TARGET = "En el principio creó Dios los cielos y la tierra."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    train = load_default_corpus()["train"].select(range(1500))
+    return train_bpe_tokenizer(list(train["en"]) + list(train["es"]), 400)
+
+
+@pytest.fixture
+def model(tokenizer):
+    return tiny_model("sdpa", vocab_size=len(tokenizer))
+
+
+def test_maps_are_the_models_attention_weights(model, tokenizer):
+    maps = attention_maps(model, tokenizer, SOURCE, TARGET)
+    assert model.config._attn_implementation == "sdpa"  # switched to eager for the call only
+    source_length, target_length = len(maps.source_tokens), len(maps.target_tokens)
+    assert maps.source_tokens[-1] == maps.target_tokens[-1] == "</s>"
+    assert maps.decoder_tokens[0] == "<s>" and maps.decoder_tokens[1:] == maps.target_tokens[:-1]
+    assert maps.encoder_self.shape == (2, 4, source_length, source_length)
+    assert maps.decoder_self.shape == (2, 4, target_length, target_length)
+    assert maps.cross.shape == (2, 4, target_length, source_length)
+    for weights in (maps.encoder_self, maps.decoder_self, maps.cross):
+        assert (weights >= 0).all()
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    above_diagonal = torch.ones(target_length, target_length, dtype=torch.bool).triu(1)
+    assert (maps.decoder_self[..., above_diagonal] == 0).all()  # no looking ahead
+    assert (maps.decoder_self[..., ~above_diagonal] > 0).all()
+
+    # Independent of the attention code: layer 1's weights from its input and Equation 1.
+    input_ids = tokenizer(SOURCE, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        states = model.get_encoder()(input_ids=input_ids, output_hidden_states=True).hidden_states[0][0]
+        attention = model.get_encoder().layers[0].self_attn
+        heads, width = 4, model.config.d_model // 4
+        queries = attention.q_proj(states).view(-1, heads, width).transpose(0, 1)
+        keys = attention.k_proj(states).view(-1, heads, width).transpose(0, 1)
+        expected = torch.softmax(queries @ keys.transpose(1, 2) / math.sqrt(width), dim=-1)
+    torch.testing.assert_close(maps.encoder_self[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path):
+    maps = attention_maps(model, tokenizer, SOURCE, TARGET)
+    figure = plot_attention_grid(
+        maps.decoder_self, maps.decoder_tokens, maps.decoder_tokens, tmp_path / "d.png", title="t"
+    )
+    panels = [ax for ax in figure.axes if ax.images]
+    assert len(panels) == 2 * (4 + 1)  # layers x (heads + mean)
+    for index, ax in enumerate(panels):
+        layer, column = divmod(index, 5)
+        drawn = torch.from_numpy(ax.images[0].get_array().data)
+        expected = maps.decoder_self[layer, column] if column < 4 else maps.decoder_self[layer].mean(0)
+        torch.testing.assert_close(drawn, expected)
+        assert (drawn.triu(1) == 0).all()
+        assert [t.get_text() for t in ax.get_xticklabels()] == maps.decoder_tokens
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    paths = plot_attention_maps(maps, tmp_path / "maps")
+    assert sorted(paths) == ["cross_attention", "decoder_self_attention", "encoder_self_attention"]
+    assert all(path.stat().st_size > 10_000 for path in paths.values())
+
+
+def test_without_a_target_the_models_own_translation_is_shown(model, tokenizer):
+    maps = attention_maps(model, tokenizer, SOURCE, num_beams=1, max_new_tokens=6)
+    generated = model.generate(
+        tokenizer(SOURCE, return_tensors="pt")["input_ids"], num_beams=1, max_new_tokens=6
+    )
+    tokens = tokenizer.convert_ids_to_tokens(generated[0, 1:].tolist())
+    if "</s>" in tokens:
+        tokens = tokens[: tokens.index("</s>") + 1]
+    assert maps.target_tokens == tokens and maps.cross.shape[2] == len(tokens)
+
+
+def test_bad_inputs_get_clear_errors(model, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="source sentence is empty"):
+        attention_maps(model, tokenizer, "  ")
+    with pytest.raises(ValueError, match="target sentence is empty"):
+        attention_maps(model, tokenizer, SOURCE, "")
+    with pytest.raises(ValueError, match="labels"):
+        plot_attention_grid(torch.rand(1, 1, 2, 3), ["a"], ["a", "b", "c"], tmp_path / "x.png", title="t")
+    with pytest.raises(ValueError, match="even d_model"):
+        plot_positional_encoding(tmp_path / "pe.png", d_model=7)
+
+
+def test_position_similarity_is_the_papers_formula():
+    d_model, length = 64, 40
+    similarity = position_similarity(length, d_model)
+    frequencies = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    offsets = torch.arange(length, dtype=torch.float64)
+    expected = torch.cos((offsets[:, None] - offsets[None, :])[..., None] * frequencies).sum(-1) / (
+        d_model / 2
+    )
+    torch.testing.assert_close(similarity, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(similarity.diagonal(), torch.ones(length, dtype=torch.float64))
+    torch.testing.assert_close(similarity[5, 5:25], similarity[10, 10:30])  # depends on the offset only
+    assert similarity[10, 11] > similarity[10, 14] > similarity[10, 30]  # near positions more alike
+
+
+def test_positional_encoding_picture_draws_the_encoding(tmp_path):
+    figure = plot_positional_encoding(tmp_path / "pe.png", d_model=32, length=20)
+    encoding_panel, similarity_panel = (ax for ax in figure.axes if ax.images)
+    drawn = torch.from_numpy(encoding_panel.images[0].get_array().data)
+    positions = torch.arange(20, dtype=torch.float64)[:, None]
+    two_i = torch.arange(0, 32, 2, dtype=torch.float64)
+    torch.testing.assert_close(drawn[:, 0::2], torch.sin(positions / 10000 ** (two_i / 32)))
+    torch.testing.assert_close(drawn[:, 1::2], torch.cos(positions / 10000 ** (two_i / 32)))
+    torch.testing.assert_close(
+        torch.from_numpy(similarity_panel.images[0].get_array().data), position_similarity(20, 32)
+    )
+
+
+def test_script_writes_the_four_pictures(model, tokenizer, tmp_path):
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    command = [sys.executable, str(ROOT / "scripts" / "visualize_attention.py"), "--model", str(folder)]
+    result = subprocess.run(
+        [
+            *command,
+            "--source",
+            SOURCE,
+            "--target",
+            TARGET,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == [
+        "cross_attention.png",
+        "decoder_self_attention.png",
+        "encoder_self_attention.png",
+        "positional_encoding.png",
+    ]
+    missing = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "visualize_attention.py"),
+            "--model",
+            str(tmp_path / "nope"),
+            "--source",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert missing.returncode == 2 and "No model folder" in missing.stderr
