@@ -18,6 +18,8 @@ from vanilla_transformer.modeling_vanilla_transformer import (
     TokenPacking,
     dropout,
     label_smoothed_cross_entropy,
+    linear,
+    matmul,
     projected_label_smoothed_loss,
 )
 
@@ -157,3 +159,79 @@ def test_cpu_dropout_is_dropout():
     x = torch.randn(4, 5)
     assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0, training=True) is x
     assert (dropout(x, 1.0, training=True) == 0).all()
+    assert (dropout(torch.ones(1000), 1 - 1e-10, training=True) == 0).all()  # p rounding to 1 in 32 bits
+
+
+def test_onednn_linear_matches_f_linear_forward_and_backward():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 16, generator=generator, requires_grad=True)
+    bias = torch.randn(24, generator=generator, requires_grad=True)
+    inputs = torch.randn(5, 7, 16, generator=generator).transpose(0, 1).requires_grad_()  # not contiguous
+    grad = torch.randn(7, 5, 24, generator=generator)
+    for b in (bias, None):
+        params = [t for t in (inputs, weight, b) if t is not None]
+        expected = F.linear(inputs, weight, b)
+        got = linear(inputs, weight, b)
+        torch.testing.assert_close(got, expected)
+        for g, e in zip(
+            torch.autograd.grad(got, params, grad), torch.autograd.grad(expected, params, grad), strict=True
+        ):
+            torch.testing.assert_close(g, e)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(inputs, weight, bias), F.linear(inputs, weight, bias))
+    torch.testing.assert_close(matmul(weight, weight.t()), weight @ weight.t())
+    assert linear(torch.zeros(0, 16), weight, bias).shape == (0, 24)  # empty batch
+    hidden = F.relu(linear(inputs, weight, bias), inplace=True)  # in-place after it, as the FFN does
+    hidden.sum().backward()
+    torch.testing.assert_close(bias.grad, (F.linear(inputs, weight, bias) > 0).sum((0, 1)).float())
+
+
+def test_left_padding_and_holes_match_the_plain_path(monkeypatch):
+    batch = ragged_batch()
+    batch["attention_mask"][0] = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1])  # left padding and a hole
+    model = tiny_model("sdpa")
+    fast, fast_grads = loss_and_grads(model, batch, return_logits=False)
+    monkeypatch.setattr(TokenPacking, "from_mask", classmethod(lambda cls, keep: None))
+    plain, plain_grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(fast.loss, plain.loss, atol=1e-6, rtol=1e-6)
+    for name in plain_grads:
+        torch.testing.assert_close(fast_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_all_labels_ignored_gives_zero_loss_and_zero_gradients(return_logits):
+    batch = ragged_batch()
+    batch["labels"][:] = -100
+    model = tiny_model("sdpa")
+    output = model(**batch, return_logits=return_logits)
+    output.loss.backward()
+    assert output.loss.item() == 0.0
+    assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
+def test_hooked_output_projection_runs_its_forward():
+    """Hooks, adapters, offloading on lm_head need its forward: the loss then goes through `project`."""
+    batch, model = ragged_batch(), tiny_model("sdpa")
+    plain = model(**batch, return_logits=False).loss
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    hooked = model(**batch, return_logits=False).loss
+    assert calls == [(int((batch["labels"] != -100).sum()), 99)]
+    torch.testing.assert_close(hooked, plain)
+
+
+def test_projected_loss_in_bfloat16_has_no_gradient_bias():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(256, 16, generator=generator).bfloat16().requires_grad_()
+    weight = torch.randn(50, 16, generator=generator).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (256,), generator=generator)
+    fast = torch.autograd.grad(projected_label_smoothed_loss(hidden, weight, None, labels, 0.1, 11), hidden)[
+        0
+    ]
+    plain = torch.autograd.grad(
+        label_smoothed_cross_entropy(F.linear(hidden, weight).float(), labels, 0.1, 11), hidden
+    )[0]
+    assert fast.dtype == torch.bfloat16
+    ratio = (fast.float() * plain.float()).sum() / (plain.float() ** 2).sum()
+    # rounding 1 / 11 to bfloat16 first would scale every gradient by 1 - 1e-3
+    assert abs(ratio.item() - 1) < 4e-4

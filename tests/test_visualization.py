@@ -94,6 +94,8 @@ def test_without_a_target_the_models_own_translation_is_shown(model, tokenizer):
     if "</s>" in tokens:
         tokens = tokens[: tokens.index("</s>") + 1]
     assert maps.target_tokens == tokens and maps.cross.shape[2] == len(tokens)
+    several = attention_maps(model, tokenizer, SOURCE, num_beams=2, num_return_sequences=2, max_new_tokens=6)
+    assert several.cross.shape[2] == len(several.target_tokens)  # the best of the returned sequences
 
 
 def test_bad_inputs_get_clear_errors(model, tokenizer, tmp_path):

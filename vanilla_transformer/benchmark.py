@@ -11,6 +11,7 @@ GPU, CUDA's peak allocation above the allocation before the steps).
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -23,7 +24,7 @@ from typing import Any
 
 import psutil
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
 
 from .batching import TokenBatchSampler
@@ -166,13 +167,22 @@ def median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_peak_flops(device: str, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """The machine's measured matrix-multiply rate (FLOP/s) at this dtype: the MFU denominator."""
+def matmul_peak_flops(
+    device: str, dtype: torch.dtype, size: int = 2048, repeats: int = 5
+) -> dict[str, float]:
+    """The machine's measured matrix-multiply rate (FLOP/s) at this dtype, per kernel: `torch.matmul`
+    (the BLAS transformers' models use) and, on CPU, oneDNN (what this package's `linear` uses). The
+    faster one is the MFU denominator."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)
-    seconds = median_time(lambda: torch.matmul(a, b), device, repeats)
-    return 2 * size**3 / seconds
+    kernels = {"torch.matmul": lambda: torch.matmul(a, b)}
+    if device == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        kernels["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    rates = {}
+    for name, kernel in kernels.items():
+        kernel()
+        rates[name] = 2 * size**3 / median_time(kernel, device, repeats)
+    return rates
 
 
 def read_bandwidth(device: str, megabytes: int = 512, repeats: int = 5) -> float:
@@ -210,6 +220,15 @@ def dropout_timing(shape: Sequence[int] = (3500, 512), p: float = 0.1, repeats: 
         for name, function in functions.items():
             results[name] = median_time(lambda f=function: f().sum().backward(), "cpu", repeats)
     return results
+
+
+def _onednn_linear_flops(input_shape: Sequence[int], weight_shape: Sequence[int], *_: Any, **__: Any) -> int:
+    """FLOPs of oneDNN's linear kernel, which this package's `linear` uses on CPU: 2 x rows x in x out."""
+    return 2 * math.prod(input_shape[:-1]) * weight_shape[0] * weight_shape[1]
+
+
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # let FlopCounterMode count it like aten.mm
+    register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_onednn_linear_flops)
 
 
 def step_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -437,10 +456,11 @@ def run(
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "matmul_peak_flops": matmul_peak_flops(device, torch_dtype),
+        "matmul_flops": matmul_peak_flops(device, torch_dtype),
         "read_bandwidth": read_bandwidth(device),
         "presets": {},
     }
+    results["matmul_peak_flops"] = max(results["matmul_flops"].values())
     for preset in presets:
         config = VanillaTransformerConfig.from_preset(preset, vocab_size=len(tokenizer))
         models = {kind: build_model(kind, config, device, torch_dtype) for kind in MODELS}
@@ -487,6 +507,11 @@ def format_tables(results: dict[str, Any]) -> str:
     lines = [
         f"device {results['device']}, {results['dtype']}, {results['threads']} threads, "
         f"torch {results['torch']}; measured matmul peak {results['matmul_peak_flops'] / 1e9:.1f} GFLOP/s"
+        + (
+            " (" + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in results["matmul_flops"].items()) + ")"
+            if "matmul_flops" in results
+            else ""
+        )
         + (
             f", memory read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s"
             if "read_bandwidth" in results

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -72,6 +73,91 @@ def sinusoidal_position_encoding(
     return encoding.to(dtype)
 
 
+def _find_onednn_linear() -> Callable | None:
+    """oneDNN's linear kernel (the one torch.compile uses on CPU), if this torch build has a working one."""
+    try:
+        kernel = torch.ops.mkldnn._linear_pointwise
+        if not torch.backends.mkldnn.is_available():
+            return None
+        probe = kernel(torch.ones(2, 3), torch.ones(4, 3), torch.ones(4), "none", [], "")
+        return kernel if probe.shape == (2, 4) and bool((probe == 4).all()) else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _find_onednn_linear()
+
+
+def _runs_on_onednn(*tensors: torch.Tensor | None) -> bool:
+    """float32 plain tensors on CPU, outside autocast and compilation: the case oneDNN takes over."""
+    return (
+        _ONEDNN_LINEAR is not None
+        and all(
+            t is None
+            or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.numel() > 0)
+            for t in tensors
+        )
+        and tensors[0].device.type == "cpu"
+        and tensors[0].dim() >= 2
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b for 2-D x, with oneDNN for the forward and both backward products."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inputs, weight)
+        ctx.has_bias = bias is not None
+        return _ONEDNN_LINEAR(inputs, weight, bias, "none", [], "")
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs, weight = ctx.saved_tensors  # (M, in), (out, in); grad_output: (M, out)
+        grad_inputs = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # (M, out) x (out, in): oneDNN's "weight" is (in, out) = W^T
+            grad_inputs = _ONEDNN_LINEAR(grad_output, weight.t(), None, "none", [], "")
+        if ctx.needs_input_grad[1]:  # (out, M) x (M, in)
+            grad_weight = _ONEDNN_LINEAR(grad_output.t(), inputs.t(), None, "none", [], "")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.sum(0)
+        return grad_inputs, grad_weight, grad_bias
+
+
+def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, computed by oneDNN for float32 on CPU (forward and backward), else by `F.linear`.
+
+    torch's CPU matrix products go to its BLAS (MKL), which on some CPUs (AMD EPYC here) runs without
+    their widest vector instructions; oneDNN uses them, and `scripts/benchmark.py` measures its
+    products at about twice the rate. Same operation in float32; only the summation order differs.
+    """
+    if not _runs_on_onednn(inputs, weight, bias):
+        return F.linear(inputs, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inputs, weight, bias)):
+        rows = _OneDNNLinear.apply(inputs.reshape(-1, inputs.shape[-1]), weight, bias)  # (M, out)
+        return rows.view(*inputs.shape[:-1], weight.shape[0])
+    return _ONEDNN_LINEAR(inputs, weight, bias, "none", [], "")
+
+
+def matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """`left @ right` for 2-D tensors, through oneDNN where `linear` uses it (no autograd)."""
+    if _runs_on_onednn(left, right):
+        return _ONEDNN_LINEAR(left, right.t(), None, "none", [], "")
+    return left @ right
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoints) whose product goes through `linear`."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return linear(inputs, self.weight, self.bias)
+
+
 class _CPUDropout(torch.autograd.Function):
     """Dropout whose keep mask comes from 32-bit random integers, for CPU tensors.
 
@@ -101,7 +187,7 @@ def dropout(inputs: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """`F.dropout`, with a faster mask draw on CPU (`_CPUDropout`)."""
     if not training or p == 0.0:
         return inputs
-    if inputs.device.type == "cpu" and 0.0 < p < 1.0 and inputs.numel() > 0:
+    if inputs.device.type == "cpu" and p > 0.0 and round(p * 2**32) < 2**32 and inputs.numel() > 0:
         return _CPUDropout.apply(inputs, p)
     return F.dropout(inputs, p=p, training=True)
 
@@ -183,10 +269,10 @@ class VanillaTransformerAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.is_causal = is_causal
         self.layer_idx = layer_idx
-        self.q_proj = nn.Linear(config.d_model, config.d_model)
-        self.k_proj = nn.Linear(config.d_model, config.d_model)
-        self.v_proj = nn.Linear(config.d_model, config.d_model)
-        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.q_proj = Linear(config.d_model, config.d_model)
+        self.k_proj = Linear(config.d_model, config.d_model)
+        self.v_proj = Linear(config.d_model, config.d_model)
+        self.out_proj = Linear(config.d_model, config.d_model)
 
     def forward(
         self,
@@ -262,8 +348,8 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         self.dropout = config.dropout
         self.activation_fn = ACT2FN[config.activation_function]
         self.activation_dropout = config.activation_dropout
-        self.fc1 = nn.Linear(config.d_model, config.d_ff)
-        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.fc1 = Linear(config.d_model, config.d_ff)
+        self.fc2 = Linear(config.d_ff, config.d_model)
         self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def _sublayer_input(self, hidden_states: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
@@ -840,7 +926,7 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             ]
         for start in range(0, hidden.shape[0], chunk):
             part, targets = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = F.linear(part, weight, bias).float()  # (C, V)
+            logits = linear(part, weight, bias).float()  # (C, V)
             target_logits = logits.gather(1, targets[:, None]).squeeze(1)
             mean_logits = logits.mean(-1)
             # log-sum-exp, reusing exp(logits - max) in place for the softmax below
@@ -855,23 +941,24 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                 continue
             grad_logits = exponentials.div_(normalizer[:, None]).sub_(smoothing / vocab_size)
             grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
-            grads[1].addmm_(grad_logits.t(), part.float())
+            grads[1] += matmul(grad_logits.t(), part.float())
             if grads[2] is not None:
                 grads[2] += grad_logits.sum(0)
             grad_logits = grad_logits.to(hidden.dtype)
-            grads[0][start : start + chunk] = grad_logits @ weight
+            grads[0][start : start + chunk] = matmul(grad_logits, weight)
         if grads is not None:
             ctx.save_for_backward(*(g for g in grads if g is not None))
             ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
 
     @staticmethod
+    @once_differentiable  # the gradients were formed in forward: no second derivatives
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_total.float()
         return (
-            grad_hidden * scale.to(grad_hidden.dtype),
+            (grad_hidden.float() * scale).to(grad_hidden.dtype),
             (grad_weight * scale).to(weight_dtype),
             (grad_bias[0] * scale).to(bias_dtype) if grad_bias else None,
             None,
@@ -916,7 +1003,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         self.model = VanillaTransformerModel(config)
         if not config.share_encoder_decoder_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
-        self.lm_head = nn.Linear(config.d_model, config.decoder_vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.decoder_vocab_size, bias=False)
         # Not in the paper; Marian checkpoints carry one (see `convert_from_marian`).
         self.final_logits_bias = (
             nn.Parameter(torch.zeros(1, config.decoder_vocab_size)) if config.add_final_logits_bias else None
@@ -1007,18 +1094,24 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         )
         hidden_states = outputs.last_hidden_state  # (B, T, D)
         loss = logits = None
-        if labels is not None and not return_logits:
+        if labels is not None and not return_logits:  # padding positions skipped
             targets = labels.to(hidden_states.device)
             kept = targets != -100
-            bias = None if self.final_logits_bias is None else self.final_logits_bias[0]
-            loss = projected_label_smoothed_loss(  # padding positions skipped, no (N, V) logits kept
-                hidden_states[kept],
-                self.lm_head.weight,
-                bias,
-                targets[kept],
-                self.config.label_smoothing,
-                num_items_in_batch,
-            )
+            smoothing = self.config.label_smoothing
+            if self._plain_output_projection():  # in chunks, no (N, V) logits kept
+                bias = None if self.final_logits_bias is None else self.final_logits_bias[0]
+                loss = projected_label_smoothed_loss(
+                    hidden_states[kept],
+                    self.lm_head.weight,
+                    bias,
+                    targets[kept],
+                    smoothing,
+                    num_items_in_batch,
+                )
+            else:
+                loss = label_smoothed_cross_entropy(
+                    self.project(hidden_states[kept]), targets[kept], smoothing, num_items_in_batch
+                )
         else:
             logits = self.project(hidden_states)  # (B, T, V)
             if labels is not None:
@@ -1039,6 +1132,19 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
+        )
+
+    def _plain_output_projection(self) -> bool:
+        """Whether `lm_head` is this package's bias-free linear layer with nothing wrapped around it, so
+        that the chunked loss may read its weight directly (hooks, adapters, offloading or ZeRO-3
+        sharding need its forward to run: those go through `project`)."""
+        head = self.lm_head
+        return (
+            type(head) in (Linear, nn.Linear)
+            and head.bias is None
+            and not head._forward_hooks
+            and not head._forward_pre_hooks
+            and not hasattr(head, "_hf_hook")
         )
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:

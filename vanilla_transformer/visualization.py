@@ -63,7 +63,7 @@ def attention_maps(
         with torch.inference_mode():
             if target is None:
                 generated = model.generate(input_ids, **generate_kwargs)
-                target_ids = generated[:, 1:]  # drop the decoder start token
+                target_ids = generated[:1, 1:]  # the best sequence, without the decoder start token
                 target_ids = target_ids[:, : _length_through_eos(target_ids[0], tokenizer.eos_token_id)]
             else:
                 target_ids = tokenizer(text_target=target, return_tensors="pt")["input_ids"].to(device)
