@@ -16,11 +16,13 @@ from tests.conftest import EOS, PAD, tiny_model
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.modeling_vanilla_transformer import (
     TokenPacking,
+    _PositionTable,
     dropout,
     label_smoothed_cross_entropy,
     linear,
     matmul,
     projected_label_smoothed_loss,
+    sinusoidal_position_encoding,
 )
 
 
@@ -235,3 +237,12 @@ def test_projected_loss_in_bfloat16_has_no_gradient_bias():
     ratio = (fast.float() * plain.float()).sum() / (plain.float() ** 2).sum()
     # rounding 1 / 11 to bfloat16 first would scale every gradient by 1 - 1e-3
     assert abs(ratio.item() - 1) < 4e-4
+
+
+def test_position_table_equals_the_encoding_computed_on_the_fly():
+    table = _PositionTable(32, "interleaved")
+    for start, length in ((0, 10), (9, 1), (100, 5), (3, 200)):  # grows past 64 and 128 rows
+        expected = sinusoidal_position_encoding(torch.arange(start, start + length), 32)
+        assert torch.equal(table(start, length, torch.device("cpu"), torch.float32), expected)
+    assert table.table.shape[0] == 256
+    assert table(0, 4, torch.device("cpu"), torch.float64).dtype == torch.float64

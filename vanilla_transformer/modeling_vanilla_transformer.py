@@ -88,17 +88,19 @@ def _find_onednn_linear() -> Callable | None:
 _ONEDNN_LINEAR = _find_onednn_linear()
 
 
-def _runs_on_onednn(*tensors: torch.Tensor | None) -> bool:
+def _runs_on_onednn(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """float32 plain tensors on CPU, outside autocast and compilation: the case oneDNN takes over."""
+    plain = (torch.Tensor, nn.Parameter)
     return (
         _ONEDNN_LINEAR is not None
-        and all(
-            t is None
-            or (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.numel() > 0)
-            for t in tensors
-        )
-        and tensors[0].device.type == "cpu"
-        and tensors[0].dim() >= 2
+        and inputs.dtype == weight.dtype == torch.float32
+        and inputs.device.type == "cpu"
+        and inputs.dim() >= 2
+        and type(inputs) in plain
+        and type(weight) in plain
+        and inputs.numel() > 0
+        and weight.numel() > 0
+        and (bias is None or (type(bias) in plain and bias.dtype == torch.float32))
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     )
@@ -549,6 +551,25 @@ def _check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: i
         )
 
 
+class _PositionTable:
+    """Sinusoidal encodings of positions 0..n-1, computed by `sinusoidal_position_encoding` and kept
+    for reuse (not a buffer: nothing goes into checkpoints), grown by doubling when a longer sequence
+    comes, so there is still no maximum length. Saves recomputing the table at every decoding step."""
+
+    def __init__(self, d_model: int, layout: str):
+        self.d_model, self.layout = d_model, layout
+        self.table: torch.Tensor | None = None
+
+    def __call__(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        table = self.table
+        if table is None or table.shape[0] < start + length or table.device != device or table.dtype != dtype:
+            size = max(64, 1 << (start + length - 1).bit_length())
+            positions = torch.arange(size, device=device)
+            table = sinusoidal_position_encoding(positions, self.d_model, self.layout, dtype)
+            self.table = None if device.type == "meta" else table
+        return table[start : start + length]
+
+
 class VanillaTransformerEncoder(nn.Module):
     """The encoder: embeddings x sqrt(d_model) + positions, dropout, then N encoder layers (Section 3.1)."""
 
@@ -557,6 +578,7 @@ class VanillaTransformerEncoder(nn.Module):
         self.config = config
         self.embed_tokens = embed_tokens
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.position_table = _PositionTable(config.d_model, config.position_encoding_layout)
         self.dropout = config.dropout
         self.layers = nn.ModuleList(
             VanillaTransformerEncoderLayer(config) for _ in range(config.num_encoder_layers)
@@ -591,9 +613,8 @@ class VanillaTransformerEncoder(nn.Module):
                 "The source sequence is empty: every input needs at least one token (e.g. </s>)."
             )
 
-        positions = torch.arange(length, device=inputs_embeds.device)
-        hidden_states = inputs_embeds * self.embed_scale + sinusoidal_position_encoding(
-            positions, self.config.d_model, self.config.position_encoding_layout, inputs_embeds.dtype
+        hidden_states = inputs_embeds * self.embed_scale + self.position_table(
+            0, length, inputs_embeds.device, inputs_embeds.dtype
         )
         # Padding is never attended to, so only real tokens go through the layers (zeros come back).
         packing = TokenPacking.from_mask(attention_mask)
@@ -634,6 +655,7 @@ class VanillaTransformerDecoder(nn.Module):
         self.config = config
         self.embed_tokens = embed_tokens
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.position_table = _PositionTable(config.d_model, config.position_encoding_layout)
         self.dropout = config.dropout
         self.layers = nn.ModuleList(
             VanillaTransformerDecoderLayer(config, layer_idx=i) for i in range(config.num_decoder_layers)
@@ -678,9 +700,8 @@ class VanillaTransformerDecoder(nn.Module):
         _check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
         _check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
 
-        positions = torch.arange(past_length, past_length + length, device=inputs_embeds.device)
-        hidden_states = inputs_embeds * self.embed_scale + sinusoidal_position_encoding(
-            positions, self.config.d_model, self.config.position_encoding_layout, inputs_embeds.dtype
+        hidden_states = inputs_embeds * self.embed_scale + self.position_table(
+            past_length, length, inputs_embeds.device, inputs_embeds.dtype
         )
         packing = encoder_packing = None
         if cache is None:  # one full forward (teacher forcing): per-token work on the needed tokens only
