@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tests.conftest import EOS, PAD, tiny_model
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
+from vanilla_transformer import modeling_vanilla_transformer as modeling
 from vanilla_transformer.modeling_vanilla_transformer import (
     TokenPacking,
     _PositionTable,
@@ -164,12 +165,16 @@ def test_cpu_dropout_is_dropout():
     assert (dropout(torch.ones(1000), 1 - 1e-10, training=True) == 0).all()  # p rounding to 1 in 32 bits
 
 
-def test_onednn_linear_matches_f_linear_forward_and_backward():
+def test_onednn_linear_matches_f_linear_forward_and_backward(monkeypatch):
+    kernel, calls = modeling._ONEDNN_LINEAR, []
+    if kernel is None:
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    monkeypatch.setattr(modeling, "_ONEDNN_LINEAR", lambda *args: calls.append(1) or kernel(*args))
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(24, 16, generator=generator, requires_grad=True)
-    bias = torch.randn(24, generator=generator, requires_grad=True)
-    inputs = torch.randn(5, 7, 16, generator=generator).transpose(0, 1).requires_grad_()  # not contiguous
-    grad = torch.randn(7, 5, 24, generator=generator)
+    weight = torch.randn(256, 64, generator=generator, requires_grad=True)  # 35 x 256 x 64 multiply-adds
+    bias = torch.randn(256, generator=generator, requires_grad=True)
+    inputs = torch.randn(5, 7, 64, generator=generator).transpose(0, 1).requires_grad_()  # not contiguous
+    grad = torch.randn(7, 5, 256, generator=generator)
     for b in (bias, None):
         params = [t for t in (inputs, weight, b) if t is not None]
         expected = F.linear(inputs, weight, b)
@@ -179,10 +184,15 @@ def test_onednn_linear_matches_f_linear_forward_and_backward():
             torch.autograd.grad(got, params, grad), torch.autograd.grad(expected, params, grad), strict=True
         ):
             torch.testing.assert_close(g, e)
+    assert len(calls) == 6  # forward, input gradient and weight gradient, twice
     with torch.no_grad():
         torch.testing.assert_close(linear(inputs, weight, bias), F.linear(inputs, weight, bias))
     torch.testing.assert_close(matmul(weight, weight.t()), weight @ weight.t())
-    assert linear(torch.zeros(0, 16), weight, bias).shape == (0, 24)  # empty batch
+    assert len(calls) == 8
+    assert linear(torch.zeros(0, 64), weight, bias).shape == (0, 256)  # empty batch
+    small = torch.randn(1, 64)
+    torch.testing.assert_close(linear(small, weight[:8], bias[:8]), F.linear(small, weight[:8], bias[:8]))
+    assert len(calls) == 8  # too small a product for oneDNN to pay off: torch's own kernel
     hidden = F.relu(linear(inputs, weight, bias), inplace=True)  # in-place after it, as the FFN does
     hidden.sum().backward()
     torch.testing.assert_close(bias.grad, (F.linear(inputs, weight, bias) > 0).sum((0, 1)).float())
@@ -246,3 +256,27 @@ def test_position_table_equals_the_encoding_computed_on_the_fly():
         assert torch.equal(table(start, length, torch.device("cpu"), torch.float32), expected)
     assert table.table.shape[0] == 256
     assert table(0, 4, torch.device("cpu"), torch.float64).dtype == torch.float64
+
+
+def test_model_on_onednn_matches_the_model_on_torch_kernels(monkeypatch):
+    """Wide enough that every linear layer takes the oneDNN path (d_model 128, vocabulary 500)."""
+    if modeling._ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    batch = ragged_batch()
+    model = tiny_model("sdpa", d_model=128, d_ff=256, vocab_size=500)
+    source = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    def run():
+        output, grads = loss_and_grads(model, batch, return_logits=False)
+        with torch.no_grad():
+            logits = model(**batch).logits
+        return output.loss, grads, logits, model.generate(**source, num_beams=2, max_new_tokens=8)
+
+    fast = run()
+    monkeypatch.setattr(modeling, "_ONEDNN_LINEAR", None)
+    plain = run()
+    torch.testing.assert_close(fast[0], plain[0], atol=1e-6, rtol=1e-6)
+    for name in plain[1]:
+        torch.testing.assert_close(fast[1][name], plain[1][name], atol=1e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(fast[2], plain[2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast[3], plain[3])
