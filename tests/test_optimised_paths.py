@@ -280,3 +280,18 @@ def test_model_on_onednn_matches_the_model_on_torch_kernels(monkeypatch):
         torch.testing.assert_close(fast[1][name], plain[1][name], atol=1e-6, rtol=1e-5, msg=name)
     torch.testing.assert_close(fast[2], plain[2], atol=1e-5, rtol=1e-5)
     assert torch.equal(fast[3], plain[3])
+
+
+def test_training_mode_with_dropout_is_seeded_and_differentiable():
+    batch = ragged_batch()
+    model = tiny_model("sdpa", dropout=0.3).train()
+
+    def loss(seed):
+        torch.manual_seed(seed)
+        value = model(**batch, return_logits=False).loss
+        value.backward()
+        return value.detach()
+
+    first, again, other = loss(1), loss(1), loss(2)
+    assert torch.isfinite(first) and torch.equal(first, again) and not torch.equal(first, other)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
