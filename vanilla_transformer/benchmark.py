@@ -37,6 +37,8 @@ from .modeling_vanilla_transformer import (
 from .tokenization import train_bpe_tokenizer
 
 MODELS = ("ours", "marian")
+# generate() benchmarks: source length and number of new tokens
+GENERATE_LENGTH = 32
 
 
 def marian_like(config: VanillaTransformerConfig) -> MarianConfig:
@@ -262,11 +264,12 @@ def benchmark_training(
 def generation_inputs(
     models: dict[str, torch.nn.Module], device: str, batch_size: int, num_beams: int
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Random 32-token sources and `generate` options that produce exactly 32 new tokens."""
+    """Random `GENERATE_LENGTH`-token sources and `generate` options producing exactly that many tokens."""
     generator = torch.Generator().manual_seed(0)
     vocab = next(iter(models.values())).config.vocab_size
-    source = torch.randint(4, vocab, (batch_size, 32), generator=generator).to(device)
-    return source, {"num_beams": num_beams, "do_sample": False, "max_new_tokens": 32, "min_new_tokens": 32}
+    source = torch.randint(4, vocab, (batch_size, GENERATE_LENGTH), generator=generator).to(device)
+    length = {"max_new_tokens": GENERATE_LENGTH, "min_new_tokens": GENERATE_LENGTH}
+    return source, {"num_beams": num_beams, "do_sample": False, **length}
 
 
 def benchmark_generate(
@@ -536,7 +539,7 @@ def format_tables(results: dict[str, Any]) -> str:
                 if greedy is None or "read_bandwidth" not in results:
                     continue
                 floor = values / results["read_bandwidth"]  # seconds per token if only weights were read
-                ours, marian = greedy["ours"] / 32, greedy["marian"] / 32  # 32 new tokens per call
+                ours, marian = greedy["ours"] / GENERATE_LENGTH, greedy["marian"] / GENERATE_LENGTH
                 lines.append(
                     f"| {preset} | greedy batch 1, ms per new token (floor: {values / 2**20:,.0f} MiB of "
                     f"weights per token / read bandwidth = {floor * 1e3:.2f} ms) | {ours * 1e3:.2f} "

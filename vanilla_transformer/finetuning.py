@@ -9,19 +9,17 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from transformers import (
-    AutoModelForSeq2SeqLM,
-    AutoTokenizer,
     DataCollatorForSeq2Seq,
     EvalPrediction,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
 )
 
+from .evaluation import load_model_folder
 from .metrics import score_translations
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 
@@ -81,10 +79,7 @@ def bleu_metric_fn(tokenizer: Any) -> Any:
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
-    if Path(config.model).exists() and not (Path(config.model) / "config.json").is_file():
-        raise FileNotFoundError(f"{config.model} is not a model folder (no config.json).")
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
-    model = AutoModelForSeq2SeqLM.from_pretrained(config.model, trust_remote_code=True)
+    model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
     data, report = load_parallel_data(
         train_file=config.train_file,
         validation_file=config.validation_file,

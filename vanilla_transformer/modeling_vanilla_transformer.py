@@ -912,11 +912,18 @@ def label_smoothed_cross_entropy(
     loss = F.cross_entropy(
         logits.float(), labels, ignore_index=-100, label_smoothing=smoothing, reduction="sum"
     )
+    return _per_item(loss, labels, num_items_in_batch)
+
+
+def _per_item(
+    loss_sum: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
+) -> torch.Tensor:
+    """The summed loss over `num_items_in_batch`, by default the count of labels that are not -100."""
     if num_items_in_batch is None:
         num_items_in_batch = (labels != -100).sum().clamp(min=1)  # all ignored: loss 0, not NaN
     if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(loss.device)
-    return loss / num_items_in_batch
+        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+    return loss_sum / num_items_in_batch
 
 
 class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
@@ -1007,11 +1014,7 @@ def projected_label_smoothed_loss(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
     total = _ProjectedLabelSmoothedLoss.apply(hidden, weight, bias, labels, smoothing, with_gradients)
-    if num_items_in_batch is None:
-        num_items_in_batch = max(labels.numel(), 1)
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return _per_item(total, labels, num_items_in_batch)
 
 
 class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
