@@ -1,9 +1,13 @@
-"""Shared fixtures: a tiny configuration (vocab 99, d_model 32, 2+2 layers, 4 heads) and inputs."""
+"""Shared fixtures: a tiny configuration (vocab 99, d_model 32, 2+2 layers, 4 heads) and inputs; both
+linear-layer kernels; tolerances that follow from dtype and problem size."""
+
+import math
 
 import pytest
 import torch
 
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
+from vanilla_transformer import kernels_vanilla_transformer as kernels
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -50,3 +54,39 @@ def batch() -> dict[str, torch.Tensor]:
     labels[1, 4] = EOS
     labels[1, 5:] = -100
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@pytest.fixture(params=["torch", "onednn"])
+def each_linear_kernel(request):
+    """Run a test with torch's kernel and with oneDNN's for every eligible product (where this torch
+    has oneDNN), whatever the measured choice on this machine would be."""
+    if request.param == "onednn" and kernels.linear_kernel().onednn is None:
+        pytest.skip("this torch build has no oneDNN linear kernel")
+    previous = kernels.set_linear_kernel(request.param)
+    yield request.param
+    kernels.set_linear_kernel(previous)
+
+
+def rounding_tolerance(dtype: torch.dtype, terms: int) -> float:
+    """Relative difference allowed between two computations of the same quantity that differ only in
+    summation order (kernels, blocking, padding): a few units of `dtype`'s roundoff, grown by the square
+    root of the number of terms summed (the typical growth of rounding error in a sum)."""
+    return 8 * torch.finfo(dtype).eps * math.sqrt(terms)
+
+
+def assert_same_up_to_rounding(
+    got: torch.Tensor, expected: torch.Tensor, terms: int, scale: float | None = None, msg=None
+) -> None:
+    """`got` equals `expected` to `rounding_tolerance`, relative to `scale`: by default the largest
+    magnitude in `expected`; for gradients that cancel to nearly 0 (a key bias: softmax ignores a
+    constant shift) pass the magnitude of the computation they come from, e.g. of all gradients."""
+    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+    tolerance = rounding_tolerance(expected.dtype, terms)
+    if scale is None:
+        scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * max(scale, 1e-30), msg=msg)
+
+
+def gradient_scale(grads: dict[str, torch.Tensor]) -> float:
+    """The largest gradient entry of a model: the magnitude rounding errors in its backward scale with."""
+    return max(float(g.abs().max()) for g in grads.values())

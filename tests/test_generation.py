@@ -5,6 +5,9 @@ import torch
 
 from tests.conftest import BOS, EOS, tiny_model
 
+# Both linear-layer kernels: torch's, and oneDNN's for every product that may take it.
+pytestmark = pytest.mark.usefixtures("each_linear_kernel")
+
 
 @pytest.fixture
 def source() -> torch.Tensor:

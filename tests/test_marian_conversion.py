@@ -7,6 +7,9 @@ from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.conversion import config_from_marian, convert_from_marian
 
+# Both linear-layer kernels: torch's, and oneDNN's for every product that may take it.
+pytestmark = pytest.mark.usefixtures("each_linear_kernel")
+
 VARIANTS = {
     # The OPUS-MT layout: shared vocabulary, swish, scaled embeddings, tied output projection.
     "opus-mt": {"activation_function": "swish"},

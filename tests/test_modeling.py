@@ -20,6 +20,9 @@ from vanilla_transformer.modeling_vanilla_transformer import (
     sinusoidal_position_encoding,
 )
 
+# Both linear-layer kernels: torch's, and oneDNN's for every product that may take it.
+pytestmark = pytest.mark.usefixtures("each_linear_kernel")
+
 
 def paper_position_encoding(pos: int, d_model: int, layout: str) -> list[float]:
     """Section 3.5 written out element by element, in Python floats."""

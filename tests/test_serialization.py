@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 from tests.conftest import tiny_model
 from vanilla_transformer import VanillaTransformerForConditionalGeneration, VanillaTransformerModel
+from vanilla_transformer.kernels_vanilla_transformer import set_linear_kernel
 
 
 def test_save_load_round_trip_gives_identical_logits(tmp_path, batch):
@@ -57,9 +58,14 @@ def test_meta_device_loading_keeps_positions_and_ties(tmp_path, batch):
         torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, atol=0, rtol=0)
 
 
-def test_trust_remote_code_load_without_the_package(tmp_path, batch):
+def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch):
     model = tiny_model()
     model.save_pretrained(tmp_path / "model")
+    # The modeling code travels with its relative imports: the kernel module too.
+    assert (tmp_path / "model" / "kernels_vanilla_transformer.py").is_file()
+    # One kernel on both sides, so that the comparison below is of code, not of summation order.
+    monkeypatch.setenv("VANILLA_TRANSFORMER_ONEDNN", "torch")
+    previous = set_linear_kernel("torch")
     with torch.no_grad():
         expected = model.generate(
             batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6
@@ -93,6 +99,7 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch):
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
     )
+    set_linear_kernel(previous)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote code OK transformers_modules" in result.stdout
 

@@ -41,6 +41,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .kernels_vanilla_transformer import Linear
 
 # When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
 # plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").
@@ -71,98 +72,6 @@ def sinusoidal_position_encoding(
     else:
         raise ValueError(f"Unknown position encoding layout {layout!r}.")
     return encoding.to(dtype)
-
-
-def _find_onednn_linear() -> Callable | None:
-    """oneDNN's linear kernel (the one torch.compile uses on CPU), if this torch build has a working one."""
-    try:
-        kernel = torch.ops.mkldnn._linear_pointwise
-        if not torch.backends.mkldnn.is_available():
-            return None
-        probe = kernel(torch.ones(2, 3), torch.ones(4, 3), torch.ones(4), "none", [], "")
-        return kernel if probe.shape == (2, 4) and bool((probe == 4).all()) else None
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_ONEDNN_LINEAR = _find_onednn_linear()
-
-
-# Below this many multiply-adds (e.g. one row through a 256 x 256 matrix) torch's BLAS call costs less
-# than oneDNN's: measured in greedy decoding of the tiny preset (6% faster per sentence).
-ONEDNN_MIN_MULTIPLY_ADDS = 2**17
-
-
-def _runs_on_onednn(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """float32 plain tensors on CPU, outside autocast and compilation, and a product large enough."""
-    plain = (torch.Tensor, nn.Parameter)
-    return (
-        _ONEDNN_LINEAR is not None
-        and inputs.dtype == weight.dtype == torch.float32
-        and inputs.device.type == "cpu"
-        and inputs.dim() >= 2
-        and type(inputs) in plain
-        and type(weight) in plain
-        and inputs.numel() > 0
-        and inputs.numel() // inputs.shape[-1] * weight.numel() >= ONEDNN_MIN_MULTIPLY_ADDS
-        and (bias is None or (type(bias) in plain and bias.dtype == torch.float32))
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
-    )
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b for 2-D x, with oneDNN for the forward and both backward products."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        ctx.save_for_backward(inputs, weight)
-        ctx.has_bias = bias is not None
-        return _ONEDNN_LINEAR(inputs, weight, bias, "none", [], "")
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs, weight = ctx.saved_tensors  # (M, in), (out, in); grad_output: (M, out)
-        grad_inputs = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:  # (M, out) x (out, in): oneDNN's "weight" is (in, out) = W^T
-            grad_inputs = _ONEDNN_LINEAR(grad_output, weight.t(), None, "none", [], "")
-        if ctx.needs_input_grad[1]:  # (out, M) x (M, in)
-            grad_weight = _ONEDNN_LINEAR(grad_output.t(), inputs.t(), None, "none", [], "")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.sum(0)
-        return grad_inputs, grad_weight, grad_bias
-
-
-def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, computed by oneDNN for float32 on CPU (forward and backward), else by `F.linear`.
-
-    torch's CPU matrix products go to its BLAS (MKL), which on some CPUs (AMD EPYC here) runs without
-    their widest vector instructions; oneDNN uses them, and `scripts/benchmark.py` measures its
-    products at about twice the rate. Same operation in float32; only the summation order differs.
-    """
-    if not _runs_on_onednn(inputs, weight, bias):
-        return F.linear(inputs, weight, bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inputs, weight, bias)):
-        rows = _OneDNNLinear.apply(inputs.reshape(-1, inputs.shape[-1]), weight, bias)  # (M, out)
-        return rows.view(*inputs.shape[:-1], weight.shape[0])
-    return _ONEDNN_LINEAR(inputs, weight, bias, "none", [], "")
-
-
-def matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """`left @ right` for 2-D tensors, through oneDNN where `linear` uses it (no autograd)."""
-    if _runs_on_onednn(left, right):
-        return _ONEDNN_LINEAR(left, right.t(), None, "none", [], "")
-    return left @ right
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same checkpoints) whose product goes through `linear`."""
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return linear(inputs, self.weight, self.bias)
 
 
 class _CPUDropout(torch.autograd.Function):
@@ -910,9 +819,18 @@ def label_smoothed_cross_entropy(
     gradient accumulation gives the same gradient as one large batch.
     """
     loss = F.cross_entropy(
-        logits.float(), labels, ignore_index=-100, label_smoothing=smoothing, reduction="sum"
+        logits.to(_loss_dtype(logits.dtype)),
+        labels,
+        ignore_index=-100,
+        label_smoothing=smoothing,
+        reduction="sum",
     )
     return _per_item(loss, labels, num_items_in_batch)
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Losses are computed in float32, or in the input's dtype where it is wider (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _per_item(
@@ -949,17 +867,18 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
     ) -> torch.Tensor:
         vocab_size = weight.shape[0]
         chunk = max(1, 2**22 // vocab_size)  # ~16 MiB of float32 logits at a time
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        compute = _loss_dtype(hidden.dtype)
+        total = torch.zeros((), device=hidden.device, dtype=compute)
         grads = None
         if with_gradients:
             grads = [
                 torch.empty_like(hidden),
-                torch.zeros_like(weight, dtype=torch.float32),
-                None if bias is None else torch.zeros_like(bias, dtype=torch.float32),
+                torch.zeros_like(weight, dtype=compute),
+                None if bias is None else torch.zeros_like(bias, dtype=compute),
             ]
         for start in range(0, hidden.shape[0], chunk):
             part, targets = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = linear(part, weight, bias).float()  # (C, V)
+            logits = F.linear(part, weight, bias).to(compute)  # (C, V)
             target_logits = logits.gather(1, targets[:, None]).squeeze(1)
             mean_logits = logits.mean(-1)
             # log-sum-exp, reusing exp(logits - max) in place for the softmax below
@@ -974,11 +893,10 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
                 continue
             grad_logits = exponentials.div_(normalizer[:, None]).sub_(smoothing / vocab_size)
             grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
-            grads[1] += matmul(grad_logits.t(), part.float())
+            grads[1].addmm_(grad_logits.t(), part.to(compute))  # (V, D)
             if grads[2] is not None:
                 grads[2] += grad_logits.sum(0)
-            grad_logits = grad_logits.to(hidden.dtype)
-            grads[0][start : start + chunk] = matmul(grad_logits, weight)
+            grads[0][start : start + chunk] = grad_logits.to(hidden.dtype) @ weight  # (C, D)
         if grads is not None:
             ctx.save_for_backward(*(g for g in grads if g is not None))
             ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -989,9 +907,9 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
-        scale = grad_total.float()
+        scale = grad_total.to(grad_weight.dtype)  # the loss's compute dtype
         return (
-            (grad_hidden.float() * scale).to(grad_hidden.dtype),
+            (grad_hidden.to(scale.dtype) * scale).to(grad_hidden.dtype),
             (grad_weight * scale).to(weight_dtype),
             (grad_bias[0] * scale).to(bias_dtype) if grad_bias else None,
             None,
@@ -1077,7 +995,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
-        return_logits: bool = True,
+        return_logits: bool | None = None,
         **kwargs: Any,
     ) -> Seq2SeqLMOutput:
         """Logits over the vocabulary for each target position, and the loss when `labels` are given.
@@ -1091,12 +1009,17 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
                 their logits are those of a zero decoder state.
             num_items_in_batch: number of non-ignored target tokens in the whole (accumulated) batch;
                 the loss is then sum / num_items_in_batch instead of a per-batch mean.
-            return_logits: with `labels`, False skips the (B, T, V) logits: the output projection and
-                the loss run only on positions whose label is not -100 (less compute and memory;
-                the training script uses it). The loss and gradients are the same.
+            return_logits: with `labels`, False skips the (B, T, V) logits (`logits` is None): the
+                output projection and the loss run only on positions whose label is not -100, in
+                chunks, without the logits in memory. The loss and gradients are the same. By
+                default (None) logits are skipped in training mode when `labels` are given (what
+                `Trainer` runs: it reads only the loss then) and returned otherwise.
         Returns:
-            `Seq2SeqLMOutput` with `logits` (B, T, V), `loss`, `cache` and optional attentions.
+            `Seq2SeqLMOutput` with `logits` (B, T, V) (None where skipped), `loss`, `cache` and
+            optional attentions.
         """
+        if return_logits is None:
+            return_logits = labels is None or not self.training
         target_lengths = None
         if labels is not None:
             _check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)

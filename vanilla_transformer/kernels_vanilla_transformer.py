@@ -1,0 +1,167 @@
+"""Which kernel computes the model's linear layers on CPU: decided by timing, on the running machine.
+
+torch computes float32 CPU matrix products with its BLAS (MKL on x86-64). It also ships oneDNN, whose
+linear kernel (`torch.ops.mkldnn._linear_pointwise`, a private op that torch.compile uses on CPU) is
+faster for some shapes on some CPUs and slower on others: on one 2-core AMD EPYC with AVX-512 it ran a
+one-row product through an 8000 x 256 matrix in 0.56x of torch's time and a 256 x 256 one in 2.7x;
+on AVX2-only machines it was slower than torch's BLAS even for large products. Nothing about a CPU model
+predicts this, so the choice is measured, once per shape class and process, and only where it costs
+nothing else:
+
+- Only products without autograd and with at most `MAX_ROWS` rows: decoding steps, which run the same
+  few shapes through every weight matrix. Training and long inputs always use torch's kernel: oneDNN
+  keeps state for every shape it has seen (about half a MiB each), and token-based training batches
+  come in hundreds of shapes (1.4 GB of resident memory in a measured training run).
+- Rows are padded to a power of two before they reach oneDNN, so that at most 9 shapes per weight
+  matrix ever do (rows are independent: padding changes no result row).
+- The first product of a class (padded rows, weight shape, bias or not) times both kernels on its own
+  inputs and keeps the faster one, which must also give the same result; any exception means torch's
+  kernel. The decisions are kept in `linear_kernel().decisions`.
+
+`VANILLA_TRANSFORMER_ONEDNN=0` (or `torch`) never uses oneDNN, `=1` (or `onednn`) uses it for every
+eligible product without timing (the test suite runs both), unset or `auto` measures. Only summation
+order differs between the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"
+MODES = {"auto": "auto", "0": "torch", "torch": "torch", "1": "onednn", "onednn": "onednn"}
+# Decoding regime: batch x beams rows per step. Larger products run on torch's kernel.
+MAX_ROWS = 256
+# A probe times each kernel this many times after one untimed call, alternating between them.
+PROBE_ROUNDS = 5
+
+
+def _find_onednn_linear() -> Callable | None:
+    """oneDNN's linear kernel, if this torch build has one that computes a known product correctly."""
+    try:
+        kernel = torch.ops.mkldnn._linear_pointwise
+        if not torch.backends.mkldnn.is_available():
+            return None
+        probe = kernel(torch.ones(2, 3), torch.ones(4, 3), torch.ones(4), "none", [], "")
+        return kernel if probe.shape == (2, 4) and bool((probe == 4).all()) else None
+    except Exception:  # any failure means: not available
+        return None
+
+
+def _parse_mode(value: str | None) -> str:
+    mode = MODES.get((value or "auto").strip().lower())
+    if mode is None:
+        raise ValueError(
+            f"{ENVIRONMENT_VARIABLE}={value!r} is not understood: use auto (measure, the default), "
+            "0 or torch (never oneDNN), 1 or onednn (oneDNN for every eligible product)."
+        )
+    return mode
+
+
+@dataclass
+class LinearKernel:
+    """The kernel policy of this process: its mode and the decisions measured so far."""
+
+    mode: str
+    onednn: Callable | None
+    decisions: dict[tuple[int, int, int, bool], bool] = field(default_factory=dict)
+    probe_seconds: float = 0.0
+
+    def use_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the product of `rows` (M, in) with this weight runs on oneDNN (measured once per class)."""
+        if self.mode == "onednn":
+            return True
+        key = (rows.shape[0], *weight.shape, bias is not None)
+        decision = self.decisions.get(key)
+        if decision is None:
+            started = time.perf_counter()
+            decision = self.decisions[key] = self._faster_on_onednn(rows, weight, bias)
+            self.probe_seconds += time.perf_counter() - started
+        return decision
+
+    def _faster_on_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Time both kernels on this product, alternating; oneDNN only if faster and equal in result."""
+        try:
+            kernels = {
+                False: lambda: F.linear(rows, weight, bias),
+                True: lambda: self.onednn(rows, weight, bias, "none", [], ""),
+            }
+            expected, got = kernels[False](), kernels[True]()
+            scale = float(expected.abs().max()) if expected.numel() else 0.0
+            tolerance = 16 * torch.finfo(torch.float32).eps * weight.shape[1] ** 0.5 * max(scale, 1.0)
+            if got.shape != expected.shape or not bool(((got - expected).abs() <= tolerance).all()):
+                return False
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(PROBE_ROUNDS):
+                for choice, kernel in kernels.items():
+                    started = time.perf_counter()
+                    kernel()
+                    times[choice].append(time.perf_counter() - started)
+            return statistics.median(times[True]) < statistics.median(times[False])
+        except Exception:  # fail closed: torch's own kernel
+            return False
+
+
+_POLICY = LinearKernel(mode=_parse_mode(os.environ.get(ENVIRONMENT_VARIABLE)), onednn=_find_onednn_linear())
+
+
+def linear_kernel() -> LinearKernel:
+    """This process's kernel policy (mode, measured decisions, seconds spent measuring)."""
+    return _POLICY
+
+
+def set_linear_kernel(mode: str) -> str:
+    """Switch the policy ("auto", "torch" or "onednn") forgetting its decisions; returns the old mode."""
+    previous, _POLICY.mode = _POLICY.mode, _parse_mode(mode)
+    _POLICY.decisions.clear()
+    return previous
+
+
+def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    plain = (torch.Tensor, nn.Parameter)
+    return (
+        inputs.dtype == weight.dtype == torch.float32
+        and inputs.device.type == "cpu"
+        and type(inputs) in plain
+        and type(weight) in plain
+        and (bias is None or (type(bias) in plain and bias.dtype == torch.float32))
+        and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inputs, weight, bias))
+        )
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`: on oneDNN where `LinearKernel` chose it (few rows, no autograd), else torch's kernel."""
+    if _POLICY.onednn is None or _POLICY.mode == "torch" or inputs.dim() < 2:
+        return F.linear(inputs, weight, bias)
+    rows = inputs.numel() // max(inputs.shape[-1], 1)
+    if not 0 < rows <= MAX_ROWS or not _eligible(inputs, weight, bias):
+        return F.linear(inputs, weight, bias)
+    flat = inputs.reshape(rows, inputs.shape[-1])
+    padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach oneDNN
+    if padded_rows != rows:
+        flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, flat.shape[1])))
+    if not _POLICY.use_onednn(flat, weight, bias):
+        return F.linear(inputs, weight, bias)
+    output = _POLICY.onednn(flat, weight, bias, "none", [], "")[:rows]  # (M, out)
+    return output.view(*inputs.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoints) whose product goes through `linear`."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return linear(inputs, self.weight, self.bias)
+
+
+__all__ = ["Linear", "LinearKernel", "linear", "linear_kernel", "set_linear_kernel"]
