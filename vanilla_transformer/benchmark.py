@@ -3,33 +3,34 @@
 MarianMTModel is configured as the paper's model (post-LN, ReLU, scaled embeddings, one tied
 embedding matrix, same d_model/heads/d_ff/layers/vocabulary) and both run the same inputs, in
 alternation, in one process, so that machine noise hits both alike; medians of repeated runs are
-reported. Peak memory is measured in a fresh child process per model: its resident memory, sampled
-every millisecond during three training steps, above the level after building the model (on a
-GPU, CUDA's peak allocation above the allocation before the steps).
+reported. Peak memory is measured in a fresh child process per model: its peak resident memory during
+three training steps above the level after building the model (on a GPU, CUDA's peak allocation above
+the allocation before the steps).
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
 
 from .batching import TokenBatchSampler
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .corpus import load_default_corpus
+from .kernels_vanilla_transformer import linear_kernel
+from .machine import describe_machine, format_machine
 from .modeling_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
     VanillaTransformerForConditionalGeneration,
@@ -144,13 +145,25 @@ def training_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
     )
 
 
-def train_step_fn(model: torch.nn.Module, device: str) -> Callable[[dict[str, torch.Tensor]], None]:
+def trainer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What transformers' `Trainer` runs for either model: `model(input_ids, attention_mask, labels).loss`
+    in training mode, decoder inputs derived from the labels (each model's own loss: label-smoothed for
+    this package, plain cross entropy for MarianMTModel)."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    return model(**inputs).loss
+
+
+def train_step_fn(
+    model: torch.nn.Module,
+    device: str,
+    loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = training_loss,
+) -> Callable[[dict[str, torch.Tensor]], None]:
     """Forward + backward + Adam step on one batch."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     model.train()
 
     def step(batch: dict[str, torch.Tensor]) -> None:
-        loss = training_loss(model, batch)
+        loss = loss_fn(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -224,15 +237,6 @@ def dropout_timing(shape: Sequence[int] = (3500, 512), p: float = 0.1, repeats: 
     return results
 
 
-def _onednn_linear_flops(input_shape: Sequence[int], weight_shape: Sequence[int], *_: Any, **__: Any) -> int:
-    """FLOPs of oneDNN's linear kernel, which this package's `linear` uses on CPU: 2 x rows x in x out."""
-    return 2 * math.prod(input_shape[:-1]) * weight_shape[0] * weight_shape[1]
-
-
-if hasattr(torch.ops.mkldnn, "_linear_pointwise"):  # let FlopCounterMode count it like aten.mm
-    register_flop_formula(torch.ops.mkldnn._linear_pointwise)(_onednn_linear_flops)
-
-
 def step_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
     """FLOPs of one forward + backward, counted by torch's FlopCounterMode."""
     counter = FlopCounterMode(display=False)
@@ -243,10 +247,14 @@ def step_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
 
 
 def benchmark_training(
-    models: dict[str, torch.nn.Module], batches: Sequence[dict[str, torch.Tensor]], device: str, rounds: int
+    models: dict[str, torch.nn.Module],
+    batches: Sequence[dict[str, torch.Tensor]],
+    device: str,
+    rounds: int,
+    loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = training_loss,
 ) -> dict[str, dict[str, float]]:
     """Target tokens per second of full training steps, the models taking turns batch by batch."""
-    steps = {kind: train_step_fn(model, device) for kind, model in models.items()}
+    steps = {kind: train_step_fn(model, device, loss_fn) for kind, model in models.items()}
     for kind in models:  # warm-up
         for batch in batches[:2]:
             steps[kind](batch)
@@ -343,23 +351,22 @@ def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: st
         for _ in range(3):
             step(batch)
         return torch.cuda.max_memory_allocated() - base
-    # On CPU: sample this process's resident memory every millisecond while it trains.
-    process = psutil.Process()
-    base = process.memory_info().rss
-    peak, done = [base], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    # On CPU: the kernel's record of this process's peak resident memory, above the level after setup.
+    base = _resident_bytes()
     for _ in range(3):
         step(batch)
-    done.set()
-    sampler.join()
-    return peak[0] - base
+    return _peak_resident_bytes() - base
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_resident_bytes() -> int:
+    """This process's peak resident memory so far (getrusage; kilobytes on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
@@ -460,6 +467,7 @@ def run(
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "machine": describe_machine(measure=False),
         "matmul_flops": matmul_peak_flops(device, torch_dtype),
         "read_bandwidth": read_bandwidth(device),
         "presets": {},
@@ -476,6 +484,9 @@ def run(
             entry[f"train {name}"]["padding_fraction"] = (
                 1 - sum(int((b["labels"] != -100).sum()) for b in moved) / padded
             )
+        bucketed = [to_device(b, device) for b in data["length-bucketed"]]
+        entry["train Trainer path"] = benchmark_training(models, bucketed, device, rounds, trainer_loss)
+        entry["train Trainer path"]["padding_fraction"] = entry["train length-bucketed"]["padding_fraction"]
         flops = {
             kind: step_flops(model, to_device(data["length-bucketed"][0], device))
             for kind, model in models.items()
@@ -499,6 +510,16 @@ def run(
             }
         results["presets"][preset] = entry
         del models
+    policy = linear_kernel()
+    results["linear_kernel"] = {
+        "mode": policy.mode,
+        "onednn_available": policy.onednn is not None,
+        "onednn_chosen": [
+            {"rows": rows, "out": out, "in": inner, "bias": bias, "onednn": chosen}
+            for (rows, out, inner, bias), chosen in sorted(policy.decisions.items())
+        ],
+        "probe_seconds": policy.probe_seconds,
+    }
     if attention_lengths:
         results["attention"] = attention_scaling(attention_lengths, device, torch_dtype)
         if plot_path is not None:
@@ -509,6 +530,7 @@ def run(
 def format_tables(results: dict[str, Any]) -> str:
     """Markdown tables: absolute figures for both models and the ratio ours / Marian."""
     lines = [
+        *([f"machine: {format_machine(results['machine'])}"] if "machine" in results else []),
         f"device {results['device']}, {results['dtype']}, {results['threads']} threads, "
         f"torch {results['torch']}; measured matmul peak {results['matmul_peak_flops'] / 1e9:.1f} GFLOP/s"
         + (
@@ -558,6 +580,16 @@ def format_tables(results: dict[str, Any]) -> str:
                     f"| {preset} | peak training memory (MiB) | {ours / 2**20:,.0f} | {marian / 2**20:,.0f} "
                     f"| {ours / max(marian, 1):.2f}x |"
                 )
+    if "linear_kernel" in results:
+        kernel = results["linear_kernel"]
+        chosen = [c for c in kernel["onednn_chosen"] if c["onednn"]]
+        lines += [
+            "",
+            f"linear kernel mode {kernel['mode']}: oneDNN measured faster for {len(chosen)} of "
+            f"{len(kernel['onednn_chosen'])} decoding product classes "
+            + "".join(f"\n  {c['rows']} rows x ({c['out']} x {c['in']})" for c in chosen)
+            + f"\n  ({kernel['probe_seconds'] * 1e3:.0f} ms spent measuring)",
+        ]
     if "attention" in results:
         lines += ["", "| n | eager (s) | SDPA (s) | eager scores tensor (MiB) |", "|---|---|---|---|"]
         by_n: dict[int, dict[str, Any]] = {}
