@@ -134,6 +134,21 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     assert whole["metrics"]["parameter_checksums"] == parts["metrics"]["parameter_checksums"]
 
 
+def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, corpus_files):
+    """A run bounded by time stops at an update, checkpoints it, averages, evaluates and writes the folder."""
+    args = small_args(tmp_path / "timed", corpus_files, max_steps=10_000, eval_steps=0, test_samples=2)
+    result = train(parse_config([*args, "--max_train_minutes", "0.005"]))  # 0.3 s of training
+    metrics = result["metrics"]
+    assert metrics["stopped_by"] == "max_train_minutes" and 0 < metrics["steps"] < 10_000
+    assert metrics["train_time_s"] >= 0.3
+    assert list_checkpoints(tmp_path / "timed")[-1].name == f"step-{metrics['steps']:08d}"
+    assert (tmp_path / "timed" / "model.safetensors").is_file() and "test_bleu" in metrics
+    # Resumed with the same budget: already spent, so no further update.
+    again = train(parse_config([*args, "--max_train_minutes", "0.005", "--resume_from_checkpoint", "latest"]))
+    assert again["metrics"]["steps"] == metrics["steps"]
+    assert again["metrics"]["stopped_by"] == "max_train_minutes"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -164,6 +179,8 @@ def test_bad_flags_are_rejected():
         TrainingConfig(max_steps=0)
     with pytest.raises(ValueError, match="--average_checkpoints cannot exceed"):
         TrainingConfig(average_checkpoints=6, keep_checkpoints=5)
+    with pytest.raises(ValueError, match="--max_train_minutes must be positive"):
+        TrainingConfig(max_train_minutes=0)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

@@ -119,6 +119,14 @@ class TrainingConfig:
         default=None, metadata={"help": "source + target tokens per batch and process (default: recipe)"}
     )
     max_steps: int | None = field(default=None, metadata={"help": "optimizer updates (default: recipe)"})
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "stop training after this many minutes of the training loop (validation and checkpoints "
+            "included, counted across resumes), then average, evaluate and write the folder as usual "
+            "(default: recipe)"
+        },
+    )
     warmup_steps: int | None = field(
         default=None, metadata={"help": "linear warm-up updates (default: recipe)"}
     )
@@ -194,6 +202,8 @@ class TrainingConfig:
             raise ValueError("--max_grad_norm must be positive.")
         if self.lr_scale <= 0:
             raise ValueError("--lr_scale must be positive.")
+        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
+            raise ValueError(f"--max_train_minutes must be positive, got {self.max_train_minutes}.")
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
@@ -492,8 +502,24 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     # Since the last log line: summed update losses, updates, target tokens, and when it began.
     interval_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     interval_updates = interval_tokens = 0
-    interval_start = segment_start = time.perf_counter()  # segment: training time not yet in `state`
-    while state["step"] < config.max_steps:
+    interval_start = loop_start = time.perf_counter()
+    earlier_time = state["train_time_s"]  # the training loop's wall time before this run (resumes)
+    time_limit = None if config.max_train_minutes is None else config.max_train_minutes * 60
+
+    def loop_time() -> float:
+        return earlier_time + time.perf_counter() - loop_start
+
+    def out_of_time() -> bool:
+        """--max_train_minutes is spent (the main process's clock decides for every process)."""
+        if time_limit is None:
+            return False
+        spent = torch.tensor(float(loop_time() >= time_limit), device=accelerator.device)
+        if accelerator.num_processes > 1:
+            spent = accelerator.reduce(spent if accelerator.is_main_process else spent * 0, "sum")
+        return bool(spent > 0)
+
+    stopped = out_of_time()
+    while state["step"] < config.max_steps and not stopped:
         train_loader.set_epoch(state["epoch"])
         loader = train_loader
         if state["batches_in_epoch"]:
@@ -520,8 +546,10 @@ def train(config: TrainingConfig) -> dict[str, Any]:
             interval_updates += 1
             interval_tokens += int(update_tokens)
             progress.update(1)
+            stopped = out_of_time()
+            last_update = stopped or state["step"] == config.max_steps
 
-            if state["step"] % config.logging_steps == 0 or state["step"] == config.max_steps:
+            if state["step"] % config.logging_steps == 0 or last_update:
                 train_loss = float(accelerator.reduce(interval_loss, "sum")) / interval_updates
                 record = {
                     "step": state["step"],
@@ -539,11 +567,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 )
                 accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
 
-            if (
-                config.eval_steps
-                and state["step"] % config.eval_steps == 0
-                and state["step"] < config.max_steps
-            ):
+            if config.eval_steps and state["step"] % config.eval_steps == 0 and not last_update:
                 paused = time.perf_counter()
                 record = {"step": state["step"], **validate()}
                 state["history"].append(record)
@@ -554,18 +578,19 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 )
                 interval_start += time.perf_counter() - paused  # validation is not training throughput
 
-            if state["step"] % config.save_steps == 0 or state["step"] == config.max_steps:
+            if state["step"] % config.save_steps == 0 or last_update:
                 paused = time.perf_counter()
-                state["train_time_s"] += paused - segment_start
+                state["train_time_s"] = loop_time()
                 save_checkpoint(accelerator, output_dir, state, config.keep_checkpoints)
-                segment_start = time.perf_counter()
-                interval_start += segment_start - paused
-            if state["step"] >= config.max_steps:
+                interval_start += time.perf_counter() - paused  # nor are checkpoints
+            if last_update:
                 break
         else:
             state["epoch"] += 1
             state["batches_in_epoch"] = 0
     progress.close()
+    if stopped:
+        log(f"--max_train_minutes {config.max_train_minutes}: stopped after update {state['step']}")
 
     # Data parallelism must leave every process with the same weights; a mismatch is a bug, not noise.
     parameters = torch.cat([p.detach().double().flatten() for p in unwrapped.parameters()])
@@ -621,6 +646,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         for s, r, h in list(zip(final["source"], final["target"], hypotheses, strict=True))[::step][:5]
     ]
     metrics["train_time_s"] = state["train_time_s"]
+    metrics["stopped_by"] = "max_train_minutes" if stopped else "max_steps"
 
     if accelerator.is_main_process:
         write_model_folder(
