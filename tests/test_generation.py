@@ -114,3 +114,34 @@ def test_default_output_length_is_source_length_plus_50(source):
     assert generated.shape[1] == 1 + source.shape[1] + 50
     capped = model.generate(source, num_beams=1, suppress_tokens=[EOS], max_new_tokens=5)
     assert capped.shape[1] == 6
+
+
+def test_generation_step_inputs_match_generation_mixins(source):
+    """The model's lean `prepare_inputs_for_generation` gives the decoder what transformers' generic one
+    gives (same tensors, same pass-through options), and generation is unchanged with either."""
+    from transformers import DynamicCache, EncoderDecoderCache, GenerationMixin
+
+    model = tiny_model("sdpa")
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    generated = torch.randint(3, 99, (3, 5))
+    options = {"cache": cache, "attention_mask": torch.ones(3, 8, dtype=torch.long), "use_cache": True}
+    options |= {"encoder_outputs": "encoder output", "output_attentions": False, "is_first_iteration": False}
+    ours = model.prepare_inputs_for_generation(generated, next_sequence_length=1, **options)
+    generic = GenerationMixin.prepare_inputs_for_generation(
+        model, generated, next_sequence_length=1, **options
+    )
+    assert ours.keys() == generic.keys()
+    for key, value in generic.items():
+        assert torch.equal(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] is value, key
+
+    lean = model.generate(source, num_beams=2, max_new_tokens=7)
+    model.prepare_inputs_for_generation = GenerationMixin.prepare_inputs_for_generation.__get__(model)
+    assert torch.equal(lean, model.generate(source, num_beams=2, max_new_tokens=7))
+
+
+def test_static_cache_generates_the_same_tokens(source):
+    model = tiny_model("sdpa")
+    dynamic = model.generate(source, num_beams=1, max_new_tokens=7)
+    assert torch.equal(
+        model.generate(source, num_beams=1, max_new_tokens=7, cache_implementation="static"), dynamic
+    )

@@ -95,7 +95,7 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
     with torch.inference_mode():
         for _ in range(3):
             kernels.linear(torch.randn(3, 8), weight)  # class: 4 padded rows, 16 x 8, no bias
-    assert state.decisions == {(4, 16, 8, False): False}
+    assert state.decisions == {(4, (16, 8), False): False}
     assert len(slow_calls) == 1 + kernels.PROBE_ROUNDS  # the probe only: then torch's kernel
     assert state.probe_seconds > 0
 
@@ -115,7 +115,7 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
     with torch.inference_mode():
         kernels.linear(torch.randn(5, 8), weight)
         kernels.linear(torch.randn(6, 8), weight)  # same class: decided already
-    assert state.decisions[(8, 16, 8, False)] is True
+    assert state.decisions[(8, (16, 8), False)] is True
     assert len(shapes) == 2 + 1 + kernels.PROBE_ROUNDS
 
 
@@ -133,7 +133,7 @@ def test_probe_fails_closed(policy, monkeypatch, failure):
     weight, inputs = torch.randn(16, 8), torch.randn(2, 8)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(inputs, weight), F.linear(inputs, weight))
-    assert state.decisions == {(2, 16, 8, False): False}
+    assert state.decisions == {(2, (16, 8), False): False}
 
 
 @needs_onednn

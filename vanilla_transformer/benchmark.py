@@ -3,17 +3,15 @@
 MarianMTModel is configured as the paper's model (post-LN, ReLU, scaled embeddings, one tied
 embedding matrix, same d_model/heads/d_ff/layers/vocabulary) and both run the same inputs, in
 alternation, in one process, so that machine noise hits both alike; medians of repeated runs are
-reported. Peak memory is measured in a fresh child process per model: its peak resident memory during
-three training steps above the level after building the model (on a GPU, CUDA's peak allocation above
-the allocation before the steps).
+reported. Peak memory is measured in a fresh child process per model: the kernel's high-water mark of its
+resident memory during three training steps (reset after building the model), above the level then (on
+a GPU, CUDA's peak allocation above the allocation before the steps).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -351,22 +349,25 @@ def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: st
         for _ in range(3):
             step(batch)
         return torch.cuda.max_memory_allocated() - base
-    # On CPU: the kernel's record of this process's peak resident memory, above the level after setup.
+    # On CPU: the kernel's high-water mark of this process's resident memory, reset after setup.
     base = _resident_bytes()
+    _reset_peak_resident()
     for _ in range(3):
         step(batch)
-    return _peak_resident_bytes() - base
+    return _resident_bytes("VmHWM") - base
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory now (Linux: /proc/self/statm)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
+def _resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now (VmRSS) or its high-water mark (VmHWM), from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}: resident memory is measured on Linux only.")
 
 
-def _peak_resident_bytes() -> int:
-    """This process's peak resident memory so far (getrusage; kilobytes on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _reset_peak_resident() -> None:
+    """Make VmHWM start again from the current resident memory (Linux: write 5 to /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def peak_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
@@ -515,8 +516,8 @@ def run(
         "mode": policy.mode,
         "onednn_available": policy.onednn is not None,
         "onednn_chosen": [
-            {"rows": rows, "out": out, "in": inner, "bias": bias, "onednn": chosen}
-            for (rows, out, inner, bias), chosen in sorted(policy.decisions.items())
+            {"rows": rows, "out": shape[0], "in": shape[1], "bias": bias, "onednn": chosen}
+            for (rows, shape, bias), chosen in sorted(policy.decisions.items())
         ],
         "probe_seconds": policy.probe_seconds,
     }

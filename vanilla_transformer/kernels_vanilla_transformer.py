@@ -71,19 +71,16 @@ class LinearKernel:
 
     mode: str
     onednn: Callable | None
-    decisions: dict[tuple[int, int, int, bool], bool] = field(default_factory=dict)
+    # (padded rows, weight shape (out, in), has bias) -> whether oneDNN computes that class
+    decisions: dict[tuple[int, tuple[int, int], bool], bool] = field(default_factory=dict)
     probe_seconds: float = 0.0
 
-    def use_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether the product of `rows` (M, in) with this weight runs on oneDNN (measured once per class)."""
-        if self.mode == "onednn":
-            return True
-        key = (rows.shape[0], *weight.shape, bias is not None)
-        decision = self.decisions.get(key)
-        if decision is None:
-            started = time.perf_counter()
-            decision = self.decisions[key] = self._faster_on_onednn(rows, weight, bias)
-            self.probe_seconds += time.perf_counter() - started
+    def decide(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Measure and remember whether the class of `rows` (M, in) x this weight runs on oneDNN."""
+        started = time.perf_counter()
+        decision = self._faster_on_onednn(rows, weight, bias)
+        self.decisions[(rows.shape[0], weight.shape, bias is not None)] = decision
+        self.probe_seconds += time.perf_counter() - started
         return decision
 
     def _faster_on_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -125,15 +122,16 @@ def set_linear_kernel(mode: str) -> str:
 
 
 def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Plain float32 tensors, no autograd, no autocast, not being compiled (inputs: CPU float32 already)."""
     plain = (torch.Tensor, nn.Parameter)
     return (
-        inputs.dtype == weight.dtype == torch.float32
-        and inputs.device.type == "cpu"
+        weight.dtype is torch.float32
         and type(inputs) in plain
         and type(weight) in plain
-        and (bias is None or (type(bias) in plain and bias.dtype == torch.float32))
+        and (bias is None or (type(bias) in plain and bias.dtype is torch.float32))
         and not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (inputs, weight, bias))
+            torch.is_grad_enabled()
+            and (inputs.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         )
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
@@ -142,18 +140,32 @@ def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`: on oneDNN where `LinearKernel` chose it (few rows, no autograd), else torch's kernel."""
-    if _POLICY.onednn is None or _POLICY.mode == "torch" or inputs.dim() < 2:
+    policy = _POLICY
+    if (
+        policy.onednn is None
+        or policy.mode == "torch"
+        or not inputs.is_cpu
+        or inputs.dtype is not torch.float32
+    ):
         return F.linear(inputs, weight, bias)
-    rows = inputs.numel() // max(inputs.shape[-1], 1)
+    width = inputs.shape[-1] if inputs.dim() >= 2 else 0
+    rows = inputs.numel() // width if width else 0
     if not 0 < rows <= MAX_ROWS or not _eligible(inputs, weight, bias):
         return F.linear(inputs, weight, bias)
-    flat = inputs.reshape(rows, inputs.shape[-1])
     padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach oneDNN
-    if padded_rows != rows:
-        flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, flat.shape[1])))
-    if not _POLICY.use_onednn(flat, weight, bias):
+    decision = (
+        True
+        if policy.mode == "onednn"
+        else policy.decisions.get((padded_rows, weight.shape, bias is not None))
+    )
+    if decision is False:
         return F.linear(inputs, weight, bias)
-    output = _POLICY.onednn(flat, weight, bias, "none", [], "")[:rows]  # (M, out)
+    flat = inputs.reshape(rows, width)
+    if padded_rows != rows:
+        flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, width)))
+    if decision is None and not policy.decide(flat, weight, bias):
+        return F.linear(inputs, weight, bias)
+    output = policy.onednn(flat, weight, bias, "none", [], "")[:rows]  # (M, out)
     return output.view(*inputs.shape[:-1], weight.shape[0])
 
 

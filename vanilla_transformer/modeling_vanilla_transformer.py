@@ -632,12 +632,15 @@ class VanillaTransformerDecoder(nn.Module):
             encoder_states = encoder_packing.pack(encoder_hidden_states)  # (N_S, D)
         hidden_states = dropout(hidden_states, self.dropout, self.training)
 
-        self_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache.self_attention_cache if cache is not None else None,
-        )
+        if length == 1 and attention_mask is None and cache is not None and not cache.is_compileable:
+            self_mask = None  # one new token may attend to every cached position: nothing to mask
+        else:
+            self_mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache.self_attention_cache if cache is not None else None,
+            )
         cross_mask = create_bidirectional_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -1117,6 +1120,33 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Teacher-forcing decoder inputs for `DataCollatorForSeq2Seq`: labels shifted right."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """One generation step's inputs: the newest target tokens, the cache, the source mask and what else
+        `generate` passes on. `GenerationMixin`'s version does more at every step that this model does
+        not need (position ids, a signature inspection for custom-code models); it still handles
+        compilable (static) caches, which need 4-D masks."""
+        if (cache is not None and cache.is_compileable) or kwargs.get("decoder_position_ids") is not None:
+            return super().prepare_inputs_for_generation(
+                input_ids, next_sequence_length, cache=cache, attention_mask=attention_mask, **kwargs
+            )
+        if next_sequence_length is not None:
+            input_ids = input_ids[:, -next_sequence_length:]
+        inputs: dict[str, Any] = {"decoder_input_ids": input_ids}
+        if cache is not None:
+            inputs["cache"] = cache
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        skipped = ("labels", "next_sequence_length", "inputs_embeds", "is_first_iteration")
+        inputs |= {key: value for key, value in kwargs.items() if key not in skipped and key not in inputs}
+        return inputs
 
     def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
         """Beam search's cache reordering, without copying the cross-attention keys and values.
