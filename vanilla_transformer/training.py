@@ -605,10 +605,12 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         "epochs": state["epoch"] + state["batches_in_epoch"] / max(len(train_loader), 1),
     }
     metrics["parameter_checksums"] = checksums
-    last = validate()
-    metrics |= {f"last_{k}": v for k, v in last.items()}
     averaged = list_checkpoints(output_dir)[-config.average_checkpoints :]
     if len(averaged) > 1:
+        # The last weights' loss, to compare with the average's (translating with them too would
+        # cost as much as validating the average again, for a number nobody decides on).
+        last = validation_loss(model, valid_loader, accelerator, config.label_smoothing)
+        metrics |= {"last_val_loss": last["loss"], "last_val_ppl": last["ppl"]}
         result = unwrapped.load_state_dict(average_checkpoints(averaged), strict=False)
         untied = set(result.missing_keys) - set(unwrapped.all_tied_weights_keys)
         if untied or result.unexpected_keys:
@@ -616,9 +618,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}"
             )
         unwrapped.tie_weights()
-        metrics |= validate()
-    else:
-        metrics |= last
+    metrics |= validate()
     metrics["averaged_checkpoints"] = [p.name for p in averaged] if len(averaged) > 1 else []
     state["history"].append(
         {"step": state["step"], **{k: metrics[k] for k in ("val_loss", "val_ppl", "val_bleu")}}
