@@ -21,6 +21,12 @@ parser.add_argument("--rounds", type=int, default=2, help="passes over those bat
 parser.add_argument("--repeats", type=int, default=5, help="timed runs of each generate() call, in turns")
 parser.add_argument("--attention_lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
 parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
+parser.add_argument(
+    "--compile",
+    action=argparse.BooleanOptionalAction,
+    default=False,
+    help="also time torch.compile: static-cache decoding and the training step (minutes of compilation)",
+)
 parser.add_argument("--json", help="also write every measurement here")
 parser.add_argument("--plot", default="docs/attention_scaling.png", help="log-log plot of attention cost")
 args = parser.parse_args()
@@ -34,6 +40,7 @@ results = run(
     repeats=args.repeats,
     attention_lengths=args.attention_lengths,
     memory=args.memory,
+    with_compile=args.compile,
     plot_path=args.plot if args.attention_lengths else None,
 )
 print(format_tables(results))

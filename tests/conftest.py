@@ -10,6 +10,9 @@ from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForC
 from vanilla_transformer import kernels_vanilla_transformer as kernels
 
 PAD, BOS, EOS = 0, 1, 2
+# The longest chain of sums behind an output of the tiny model: 2 + 2 layers, the embedding and the
+# output projection, each summing at most 99 terms (the vocabulary; d_model 32 and d_ff 64 are smaller).
+TINY_TERMS = (2 + 2 + 2) * 99
 
 
 def tiny_config(**overrides) -> VanillaTransformerConfig:

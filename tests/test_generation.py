@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import BOS, EOS, tiny_model
+from tests.conftest import BOS, EOS, TINY_TERMS, assert_same_up_to_rounding, tiny_model
 
 # Both linear-layer kernels: torch's, and oneDNN's for every product that may take it.
 pytestmark = pytest.mark.usefixtures("each_linear_kernel")
@@ -32,7 +32,7 @@ def test_cached_decoding_equals_uncached(attn_implementation, source):
             cache = out.cache
             steps.append(out.logits)
     assert cache.get_seq_length() == 10
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert_same_up_to_rounding(torch.cat(steps, 1), full, TINY_TERMS)
 
 
 def test_cross_attention_keys_are_computed_once(source):

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, MarianConfig, MarianMTModel
 
+from tests.conftest import TINY_TERMS, assert_same_up_to_rounding
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.conversion import config_from_marian, convert_from_marian
 
@@ -82,7 +83,8 @@ def test_converted_model_has_identical_logits_and_generations(variant, tmp_path)
     batch = inputs(marian.config)
     with torch.no_grad():
         expected = marian(**batch).logits
-        torch.testing.assert_close(ours(**batch).logits, expected, atol=1e-5, rtol=1e-5)
+        # At most 4 layers and widths under 99 in every variant: the tiny model's sums bound them.
+        assert_same_up_to_rounding(ours(**batch).logits, expected, TINY_TERMS)
 
     generate = {
         "input_ids": batch["input_ids"],
@@ -98,7 +100,7 @@ def test_converted_model_has_identical_logits_and_generations(variant, tmp_path)
     ours.save_pretrained(tmp_path)
     loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(**batch).logits, expected, atol=1e-5, rtol=1e-5)
+        assert_same_up_to_rounding(loaded(**batch).logits, expected, TINY_TERMS)
     tied = marian.config.tie_word_embeddings
     assert (loaded.lm_head.weight is loaded.model.decoder.embed_tokens.weight) == tied
 

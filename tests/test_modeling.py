@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import BOS, PAD, tiny_config, tiny_model
+from tests.conftest import BOS, PAD, TINY_TERMS, assert_same_up_to_rounding, tiny_config, tiny_model
 from vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForConditionalGeneration,
@@ -115,7 +115,7 @@ def test_decoder_positions_continue_from_the_cache(model):
         cache=first.cache,
         use_cache=True,
     )
-    torch.testing.assert_close(second.logits, full[:, 4:], atol=1e-5, rtol=1e-5)
+    assert_same_up_to_rounding(second.logits, full[:, 4:], TINY_TERMS)
 
 
 # Parity with torch.nn.Transformer layers ----------------------------------------------------------
@@ -198,8 +198,8 @@ def test_stacks_match_torch_nn_transformer(attn_implementation, norm_first, batc
         out = decoder(tgt, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=padding)
 
     keep = source_mask.bool()
-    torch.testing.assert_close(ours.encoder_last_hidden_state[keep], memory[keep], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ours.last_hidden_state, out, atol=1e-5, rtol=1e-5)
+    assert_same_up_to_rounding(ours.encoder_last_hidden_state[keep], memory[keep], TINY_TERMS)
+    assert_same_up_to_rounding(ours.last_hidden_state, out, TINY_TERMS)
 
 
 # Properties --------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_decoder_is_causal(attn_implementation, batch):
     with torch.no_grad():
         before = model(input_ids=source, decoder_input_ids=target).logits
         after = model(input_ids=source, decoder_input_ids=changed).logits
-    torch.testing.assert_close(before[:, :5], after[:, :5], atol=1e-6, rtol=0)
+    assert_same_up_to_rounding(before[:, :5], after[:, :5], TINY_TERMS)
     assert not torch.allclose(before[:, 5:], after[:, 5:])
 
 
@@ -238,15 +238,15 @@ def test_padding_does_not_change_outputs(attn_implementation):
         ).logits
         alone_short = model(input_ids=short_src, decoder_input_ids=short_tgt).logits
         alone_long = model(input_ids=long_src, decoder_input_ids=long_tgt).logits
-    torch.testing.assert_close(batched[0, :3], alone_short[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(batched[1], alone_long[0], atol=1e-5, rtol=1e-5)
+    assert_same_up_to_rounding(batched[0, :3], alone_short[0], TINY_TERMS)
+    assert_same_up_to_rounding(batched[1], alone_long[0], TINY_TERMS)
 
 
 def test_eager_and_sdpa_agree(batch):
     eager, sdpa = tiny_model("eager"), tiny_model("sdpa")
     assert sdpa.config._attn_implementation == "sdpa"
     with torch.no_grad():
-        torch.testing.assert_close(eager(**batch).logits, sdpa(**batch).logits, atol=1e-5, rtol=1e-5)
+        assert_same_up_to_rounding(eager(**batch).logits, sdpa(**batch).logits, TINY_TERMS)
 
 
 def test_output_attentions_needs_eager(batch):
@@ -270,12 +270,13 @@ def test_attention_scaling_gives_unit_variance_scores():
 
 def test_initialisation_follows_tensor2tensor_and_fairseq():
     torch.manual_seed(0)
-    model = VanillaTransformerForConditionalGeneration(VanillaTransformerConfig.from_preset("tiny"))
+    config = VanillaTransformerConfig.from_preset("tiny")
+    model = VanillaTransformerForConditionalGeneration(config)
     embedding = model.model.shared.weight
     assert embedding[PAD].abs().max() == 0
-    assert embedding[3:].std().item() == pytest.approx(256**-0.5, rel=0.02)
-    fc1 = model.model.encoder.layers[0].fc1.weight  # (1024, 256)
-    bound = math.sqrt(6 / (256 + 1024))
+    assert embedding[3:].std().item() == pytest.approx(config.d_model**-0.5, rel=0.02)
+    fc1 = model.model.encoder.layers[0].fc1.weight  # (d_ff, d_model)
+    bound = math.sqrt(6 / (config.d_model + config.d_ff))
     assert fc1.abs().max() <= bound and fc1.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
     assert model.model.decoder.layers[1].encoder_attn.q_proj.bias.abs().max() == 0
 

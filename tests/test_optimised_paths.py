@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import EOS, PAD, assert_same_up_to_rounding, gradient_scale, tiny_model
+from tests.conftest import EOS, PAD, TINY_TERMS, assert_same_up_to_rounding, gradient_scale, tiny_model
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.modeling_vanilla_transformer import (
     TokenPacking,
@@ -24,8 +24,6 @@ from vanilla_transformer.modeling_vanilla_transformer import (
 )
 
 pytestmark = pytest.mark.usefixtures("each_linear_kernel")
-# Longest sum behind a gradient of the tiny model: layers x (vocabulary 99 or the 20 tokens of a batch).
-TERMS = 6 * 99
 
 
 def ragged_batch() -> dict[str, torch.Tensor]:
@@ -74,12 +72,12 @@ def test_optimised_training_path_matches_the_plain_one(monkeypatch, attention, o
     plain, plain_grads = loss_and_grads(model, batch)  # full (B, T, V) logits, F.cross_entropy
     assert fast.logits is None and plain.logits.shape == (3, 6, 99)
     labelled = batch["labels"] != -100
-    assert_same_up_to_rounding(fast_logits[labelled], plain.logits[labelled].detach(), TERMS)
-    assert_same_up_to_rounding(fast.loss, plain.loss, TERMS)
+    assert_same_up_to_rounding(fast_logits[labelled], plain.logits[labelled].detach(), TINY_TERMS)
+    assert_same_up_to_rounding(fast.loss, plain.loss, TINY_TERMS)
     assert fast_grads.keys() == plain_grads.keys()
     for name in plain_grads:
         assert_same_up_to_rounding(
-            fast_grads[name], plain_grads[name], TERMS, gradient_scale(plain_grads), msg=name
+            fast_grads[name], plain_grads[name], TINY_TERMS, gradient_scale(plain_grads), msg=name
         )
 
 
@@ -93,10 +91,10 @@ def test_padded_batch_matches_each_sentence_run_alone():
             target = batch["labels"][row : row + 1]
             alone = model(input_ids=batch["input_ids"][row : row + 1, :length], labels=target)
             assert_same_up_to_rounding(
-                output.encoder_last_hidden_state[row, :length], alone.encoder_last_hidden_state[0], TERMS
+                output.encoder_last_hidden_state[row, :length], alone.encoder_last_hidden_state[0], TINY_TERMS
             )
             labelled = target[0] != -100
-            assert_same_up_to_rounding(output.logits[row][labelled], alone.logits[0][labelled], TERMS)
+            assert_same_up_to_rounding(output.logits[row][labelled], alone.logits[0][labelled], TINY_TERMS)
         assert (output.encoder_last_hidden_state[2, 2:] == 0).all()  # skipped padding comes back as zeros
 
 
@@ -171,10 +169,10 @@ def test_left_padding_and_holes_match_the_plain_path(monkeypatch):
     fast, fast_grads = loss_and_grads(model, batch, return_logits=False)
     monkeypatch.setattr(TokenPacking, "from_mask", classmethod(lambda cls, keep: None))
     plain, plain_grads = loss_and_grads(model, batch)
-    assert_same_up_to_rounding(fast.loss, plain.loss, TERMS)
+    assert_same_up_to_rounding(fast.loss, plain.loss, TINY_TERMS)
     for name in plain_grads:
         assert_same_up_to_rounding(
-            fast_grads[name], plain_grads[name], TERMS, gradient_scale(plain_grads), msg=name
+            fast_grads[name], plain_grads[name], TINY_TERMS, gradient_scale(plain_grads), msg=name
         )
 
 
@@ -253,9 +251,9 @@ def test_training_mode_with_labels_skips_the_logits_and_keeps_loss_and_gradients
     expected = label_smoothed_cross_entropy(
         requested.logits.flatten(0, 1), batch["labels"].flatten(), 0.1, torch.tensor(11)
     )
-    assert_same_up_to_rounding(trainer.loss, expected, TERMS)
+    assert_same_up_to_rounding(trainer.loss, expected, TINY_TERMS)
     for name in requested_grads:
         assert_same_up_to_rounding(
-            trainer_grads[name], requested_grads[name], TERMS, gradient_scale(requested_grads), msg=name
+            trainer_grads[name], requested_grads[name], TINY_TERMS, gradient_scale(requested_grads), msg=name
         )
     assert model.eval()(**batch).logits.shape == (3, 6, 99)

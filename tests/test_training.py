@@ -47,6 +47,7 @@ def small_args(output_dir: Path, corpus_files: dict[str, str], **overrides) -> l
         "max_steps": 24,
         "warmup_steps": 8,
         "lr_scale": 2.0,
+        "dropout": 0.1,  # the tiny recipe has none; resume must restore the dropout random state
         "save_steps": 4,
         "keep_checkpoints": 3,
         "average_checkpoints": 3,
@@ -114,6 +115,10 @@ def test_training_writes_a_complete_model_folder(trained):
         "chrf": round(metrics["test_chrf"], 2),
     }
     assert metrics["test_bleu_signature"] in card.text
+    # Times come with their machine: CPU model and measured matmul rate, in the metrics and the card.
+    assert metrics["machine"]["cpu"] and metrics["machine"]["matmul_gflops"] > 0
+    assert metrics["machine"]["cpu"] in card.text and "GFLOP/s" in card.text
+    assert metrics["peak_resident_mib"] > 0 and metrics["stopped_by"] == "max_steps"
     assert card.data.pipeline_tag == "translation" and card.data.language == ["en", "es"]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_model
+from tests.conftest import TINY_TERMS, assert_same_up_to_rounding, tiny_model
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.visualization import (
     attention_maps,
@@ -61,7 +61,7 @@ def test_maps_are_the_models_attention_weights(model, tokenizer):
         queries = attention.q_proj(states).view(-1, heads, width).transpose(0, 1)
         keys = attention.k_proj(states).view(-1, heads, width).transpose(0, 1)
         expected = torch.softmax(queries @ keys.transpose(1, 2) / math.sqrt(width), dim=-1)
-    torch.testing.assert_close(maps.encoder_self[0], expected, atol=1e-5, rtol=1e-5)
+    assert_same_up_to_rounding(maps.encoder_self[0], expected, TINY_TERMS)
 
 
 def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path):

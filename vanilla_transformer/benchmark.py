@@ -10,6 +10,7 @@ a GPU, CUDA's peak allocation above the allocation before the steps).
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import statistics
@@ -22,13 +23,13 @@ from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
+from transformers import CompileConfig, DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
 
 from .batching import TokenBatchSampler
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .corpus import load_default_corpus
 from .kernels_vanilla_transformer import linear_kernel
-from .machine import describe_machine, format_machine
+from .machine import describe_machine, format_machine, reset_peak_resident, resident_bytes
 from .modeling_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
     VanillaTransformerForConditionalGeneration,
@@ -330,6 +331,72 @@ def generate_forward_share(
     return shares
 
 
+def benchmark_compiled_generate(
+    models: dict[str, torch.nn.Module], device: str, *, batch_size: int, num_beams: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """`generate()` with a static cache and `torch.compile` of the decoding step (transformers' own path,
+    `cache_implementation="static"` with a `CompileConfig`), against the usual dynamic cache, per model:
+    seconds of the first compiled call (mostly compilation) and medians of both paths."""
+    compile_config = CompileConfig(mode="default", fullgraph=False, dynamic=False)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    source, options = generation_inputs(models, device, batch_size, num_beams)
+    compiled = {"cache_implementation": "static", "compile_config": compile_config}
+    results = {}
+    with torch.inference_mode():
+        for kind, model in models.items():
+            model.eval()
+            model.generate(source, **options)  # warm-up
+            started = time.perf_counter()
+            model.generate(source, **options, **compiled)
+            first = time.perf_counter() - started
+            eager, static = [], []
+            for _ in range(repeats):  # in turns
+                eager.append(median_time(lambda m=model: m.generate(source, **options), device, 1))
+                static.append(
+                    median_time(lambda m=model: m.generate(source, **options, **compiled), device, 1)
+                )
+            results[kind] = {
+                "eager_s": statistics.median(eager),
+                "compiled_s": statistics.median(static),
+                "first_compiled_call_s": first,
+            }
+            torch._dynamo.reset()
+    return results
+
+
+def benchmark_compiled_training(
+    model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]], device: str, rounds: int
+) -> dict[str, float]:
+    """This package's training step with its loss under `torch.compile(dynamic=True)`, against eager:
+    seconds of the first pass over the batches (compilation for each new shape family included) and
+    target tokens per second afterwards, the two taking turns batch by batch."""
+    eager_model = model
+    compiled_model = copy.deepcopy(model)
+    compiled_loss = torch.compile(training_loss, dynamic=True)
+    steps = {
+        "eager": train_step_fn(eager_model, device),
+        "compiled": train_step_fn(compiled_model, device, compiled_loss),
+    }
+    started = time.perf_counter()
+    for batch in batches:
+        steps["compiled"](batch)
+    first_pass = time.perf_counter() - started
+    for batch in batches[:2]:
+        steps["eager"](batch)
+    times: dict[str, list[float]] = {kind: [] for kind in steps}
+    for _ in range(rounds):
+        for batch in batches:
+            for kind, step in steps.items():
+                times[kind].append(median_time(lambda s=step, b=batch: s(b), device, 1))
+    tokens = sum(int((b["labels"] != -100).sum()) for b in batches) * rounds
+    torch._dynamo.reset()
+    return {
+        "first_pass_s": first_pass,
+        "eager_tokens_per_s": tokens / sum(times["eager"]),
+        "compiled_tokens_per_s": tokens / sum(times["compiled"]),
+    }
+
+
 def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
     """Run in a child process: peak memory (bytes) of training steps above the level after setup."""
     config = VanillaTransformerConfig.from_preset(preset, vocab_size=8000)
@@ -350,24 +417,13 @@ def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: st
             step(batch)
         return torch.cuda.max_memory_allocated() - base
     # On CPU: the kernel's high-water mark of this process's resident memory, reset after setup.
-    base = _resident_bytes()
-    _reset_peak_resident()
+    base = resident_bytes()
+    if base is None:
+        raise RuntimeError("Resident memory is read from /proc/self/status: Linux only.")
+    reset_peak_resident()
     for _ in range(3):
         step(batch)
-    return _resident_bytes("VmHWM") - base
-
-
-def _resident_bytes(field: str = "VmRSS") -> int:
-    """This process's resident memory now (VmRSS) or its high-water mark (VmHWM), from /proc/self/status."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}: resident memory is measured on Linux only.")
-
-
-def _reset_peak_resident() -> None:
-    """Make VmHWM start again from the current resident memory (Linux: write 5 to /proc/self/clear_refs)."""
-    Path("/proc/self/clear_refs").write_text("5")
+    return resident_bytes("VmHWM") - base
 
 
 def peak_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
@@ -453,6 +509,7 @@ def run(
     repeats: int = 5,
     attention_lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
     memory: bool = True,
+    with_compile: bool = False,
     plot_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every measurement, as a dict (what `--json` writes)."""
@@ -505,6 +562,11 @@ def run(
         entry["generate greedy batch 1 share in forward"] = generate_forward_share(
             models, device, batch_size=1, num_beams=1
         )
+        if with_compile:
+            entry["compiled generate greedy batch 1"] = benchmark_compiled_generate(
+                models, device, batch_size=1, num_beams=1, repeats=repeats
+            )
+            entry["compiled training"] = benchmark_compiled_training(models["ours"], bucketed, device, rounds)
         if memory:
             entry["peak training memory"] = {
                 kind: peak_memory(kind, preset, max_tokens, device, dtype) for kind in MODELS
@@ -575,6 +637,21 @@ def format_tables(results: dict[str, Any]) -> str:
             elif name.startswith("generate"):
                 ours, marian = values["ours"], values["marian"]
                 lines.append(f"| {preset} | {name} (s) | {ours:.3f} | {marian:.3f} | {ours / marian:.2f}x |")
+            elif name.startswith("compiled generate"):
+                for kind, label in (("ours", "ours"), ("marian", "MarianMTModel")):
+                    v = values[kind]
+                    lines.append(
+                        f"| {preset} | {label}: {name[len('compiled ') :]}, static cache + torch.compile "
+                        f"(s; eager {v['eager_s']:.3f}, first call {v['first_compiled_call_s']:.1f} s) "
+                        f"| {v['compiled_s']:.3f} | | {v['compiled_s'] / v['eager_s']:.2f}x of eager |"
+                    )
+            elif name == "compiled training":
+                ratio = values["compiled_tokens_per_s"] / values["eager_tokens_per_s"]
+                lines.append(
+                    f"| {preset} | ours: training step, torch.compile(dynamic=True) (target tokens/s; eager "
+                    f"{values['eager_tokens_per_s']:,.0f}, first pass {values['first_pass_s']:.0f} s) "
+                    f"| {values['compiled_tokens_per_s']:,.0f} | | {ratio:.2f}x of eager |"
+                )
             elif name == "peak training memory":
                 ours, marian = values["ours"], values["marian"]
                 lines.append(

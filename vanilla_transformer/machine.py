@@ -62,6 +62,21 @@ def matmul_rate(
     return 2 * size**3 / statistics.median(times)
 
 
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident memory now (VmRSS) or its peak so far (VmHWM), from /proc/self/status;
+    None where that file does not exist (not Linux)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith(f"{field}:")), None)
+
+
+def reset_peak_resident() -> None:
+    """Make VmHWM start again from the current resident memory (Linux: write 5 to /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def describe_machine(measure: bool = True) -> dict[str, Any]:
     """CPU model, ISA flags, logical cores, torch threads and CPU capability, and (with `measure`) the
     float32 matmul rate measured now in GFLOP/s (2048 x 2048 products, half a second on 2 cores)."""
@@ -88,4 +103,12 @@ def format_machine(description: dict[str, Any]) -> str:
     return line
 
 
-__all__ = ["cpu_flags", "cpu_model", "describe_machine", "format_machine", "matmul_rate"]
+__all__ = [
+    "cpu_flags",
+    "cpu_model",
+    "describe_machine",
+    "format_machine",
+    "matmul_rate",
+    "reset_peak_resident",
+    "resident_bytes",
+]
