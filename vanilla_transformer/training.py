@@ -437,7 +437,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
     for line in report.lines():
         log(line)
-    log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}")
+    log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}; {memory()}")
 
     # Model, optimizer and schedule (Section 5.3).
     overrides: dict[str, Any] = {"label_smoothing": config.label_smoothing, "vocab_size": len(tokenizer)}
@@ -586,6 +586,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 log(
                     f"update {state['step']}: "
                     + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
+                    + f"; {memory()}"
                 )
                 interval_start += time.perf_counter() - paused  # validation is not training throughput
 
@@ -600,6 +601,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
             state["epoch"] += 1
             state["batches_in_epoch"] = 0
     progress.close()
+    log(f"training done; {memory()}")
     if stopped:
         log(f"--max_train_minutes {config.max_train_minutes}: stopped after update {state['step']}")
 
@@ -658,6 +660,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     ]
     metrics["train_time_s"] = state["train_time_s"]
     metrics["machine"] = machine
+    log(f"test translated; {memory()}")
     if (peak := resident_bytes("VmHWM")) is not None:
         metrics["peak_resident_mib"] = round(peak / 2**20)
     metrics["stopped_by"] = "max_train_minutes" if stopped else "max_steps"
@@ -674,6 +677,14 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"metrics": metrics, "samples": samples, "history": state["history"]}
+
+
+def memory() -> str:
+    """'resident memory 812 MiB, peak 1,290 MiB' for progress logs ('' where it cannot be read)."""
+    now, peak = resident_bytes(), resident_bytes("VmHWM")
+    if now is None or peak is None:
+        return ""
+    return f"resident memory {now / 2**20:,.0f} MiB, peak {peak / 2**20:,.0f} MiB"
 
 
 def format_summary(result: dict[str, Any]) -> str:
