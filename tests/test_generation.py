@@ -145,3 +145,17 @@ def test_static_cache_generates_the_same_tokens(source):
     assert torch.equal(
         model.generate(source, num_beams=1, max_new_tokens=7, cache_implementation="static"), dynamic
     )
+
+
+def test_static_cache_decoding_compiles_as_one_graph(source):
+    """transformers' static-cache path compiles the decoding step; `fullgraph=True` fails on any graph
+    break (the "eager" backend skips code generation, so this checks tracing only, in seconds)."""
+    from transformers import CompileConfig
+
+    model = tiny_model("sdpa")
+    config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    options = {"num_beams": 1, "max_new_tokens": 5}
+    compiled = model.generate(source, **options, cache_implementation="static", compile_config=config)
+    assert torch.equal(compiled, model.generate(source, **options))
+    torch._dynamo.reset()

@@ -603,20 +603,32 @@ class VanillaTransformerDecoder(nn.Module):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if encoder_hidden_states is None:
             raise ValueError("The decoder needs `encoder_hidden_states` (the encoder output) to attend to.")
+        # An int, or a tensor for static (compilable) caches; checks that would read it are skipped
+        # inside torch.compile, where they would break the graph.
         past_length = cache.get_seq_length() if cache is not None else 0
+        checking = not torch.compiler.is_compiling()
         if inputs_embeds is None:
-            if past_length == 0:  # later steps of cached decoding feed back the model's own tokens
+            if (
+                checking and past_length == 0
+            ):  # later steps of cached decoding feed back the model's own tokens
                 _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        _check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
-        _check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
+        if checking:
+            _check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
+            _check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
 
-        hidden_states = inputs_embeds * self.embed_scale + self.position_table(
-            past_length, length, inputs_embeds.device, inputs_embeds.dtype
-        )
+        if isinstance(past_length, torch.Tensor):  # positions past_length.. as a tensor: no graph break
+            table = self.position_table(0, cache.get_max_length(), inputs_embeds.device, inputs_embeds.dtype)
+            positions = past_length + torch.arange(length, device=inputs_embeds.device)
+            position_encoding = table.index_select(0, positions)  # (T, D)
+        else:
+            position_encoding = self.position_table(
+                past_length, length, inputs_embeds.device, inputs_embeds.dtype
+            )
+        hidden_states = inputs_embeds * self.embed_scale + position_encoding
         packing = encoder_packing = None
         if cache is None:  # one full forward (teacher forcing): per-token work on the needed tokens only
             if target_lengths is not None:
