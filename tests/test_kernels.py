@@ -52,6 +52,36 @@ def test_linear_equals_f_linear_in_every_mode(policy, mode):
 
 
 @needs_onednn
+def test_unusual_biases_and_derivatives_stay_exact(policy):
+    """A strided or broadcast bias, forward-mode derivatives and torch.func transforms: oneDNN's op
+    would give wrong numbers or drop the derivative, so these run on torch's kernel."""
+    _, shapes = policy
+    kernels.set_linear_kernel("onednn")
+    generator = torch.Generator().manual_seed(0)
+    weight, inputs = torch.randn(16, 8, generator=generator), torch.randn(5, 8, generator=generator)
+    with torch.no_grad():
+        for bias in (
+            torch.randn(16, 2, generator=generator)[:, 0],
+            torch.randn(1, generator=generator).expand(16),
+        ):
+            torch.testing.assert_close(kernels.linear(inputs, weight, bias), F.linear(inputs, weight, bias))
+        tangent = torch.randn(5, 8, generator=generator)
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(inputs, tangent)
+            output = torch.autograd.forward_ad.unpack_dual(kernels.linear(dual, weight))
+            torch.testing.assert_close(output.tangent, tangent @ weight.t())
+    layer = kernels.Linear(8, 16).requires_grad_(False)
+    _, jvp = torch.func.jvp(layer, (inputs,), (tangent,))
+    torch.testing.assert_close(jvp, tangent @ layer.weight.t())
+    grad = torch.func.grad(lambda w: kernels.linear(inputs, w).sum())(weight)
+    torch.testing.assert_close(grad, torch.ones(16, 5) @ inputs)
+    assert shapes == []
+    with torch.no_grad():
+        kernels.linear(inputs, weight, torch.randn(16))  # and a plain product still may
+    assert shapes == [(8, 8)]
+
+
+@needs_onednn
 def test_training_products_run_on_torch_kernels(policy):
     """oneDNN keeps state per shape; training batches have hundreds of shapes: never there."""
     _, shapes = policy

@@ -23,8 +23,6 @@ from vanilla_transformer.modeling_vanilla_transformer import (
     sinusoidal_position_encoding,
 )
 
-pytestmark = pytest.mark.usefixtures("each_linear_kernel")
-
 
 def ragged_batch() -> dict[str, torch.Tensor]:
     """Padded sources and targets, with an ignored label in the middle of a row (it stays computed)."""
@@ -81,7 +79,7 @@ def test_optimised_training_path_matches_the_plain_one(monkeypatch, attention, o
         )
 
 
-def test_padded_batch_matches_each_sentence_run_alone():
+def test_padded_batch_matches_each_sentence_run_alone(each_linear_kernel):
     """Independent of the packing code: padding must not change any real position."""
     batch, model = ragged_batch(), tiny_model("sdpa")
     with torch.no_grad():
@@ -99,7 +97,7 @@ def test_padded_batch_matches_each_sentence_run_alone():
 
 
 @pytest.mark.parametrize("num_beams", [1, 4])
-def test_generated_tokens_are_unchanged(monkeypatch, num_beams):
+def test_generated_tokens_are_unchanged(monkeypatch, num_beams, each_linear_kernel):
     batch, model = ragged_batch(), tiny_model("sdpa")
     options = {"num_beams": num_beams, "max_new_tokens": 8}
     options |= {"output_scores": True, "return_dict_in_generate": True}

@@ -58,7 +58,7 @@ def test_meta_device_loading_keeps_positions_and_ties(tmp_path, batch):
         torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits, atol=0, rtol=0)
 
 
-def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch):
+def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch, request):
     model = tiny_model()
     model.save_pretrained(tmp_path / "model")
     # The modeling code travels with its relative imports: the kernel module too.
@@ -66,6 +66,7 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch
     # One kernel on both sides, so that the comparison below is of code, not of summation order.
     monkeypatch.setenv("VANILLA_TRANSFORMER_ONEDNN", "torch")
     previous = set_linear_kernel("torch")
+    request.addfinalizer(lambda: set_linear_kernel(previous))
     with torch.no_grad():
         expected = model.generate(
             batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6
@@ -99,7 +100,6 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
     )
-    set_linear_kernel(previous)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote code OK transformers_modules" in result.stdout
 

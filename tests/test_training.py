@@ -152,6 +152,22 @@ def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, cor
     again = train(parse_config([*args, "--max_train_minutes", "0.005", "--resume_from_checkpoint", "latest"]))
     assert again["metrics"]["steps"] == metrics["steps"]
     assert again["metrics"]["stopped_by"] == "max_train_minutes"
+    # 0 lifts the limit: the resumed run trains on to --max_steps.
+    more = [*args, "--max_steps", str(metrics["steps"] + 2), "--max_train_minutes", "0"]
+    longer = train(parse_config([*more, "--resume_from_checkpoint", "latest"]))
+    assert (
+        longer["metrics"]["steps"] == metrics["steps"] + 2 and longer["metrics"]["stopped_by"] == "max_steps"
+    )
+
+
+def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files):
+    """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=1, eval_steps=0, test_samples=1)
+    args[args.index("--config_overrides") + 1] += ",dropout=0.2,label_smoothing=0.05"
+    args[args.index("--dropout") : args.index("--dropout") + 2] = []
+    train(parse_config(args))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["dropout"] == 0.2 and saved["label_smoothing"] == 0.05
 
 
 def free_port() -> int:
@@ -184,8 +200,9 @@ def test_bad_flags_are_rejected():
         TrainingConfig(max_steps=0)
     with pytest.raises(ValueError, match="--average_checkpoints cannot exceed"):
         TrainingConfig(average_checkpoints=6, keep_checkpoints=5)
-    with pytest.raises(ValueError, match="--max_train_minutes must be positive"):
-        TrainingConfig(max_train_minutes=0)
+    with pytest.raises(ValueError, match="--max_train_minutes must be positive, or 0 for no limit"):
+        TrainingConfig(max_train_minutes=-1)
+    assert TrainingConfig(preset="base").max_train_minutes is None  # the paper's recipe has no time limit
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
 ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"
 MODES = {"auto": "auto", "0": "torch", "torch": "torch", "1": "onednn", "onednn": "onednn"}
@@ -121,20 +122,34 @@ def set_linear_kernel(mode: str) -> str:
     return previous
 
 
+def _fail_closed(*_: object) -> bool:
+    return True
+
+
+# Tensors of torch.func transforms (grad, jvp, vmap) look plain but carry derivatives the private op
+# would drop; without this check there is no telling them apart, so then oneDNN is never used.
+_is_transformed = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", _fail_closed)
+
+
 def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Plain float32 tensors, no autograd, no autocast, not being compiled (inputs: CPU float32 already)."""
+    """Plain float32 tensors (a contiguous bias), no derivatives of any kind to carry (reverse mode,
+    forward mode, torch.func), no autocast, not traced. inputs: CPU float32 already, not compiling."""
     plain = (torch.Tensor, nn.Parameter)
     return (
         weight.dtype is torch.float32
         and type(inputs) in plain
         and type(weight) in plain
-        and (bias is None or (type(bias) in plain and bias.dtype is torch.float32))
+        and (bias is None or (type(bias) in plain and bias.dtype is torch.float32 and bias.is_contiguous()))
         and not (
             torch.is_grad_enabled()
             and (inputs.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         )
+        and getattr(forward_ad, "_current_level", 0) < 0  # no forward-mode AD level open: no dual tensors
+        and not (
+            _is_transformed(inputs) or _is_transformed(weight) or (bias is not None and _is_transformed(bias))
+        )
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
     )
 
 
@@ -144,6 +159,7 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if (
         policy.onednn is None
         or policy.mode == "torch"
+        or torch.compiler.is_compiling()  # first: nothing below needs tracing
         or not inputs.is_cpu
         or inputs.dtype is not torch.float32
     ):

@@ -1028,7 +1028,8 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
                 output projection and the loss run only on positions whose label is not -100, in
                 chunks, without the logits in memory. The loss and gradients are the same. By
                 default (None) logits are skipped in training mode when `labels` are given (what
-                `Trainer` runs: it reads only the loss then) and returned otherwise.
+                `Trainer` runs: it reads only the loss then) and returned otherwise. As with every
+                transformers output, absent fields leave `to_tuple()`, so read outputs by name.
         Returns:
             `Seq2SeqLMOutput` with `logits` (B, T, V) (None where skipped), `loss`, `cache` and
             optional attentions.

@@ -129,8 +129,8 @@ class TrainingConfig:
         default=None,
         metadata={
             "help": "stop training after this many minutes of the training loop (validation and checkpoints "
-            "included, counted across resumes), then average, evaluate and write the folder as usual "
-            "(default: recipe)"
+            "included, counted across resumes), then average, evaluate and write the folder as usual; "
+            "0: no limit (default: recipe)"
         },
     )
     warmup_steps: int | None = field(
@@ -208,8 +208,10 @@ class TrainingConfig:
             raise ValueError("--max_grad_norm must be positive.")
         if self.lr_scale <= 0:
             raise ValueError("--lr_scale must be positive.")
-        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
-            raise ValueError(f"--max_train_minutes must be positive, got {self.max_train_minutes}.")
+        if self.max_train_minutes is not None and not self.max_train_minutes >= 0:  # NaN included
+            raise ValueError(
+                f"--max_train_minutes must be positive, or 0 for no limit; got {self.max_train_minutes}."
+            )
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
@@ -440,18 +442,19 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}; {memory()}")
 
     # Model, optimizer and schedule (Section 5.3).
-    overrides: dict[str, Any] = {"label_smoothing": config.label_smoothing, "vocab_size": len(tokenizer)}
+    # Precedence: the tokenizer's ids, then fields named in --config_overrides, then --dropout (or the
+    # recipe's) and --label_smoothing, then the preset.
+    overrides: dict[str, Any] = {"label_smoothing": config.label_smoothing}
     if config.dropout is not None:
         overrides["dropout"] = config.dropout
-    overrides |= {
+    overrides |= parse_overrides(config.config_overrides) | {
+        "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "decoder_start_token_id": tokenizer.bos_token_id,
     }
-    model_config = VanillaTransformerConfig.from_preset(
-        config.preset, **parse_overrides(config.config_overrides), **overrides
-    )
+    model_config = VanillaTransformerConfig.from_preset(config.preset, **overrides)
     model = VanillaTransformerForConditionalGeneration(model_config)
     model.generation_config.num_beams = config.num_beams
     model.generation_config.length_penalty = config.length_penalty
@@ -490,7 +493,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     generate_kwargs = {"num_beams": config.num_beams, "length_penalty": config.length_penalty}
 
     def validate() -> dict[str, float]:
-        losses = validation_loss(model, valid_loader, accelerator, config.label_smoothing)
+        losses = validation_loss(model, valid_loader, accelerator, model_config.label_smoothing)
         hypotheses = translate_sharded(
             accelerator,
             unwrapped,
@@ -515,7 +518,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     interval_updates = interval_tokens = 0
     interval_start = loop_start = time.perf_counter()
     earlier_time = state["train_time_s"]  # the training loop's wall time before this run (resumes)
-    time_limit = None if config.max_train_minutes is None else config.max_train_minutes * 60
+    time_limit = config.max_train_minutes * 60 if config.max_train_minutes else None  # 0: no limit
 
     def loop_time() -> float:
         return earlier_time + time.perf_counter() - loop_start
@@ -530,6 +533,11 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         return bool(spent > 0)
 
     stopped = out_of_time()
+    if stopped and accelerator.is_main_process:
+        logger.warning(
+            f"This run already trained for {state['train_time_s'] / 60:.1f} minutes, its --max_train_minutes "
+            f"({config.max_train_minutes}): no further update. Raise it (0: no limit) to train on."
+        )
     while state["step"] < config.max_steps and not stopped:
         train_loader.set_epoch(state["epoch"])
         loader = train_loader
@@ -622,7 +630,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     if len(averaged) > 1:
         # The last weights' loss, to compare with the average's (translating with them too would
         # cost as much as validating the average again, for a number nobody decides on).
-        last = validation_loss(model, valid_loader, accelerator, config.label_smoothing)
+        last = validation_loss(model, valid_loader, accelerator, model_config.label_smoothing)
         metrics |= {"last_val_loss": last["loss"], "last_val_ppl": last["ppl"]}
         result = unwrapped.load_state_dict(average_checkpoints(averaged), strict=False)
         untied = set(result.missing_keys) - set(unwrapped.all_tied_weights_keys)
@@ -780,7 +788,7 @@ def write_model_folder(
         "batch_tokens": config.max_tokens * accelerator.num_processes * config.gradient_accumulation_steps,
         "warmup_steps": config.warmup_steps,
         "lr_peak": paper_peak_lr(model.config.d_model, config.warmup_steps, config.lr_scale),
-        "label_smoothing": config.label_smoothing,
+        "label_smoothing": model.config.label_smoothing,
         "dropout": model.config.dropout,
         "averaged_checkpoints": len(metrics["averaged_checkpoints"]),
     }
