@@ -8,8 +8,9 @@ on AVX2-only machines it was slower than torch's BLAS even for large products. N
 predicts this, so the choice is measured, once per shape class and process, and only where it costs
 nothing else:
 
-- Only products without autograd and with at most `MAX_ROWS` rows: decoding steps, which run the same
-  few shapes through every weight matrix. Training and long inputs always use torch's kernel: oneDNN
+- Only products that carry no derivatives (reverse mode, forward mode, torch.func), outside
+  compilation and tracing, with at most `MAX_ROWS` rows: decoding steps, which run the same few shapes
+  through every weight matrix. Training and long inputs always use torch's kernel: oneDNN
   keeps state for every shape it has seen (about half a MiB each), and token-based training batches
   come in hundreds of shapes (1.4 GB of resident memory in a measured training run).
 - Rows are padded to a power of two before they reach oneDNN, so that at most 9 shapes per weight
