@@ -608,9 +608,8 @@ class VanillaTransformerDecoder(nn.Module):
         past_length = cache.get_seq_length() if cache is not None else 0
         checking = not torch.compiler.is_compiling()
         if inputs_embeds is None:
-            if (
-                checking and past_length == 0
-            ):  # later steps of cached decoding feed back the model's own tokens
+            # Later steps of cached decoding feed back the model's own tokens: checked once.
+            if checking and past_length == 0:
                 _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
