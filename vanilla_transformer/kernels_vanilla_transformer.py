@@ -167,15 +167,17 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(inputs, weight, bias)
     width = inputs.shape[-1] if inputs.dim() >= 2 else 0
     rows = inputs.numel() // width if width else 0
-    if not 0 < rows <= MAX_ROWS or not _eligible(inputs, weight, bias):
+    if not 0 < rows <= MAX_ROWS:
         return F.linear(inputs, weight, bias)
     padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach oneDNN
+    # A class measured slower on oneDNN goes straight to torch's kernel: decoding steps repeat the same
+    # few classes, so this lookup is what most calls cost here.
     decision = (
         True
         if policy.mode == "onednn"
         else policy.decisions.get((padded_rows, weight.shape, bias is not None))
     )
-    if decision is False:
+    if decision is False or not _eligible(inputs, weight, bias):
         return F.linear(inputs, weight, bias)
     flat = inputs.reshape(rows, width)
     if padded_rows != rows:
