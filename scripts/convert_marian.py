@@ -9,7 +9,7 @@ copied along (it needs the `sentencepiece` package).
 
 import argparse
 
-from transformers import AutoTokenizer, MarianMTModel
+from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
 from vanilla_transformer.conversion import convert_from_marian
 
@@ -18,6 +18,11 @@ parser.add_argument("--model", required=True, help="Marian model folder or Hub i
 parser.add_argument("--output", required=True, help="folder to write")
 args = parser.parse_args()
 try:
+    model_type = PretrainedConfig.get_config_dict(args.model)[0].get("model_type")
+    if model_type != "marian":
+        parser.error(
+            f"{args.model} is not a Marian checkpoint: its config.json has model_type {model_type!r}."
+        )
     marian = MarianMTModel.from_pretrained(args.model)
     model = convert_from_marian(marian)
 except (OSError, ValueError) as error:

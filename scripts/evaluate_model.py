@@ -9,6 +9,7 @@
 import argparse
 from pathlib import Path
 
+from vanilla_transformer.cli import positive_int
 from vanilla_transformer.evaluation import evaluate_model
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -19,9 +20,9 @@ parser.add_argument("--source_lang", default="en")
 parser.add_argument("--target_lang", default="es")
 parser.add_argument("--source_column")
 parser.add_argument("--target_column")
-parser.add_argument("--max_samples", type=int, help="score only the first N pairs")
-parser.add_argument("--batch_size", type=int, default=32)
-parser.add_argument("--num_beams", type=int, default=4)
+parser.add_argument("--max_samples", type=positive_int, help="score only the first N pairs")
+parser.add_argument("--batch_size", type=positive_int, default=32)
+parser.add_argument("--num_beams", type=positive_int, default=4)
 parser.add_argument("--length_penalty", type=float, default=0.6)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")

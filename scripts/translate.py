@@ -7,6 +7,7 @@ python scripts/translate.py --model DIR --input en.txt --output es.txt --num_bea
 import argparse
 import sys
 
+from vanilla_transformer.cli import positive_int
 from vanilla_transformer.evaluation import load_model_folder
 from vanilla_transformer.translation import translate_lines
 
@@ -18,15 +19,13 @@ parser.add_argument(
 parser.add_argument(
     "--output", type=argparse.FileType("w", encoding="utf-8"), default="-", help="default: stdout"
 )
-parser.add_argument("--batch_size", type=int, default=32)
-parser.add_argument("--num_beams", type=int, help="default: the model's generation config (4)")
+parser.add_argument("--batch_size", type=positive_int, default=32)
+parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
-parser.add_argument("--max_new_tokens", type=int, help="default: source length + 50")
+parser.add_argument("--max_new_tokens", type=positive_int, help="default: source length + 50")
 parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=False)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 args = parser.parse_args()
-if args.batch_size < 1:
-    parser.error("--batch_size must be positive.")
 options = {
     "num_beams": args.num_beams,
     "length_penalty": args.length_penalty,

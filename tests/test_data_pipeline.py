@@ -107,6 +107,26 @@ def test_bad_data_gives_clear_errors(tmp_path):
         load_parallel_data(train_file=good, validation_file=write(tmp_path / "v.jsonl", '{"en": "a"}\n'))
 
 
+def test_delimited_files_are_parsed_strictly(tmp_path):
+    """One extra tab in the first data row once made pandas take a column as the index: 301 of 302 rows
+    were then "skipped as empty" and training ran on one mangled pair."""
+    good = write(tmp_path / "good.tsv", "en\tes\nhi\thola\n")
+    rows = "".join(f"s{i}\tt{i}\n" for i in range(300))
+    extra_tab = write(tmp_path / "tab.tsv", "en\tes\nIn the\tbeginning\tEn el principio\n" + rows)
+    with pytest.raises(ValueError, match=r"tab\.tsv, line 2: 3 fields where the header has 2"):
+        load_parallel_data(train_file=extra_tab, validation_file=good)
+    with pytest.raises(ValueError, match="line 3: repeats the header row"):
+        load_parallel_data(train_file=write(tmp_path / "cat.tsv", "en\tes\na\tb\nen\tes\nc\td\n"))
+    comma = write(tmp_path / "c.csv", 'en,es\n"one, two",uno\none, two,dos\n')
+    with pytest.raises(ValueError, match=r"c\.csv, line 3: 3 fields where the header has 2"):
+        load_parallel_data(train_file=comma, validation_file=comma)
+    lists = write(tmp_path / "l.jsonl", '{"en": ["a", "b"], "es": "x"}\n{"en": ["c"], "es": "y"}\n')
+    with pytest.raises(ValueError, match=r"column 'en' holds .* not text"):
+        load_parallel_data(train_file=lists, validation_file=lists)
+    with pytest.raises(ValueError, match="is empty: it needs a header row"):
+        load_parallel_data(train_file=write(tmp_path / "empty.tsv", ""), validation_file=good)
+
+
 def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     rows = "en\tes\n" + "short\tcorto\n" * 3 + ("long " * 40 + "\tlargo\n")
     tsv = write(tmp_path / "a.tsv", rows)

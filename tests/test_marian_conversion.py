@@ -130,3 +130,28 @@ def test_unsupported_marian_configurations_are_refused():
         )
     with pytest.raises(ValueError, match="Expected a MarianMTModel"):
         convert_from_marian(torch.nn.Linear(2, 2))
+
+
+def test_convert_script_says_when_a_folder_is_not_marian(tmp_path):
+    """It once answered a non-Marian folder with "Encoder and decoder have 2 and 16 attention heads"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vanilla_transformer import VanillaTransformerConfig
+
+    config = VanillaTransformerConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2)
+    VanillaTransformerForConditionalGeneration(config).save_pretrained(tmp_path / "ours")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "convert_marian.py"
+    command = [
+        sys.executable,
+        str(script),
+        "--model",
+        str(tmp_path / "ours"),
+        "--output",
+        str(tmp_path / "out"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2
+    assert "is not a Marian checkpoint: its config.json has model_type 'vanilla_transformer'" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -364,5 +364,10 @@ def test_mismatched_masks_and_empty_inputs_raise(model, batch):
         model(**batch, decoder_attention_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="source sequence is empty"):
         model(input_ids=torch.empty(2, 0, dtype=torch.long), labels=batch["labels"])
+    # A 0-row batch once ended in a reshape RuntimeError deep inside the attention.
+    with pytest.raises(ValueError, match="The batch is empty"):
+        model(input_ids=torch.empty(0, 4, dtype=torch.long), labels=torch.empty(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty batch"):
+        model.generate(torch.empty(0, 4, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match="exactly one of `input_ids`"):
         model(labels=batch["labels"])

@@ -33,6 +33,17 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (beam sizes, batch sizes, token counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None = None) -> T:
     """Parse flags into `cls`; a ValueError from its validation exits with the usage, like a bad flag."""
     parser = dataclass_parser(cls, description)
@@ -44,4 +55,4 @@ def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None =
         raise  # unreachable: parser.error exits
 
 
-__all__ = ["dataclass_parser", "parse_dataclass"]
+__all__ = ["dataclass_parser", "parse_dataclass", "positive_int"]

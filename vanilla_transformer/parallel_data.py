@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from datasets import DatasetDict, load_dataset
+from datasets import DatasetDict, Value, load_dataset
 
 from .corpus import load_default_corpus
 
@@ -57,6 +57,42 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
         decoder.decode(b"", final=True)
 
 
+def check_delimited(path: Path) -> None:
+    """Raise a ValueError naming file and line unless every row of a .tsv/.csv has the header's fields.
+
+    TSV: fields are split on every tab, with no quoting (a tab inside a sentence is an extra field).
+    CSV: standard quoting (fields with commas, quotes or line breaks are double-quoted, quotes doubled).
+    A row that repeats the header (files concatenated with their headers) is refused too.
+    """
+    with path.open(encoding="utf-8", newline="") as handle:
+        if path.suffix == ".tsv":
+            rows = ((number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(handle, 1))
+        else:
+            reader = csv.reader(handle)
+            rows = ((reader.line_num, row) for row in reader)
+        header: list[str] | None = None
+        for line, row in rows:
+            if header is None:
+                header = row
+                continue
+            if row == [""] or not row:  # a blank line
+                continue
+            if row == header:
+                raise ValueError(f"{path}, line {line}: repeats the header row {header}; remove it.")
+            if len(row) != len(header):
+                raise ValueError(
+                    f"{path}, line {line}: {len(row)} fields where the header has {len(header)} "
+                    f"({header}). "
+                    + (
+                        "TSV has no quoting: a tab inside a sentence splits it."
+                        if path.suffix == ".tsv"
+                        else "Quote fields that contain commas."
+                    )
+                )
+        if header is None:
+            raise ValueError(f"{path} is empty: it needs a header row naming the columns.")
+
+
 def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
@@ -68,6 +104,8 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
                 f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
             )
         check_utf8(path)
+        if FILE_BUILDERS[path.suffix] == "csv":
+            check_delimited(path)
         suffixes.add(path.suffix)
     if len({FILE_BUILDERS[s] for s in suffixes}) > 1 or suffixes == {".tsv", ".csv"}:
         raise ValueError(f"All data files must have the same type, got {sorted(suffixes)}.")
@@ -102,6 +140,13 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
                 f"The {split} data has no column {missing[0]!r} (columns: {dataset.column_names}). Name the "
                 "columns by language code, or pass --source_column/--target_column."
             )
+        for column in (source_column, target_column):
+            kind = dataset.features[column]
+            if not (isinstance(kind, Value) and kind.dtype in ("string", "large_string", "null")):
+                raise ValueError(
+                    f"The {split} data's column {column!r} holds {kind}, not text: every value must be a "
+                    "string (a JSON list or object is not a sentence)."
+                )
         data[split] = dataset.select_columns([source_column, target_column]).rename_columns(
             {source_column: "source", target_column: "target"}
         )
@@ -211,4 +256,4 @@ def tokenize_parallel_data(
     return tokenized
 
 
-__all__ = ["DataReport", "check_utf8", "load_parallel_data", "tokenize_parallel_data"]
+__all__ = ["DataReport", "check_delimited", "check_utf8", "load_parallel_data", "tokenize_parallel_data"]
