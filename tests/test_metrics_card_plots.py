@@ -262,6 +262,23 @@ def test_model_card_shows_metrics_in_text_and_model_index():
     assert metrics["bleu"]["config"] == METRICS["bleu_signature"]
 
 
+def test_model_card_states_the_recipe_and_the_repetition_share():
+    training = TRAINING | {
+        "preset": "tiny",
+        "lr_schedule": "linear",
+        "max_steps": 1650,
+        "max_train_minutes": 8.5,
+    }
+    metrics = METRICS | {"repetition": 0.0125, "reference_repetition": 0.0}
+    text = " ".join(str(build_model_card(**card_kwargs(training=training, metrics=metrics))).split())
+    assert "The `tiny` recipe: the paper's (Section 5) adapted to a short run" in text
+    assert "linear decay to zero at the end of the run (1,650 updates or 8.5 minutes of training" in text
+    assert "| outputs with a word 4-gram repeated 3+ times | 1.2% (references: 0.0%) |" in text
+    paper = " ".join(str(build_model_card(**card_kwargs(training=TRAINING | {"preset": "base"}))).split())
+    assert "The recipe of the paper (Section 5):" in paper and "min(step^-0.5" in paper
+    assert "repeated 3+ times" not in paper
+
+
 def test_template_renders_with_optional_values_missing():
     minimal = {"bleu": 12.5, "chrf": 40.0, "bleu_signature": "nrefs:1|tok:13a"}
     card = build_model_card(**card_kwargs(metrics=minimal, training={}, dataset={}))

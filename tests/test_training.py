@@ -14,8 +14,10 @@ from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.training import (
     TrainingConfig,
     average_checkpoints,
+    checkpoint_problems,
     list_checkpoints,
     parse_config,
+    resolve_checkpoint,
     train,
 )
 from vanilla_transformer.translation import translate
@@ -170,6 +172,52 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     assert saved["dropout"] == 0.2 and saved["label_smoothing"] == 0.05
 
 
+def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
+    """Checkpoints of the abandoned run were once averaged into the resumed run's model."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, test_samples=1)
+    train(parse_config(args))
+    names = [p.name for p in list_checkpoints(tmp_path / "run")]
+    assert names == ["step-00000004", "step-00000008", "step-00000012"]
+    older = list_checkpoints(tmp_path / "run")[0]
+    result = train(parse_config([*args, "--resume_from_checkpoint", str(older), "--max_steps", "6"]))
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004", "step-00000006"]
+    assert result["metrics"]["averaged_checkpoints"] == ["step-00000004", "step-00000006"]
+    retired = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("retired-*/step-*"))
+    assert retired == ["step-00000008", "step-00000012"]  # moved aside, not deleted
+
+
+def test_damaged_checkpoints_are_named_and_skipped(tmp_path, corpus_files, caplog):
+    """A 0-byte random state once loaded with only an INFO line: exact resume silently lost."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=8, eval_steps=0, test_samples=1)
+    train(parse_config(args))
+    older, newer = list_checkpoints(tmp_path / "run")[-2:]
+    assert checkpoint_problems(older) == checkpoint_problems(newer) == []
+    manifest = json.loads((newer / "manifest.json").read_text())
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "trainer_state.json"} <= set(
+        manifest
+    )
+    (newer / "random_states_0.pkl").write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        assert resolve_checkpoint(tmp_path / "run", "latest") == older
+    assert f"skipping damaged checkpoint {newer.name}" in caplog.text and "random_states_0.pkl" in caplog.text
+    with pytest.raises(ValueError, match=r"random_states_0\.pkl has 0 bytes"):
+        train(parse_config([*args, "--resume_from_checkpoint", str(newer)]))
+    weights = older / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match=r"every checkpoint .* is damaged"):
+        resolve_checkpoint(tmp_path / "run", "latest")
+
+
+def test_greedy_decoding_flags_give_a_valid_model_folder(tmp_path, corpus_files):
+    """--num_beams 1 once trained and then failed to save the folder (length penalty without beams)."""
+    options = {"max_steps": 2, "eval_steps": 0, "test_samples": 2, "num_beams": 1}
+    args = small_args(tmp_path / "greedy", corpus_files, **options)
+    result = train(parse_config(args))
+    saved = json.loads((tmp_path / "greedy" / "generation_config.json").read_text())
+    assert saved["num_beams"] == 1 and not saved.get("early_stopping")
+    assert (tmp_path / "greedy" / "model.safetensors").is_file() and "test_bleu" in result["metrics"]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -203,6 +251,11 @@ def test_bad_flags_are_rejected():
     with pytest.raises(ValueError, match="--max_train_minutes must be positive, or 0 for no limit"):
         TrainingConfig(max_train_minutes=-1)
     assert TrainingConfig(preset="base").max_train_minutes is None  # the paper's recipe has no time limit
+    # Checked when the flags are read, not after minutes of data loading and BPE training.
+    with pytest.raises(ValueError, match="`num_heads` must be a positive integer"):
+        TrainingConfig(config_overrides="num_heads=0")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        TrainingConfig(output_dir=__file__)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
@@ -245,3 +298,17 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     assert "test: 6 sentences" in result.stdout
     assert "BLEU" in result.stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in result.stdout
     assert "chrF" in result.stdout and len(hypotheses.read_text().splitlines()) == 6
+
+
+@pytest.mark.parametrize(
+    ("script", "flag"),
+    [
+        ("evaluate_model.py", "--num_beams"),
+        ("evaluate_model.py", "--batch_size"),
+        ("translate.py", "--num_beams"),
+    ],
+)
+def test_scripts_reject_non_positive_counts_before_loading(script, flag):
+    """`evaluate_model.py --num_beams 0` once ended in a ZeroDivisionError inside transformers."""
+    result = run_script(script, "--model", "/nonexistent/model", flag, "0")
+    assert result.returncode == 2 and f"{flag}: must be a positive integer, got 0" in result.stderr

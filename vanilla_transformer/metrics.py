@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,4 +47,25 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
     )
 
 
-__all__ = ["load_translation_metric", "metric_module_path", "score_translations"]
+def repeats_ngram(text: str, n: int = 4, times: int = 3) -> bool:
+    """Whether some word n-gram occurs at least `times` times in `text` (a decoding loop's signature,
+    e.g. "de la casa de la casa de la casa")."""
+    words = text.split()
+    counts = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    return any(count >= times for count in counts.values())
+
+
+def repetition_rate(texts: Sequence[str], n: int = 4, times: int = 3) -> float:
+    """Share of `texts` in which some word n-gram occurs at least `times` times (0 for no texts)."""
+    if isinstance(texts, str):
+        raise ValueError("`texts` must be a sequence of strings, not a single string.")
+    return sum(repeats_ngram(text, n, times) for text in texts) / len(texts) if len(texts) else 0.0
+
+
+__all__ = [
+    "load_translation_metric",
+    "metric_module_path",
+    "repeats_ngram",
+    "repetition_rate",
+    "score_translations",
+]

@@ -128,6 +128,10 @@ def _template_variables(
         hardware=training.get("hardware"),
         batch_tokens=training.get("batch_tokens"),
         warmup_steps=training.get("warmup_steps"),
+        recipe=training.get("preset"),
+        lr_schedule=training.get("lr_schedule", "inverse_sqrt"),
+        max_steps=training.get("max_steps"),
+        max_train_minutes=training.get("max_train_minutes"),
         lr_peak=training.get("lr_peak"),
         label_smoothing=training.get("label_smoothing", config.label_smoothing),
         dropout_training=training.get("dropout", config.dropout),
@@ -139,6 +143,8 @@ def _template_variables(
         chrf_signature=metrics.get("chrf_signature"),
         val_loss=metrics.get("val_loss"),
         test_loss=metrics.get("test_loss"),
+        repetition=metrics.get("repetition"),
+        reference_repetition=metrics.get("reference_repetition"),
         eval_split=metrics.get("split", "test"),
         translate_command=(
             f"python scripts/translate.py --model {model_name} --input {source_lang}.txt "

@@ -1,0 +1,147 @@
+"""Build an English -> German corpus of software messages from gettext catalogs (a second domain and language
+pair beside the shipped Bible corpus, used to check that the training recipe is not tuned to one corpus).
+
+Reads every `LANG/LC_MESSAGES/*.mo` under a locale folder: by default the Debian packages in `PACKAGES`
+fetched with `apt-get download` (run `apt-get update` once first; nothing is installed) and unpacked into a
+temporary folder, or `--locale-dir` (e.g. `/usr/share/locale` of this machine). msgid is the English
+side, msgstr the translation. Kept: translated, non-fuzzy singular messages; keyboard accelerators
+(`_File`, `&Open`) removed, whitespace collapsed; pairs whose printf/brace placeholders differ between the
+sides, with a side longer than `--max-words` words, or identical on both sides are dropped. Whole catalogs
+go to validation or test (chosen by a hash of the catalog's name), so near-duplicate messages of one
+program never straddle the split; held-out messages also seen in training are dropped. Writes
+`train.jsonl`, `validation.jsonl`, `test.jsonl` with fields `en` and the language code. Needs
+`pip install polib`.
+
+    python scripts/build_messages_corpus.py --output-dir data/messages-en-de
+    python scripts/build_messages_corpus.py --locale-dir /usr/share/locale --output-dir /tmp/messages
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+# Debian packages that ship German catalogs of command-line tools and libraries.
+PACKAGES = (
+    "coreutils", "tar", "grep", "sed", "findutils", "diffutils", "gettext", "gpg", "wget", "make",
+    "git-man", "dpkg", "apt", "procps", "bash", "libc-l10n", "e2fsprogs", "util-linux-locales",
+)  # fmt: skip
+# Catalogs of names (languages, countries, scripts, currencies), not sentences.
+SKIPPED_CATALOGS = re.compile(r"^(iso_|iso-|xkeyboard-config)")
+PLACEHOLDER = re.compile(
+    r"%(?:\d+\$)?[-+ #0']*(?:\*|\d+)?(?:\.(?:\*|\d+))?(?:hh|h|ll|l|L|q|j|z|t)?[a-zA-Z%]|\{[^{}]*\}"
+)
+ACCELERATOR = re.compile(r"(?<![\w&_])[_&](?=\w)")
+HELD_OUT_SHARE = {"validation": 0.05, "test": 0.05}
+
+
+def normalise(text: str) -> str:
+    """One line, single spaces, no keyboard accelerators."""
+    return " ".join(ACCELERATOR.sub("", text).split())
+
+
+def placeholders(text: str) -> Counter:
+    """The multiset of printf (`%s`, `%2$d`) and brace (`{0}`, `{name}`) placeholders in `text`."""
+    return Counter(PLACEHOLDER.findall(text))
+
+
+def catalog_split(name: str) -> str:
+    """Where a whole catalog goes: a stable hash of its name picks ~5% for validation, ~5% for test."""
+    share = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    if share < HELD_OUT_SHARE["validation"]:
+        return "validation"
+    if share < HELD_OUT_SHARE["validation"] + HELD_OUT_SHARE["test"]:
+        return "test"
+    return "train"
+
+
+def catalog_pairs(path: Path, max_words: int) -> Iterator[tuple[str, str]]:
+    """The usable (English, translation) pairs of one `.mo` catalog."""
+    import polib
+
+    for entry in polib.mofile(str(path)):
+        if entry.obsolete or entry.msgid_plural or "fuzzy" in entry.flags or not entry.msgstr:
+            continue
+        source, target = normalise(entry.msgid), normalise(entry.msgstr)
+        if not source or not target or source == target:
+            continue
+        if len(source.split()) > max_words or len(target.split()) > max_words:
+            continue
+        if placeholders(entry.msgid) != placeholders(entry.msgstr):
+            continue
+        yield source, target
+
+
+def build(catalogs: Iterable[Path], max_words: int) -> dict[str, list[tuple[str, str]]]:
+    """Pairs per split: one per English message (its first translation); held-out ones unseen in train."""
+    splits: dict[str, list[tuple[str, str]]] = {"train": [], "validation": [], "test": []}
+    seen: set[str] = set()
+    for path in sorted(catalogs, key=lambda p: p.name):
+        name = path.stem
+        if SKIPPED_CATALOGS.match(name):
+            continue
+        split = catalog_split(name)
+        for source, target in catalog_pairs(path, max_words):
+            if source not in seen:
+                seen.add(source)
+                splits[split].append((source, target))
+    train_sources = {source for source, _ in splits["train"]}
+    for split in ("validation", "test"):
+        splits[split] = [pair for pair in splits[split] if pair[0] not in train_sources]
+    return splits
+
+
+def fetch_locale_dir(workdir: Path) -> Path:
+    """Download and unpack `PACKAGES` (those that exist) into `workdir`; return the unpacked locale folder."""
+    debs, root = workdir / "debs", workdir / "root"
+    debs.mkdir()
+    root.mkdir()
+    for package in PACKAGES:  # one at a time: a name missing from this release skips only itself
+        if subprocess.run(["apt-get", "download", package], cwd=debs, check=False).returncode != 0:
+            print(f"skipped {package}: not downloadable here", file=sys.stderr)
+    for deb in sorted(debs.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    return root / "usr" / "share" / "locale"
+
+
+def write_jsonl(pairs: Iterable[tuple[str, str]], path: Path, language: str) -> None:
+    with path.open("w", encoding="utf-8") as file:
+        for source, target in pairs:
+            file.write(json.dumps({"en": source, language: target}, ensure_ascii=False) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--locale-dir", type=Path, help="a locale folder (default: apt-get download)")
+    parser.add_argument("--language", default="de", help="target language code (default de)")
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--max-words", type=int, default=30, help="longest side kept, in words (default 30)")
+    args = parser.parse_args(argv)
+    if args.max_words <= 0:
+        parser.error(f"--max-words must be positive, got {args.max_words}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        locale_dir = args.locale_dir or fetch_locale_dir(Path(tmp))
+        catalogs = list((locale_dir / args.language / "LC_MESSAGES").glob("*.mo"))
+        if not catalogs:
+            parser.error(f"no catalogs in {locale_dir / args.language / 'LC_MESSAGES'}")
+        splits = build(catalogs, args.max_words)
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    for split, pairs in splits.items():
+        write_jsonl(pairs, args.output_dir / f"{split}.jsonl", args.language)
+        print(f"{split}: {len(pairs)} pairs")
+    print(f"from {len(catalogs)} catalogs -> {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""This package's default recipe against the standard transformers path, at equal training minutes.
+
+Two runs on the same corpus and machine, one after the other, each in its own process:
+- ours: `scripts/train.py` with the default (tiny) recipe and `--max_train_minutes MINUTES`;
+- marian: a MarianMTModel of the same shape (tiny preset: d_model, heads, d_ff, layers; its own joint
+  BPE vocabulary of `--marian_vocab_size`) trained by `Seq2SeqTrainer` as a transformers user would:
+  AdamW at 5e-4, inverse square-root schedule with 400 warm-up updates, label smoothing 0.1, 64
+  sentences per batch grouped by length, dropout 0.1, stopped once its training loop has run MINUTES.
+Both are then scored on the test split with beam 4 (sacreBLEU BLEU and chrF) and the share of outputs
+with a word 4-gram repeated three or more times. Prints a table and writes `comparison.json`.
+
+    python scripts/compare_recipes.py --train_file data/train.jsonl --validation_file data/validation.jsonl \\
+        --test_file data/test.jsonl --target_lang de --minutes 10 --output_dir runs/compare-de
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MARIAN = {
+    "learning_rate": 5e-4,
+    "warmup_steps": 400,
+    "label_smoothing": 0.1,
+    "batch_size": 64,
+    "dropout": 0.1,
+    "num_beams": 4,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train_file", help="local .tsv/.csv/.jsonl (default: the embedded corpus)")
+    parser.add_argument("--validation_file")
+    parser.add_argument("--test_file")
+    parser.add_argument("--source_lang", default="en")
+    parser.add_argument("--target_lang", default="es")
+    parser.add_argument("--minutes", type=float, default=8.5, help="training minutes of each run")
+    parser.add_argument("--output_dir", type=Path, required=True)
+    parser.add_argument("--marian_vocab_size", type=int, default=8000)
+    parser.add_argument("--ours_args", default="", help="extra scripts/train.py flags, one string")
+    parser.add_argument("--only", choices=("ours", "marian"), help="run one side (in this process)")
+    args = parser.parse_args(argv)
+    if not args.minutes > 0:
+        parser.error(f"--minutes must be positive, got {args.minutes}")
+    if args.marian_vocab_size <= 4:
+        parser.error(f"--marian_vocab_size must exceed the 4 special tokens, got {args.marian_vocab_size}")
+    if bool(args.validation_file) != bool(args.test_file) or (args.validation_file and not args.train_file):
+        parser.error("pass --train_file, --validation_file and --test_file together, or none of them")
+    return args
+
+
+def data_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--source_lang", args.source_lang, "--target_lang", args.target_lang]
+    for name in ("train_file", "validation_file", "test_file"):
+        if getattr(args, name):
+            flags += [f"--{name}", str(getattr(args, name))]
+    return flags
+
+
+def run_ours(args: argparse.Namespace) -> dict[str, Any]:
+    """The default recipe, through the training script a user runs."""
+    output = args.output_dir / "ours"
+    command = [sys.executable, str(Path(__file__).with_name("train.py")), "--output_dir", str(output)]
+    command += [*data_flags(args), "--max_train_minutes", str(args.minutes), "--report_to", "none"]
+    command += shlex.split(args.ours_args)
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    wall = time.perf_counter() - started
+    metrics = json.loads((output / "metrics.json").read_text())["metrics"]
+    return {
+        "command_minutes": wall / 60,
+        "updates": metrics["steps"],
+        "train_minutes": metrics["train_time_s"] / 60,
+        "bleu": metrics["test_bleu"],
+        "chrf": metrics["test_chrf"],
+        "repetition": metrics["test_repetition"],
+        "reference_repetition": metrics["reference_repetition"],
+    }
+
+
+def run_marian(args: argparse.Namespace) -> dict[str, Any]:
+    """MarianMTModel + Seq2SeqTrainer as configured in `MARIAN`, stopped after `args.minutes`."""
+    import torch
+    from transformers import (
+        DataCollatorForSeq2Seq,
+        MarianMTModel,
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+        TrainerCallback,
+    )
+
+    from vanilla_transformer import VanillaTransformerConfig
+    from vanilla_transformer.benchmark import marian_like
+    from vanilla_transformer.metrics import repetition_rate, score_translations
+    from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+    from vanilla_transformer.translation import translate
+
+    class TimeLimit(TrainerCallback):
+        """Stop training once the training loop has run `seconds`."""
+
+        def __init__(self, seconds: float):
+            self.seconds, self.started, self.elapsed = seconds, 0.0, 0.0
+
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_step_end(self, _args: Any, _state: Any, control: Any, **__: Any) -> None:
+            self.elapsed = time.perf_counter() - self.started
+            if self.elapsed >= self.seconds:
+                control.should_training_stop = True
+
+    torch.manual_seed(0)
+    data, _ = load_parallel_data(
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        test_file=args.test_file,
+        source_lang=args.source_lang,
+        target_lang=args.target_lang,
+    )
+    train = data["train"]
+    tokenizer = train_bpe_tokenizer(list(train["source"]) + list(train["target"]), args.marian_vocab_size)
+    tokenized = tokenize_parallel_data(data, tokenizer, 128)
+    columns = ["input_ids", "attention_mask", "labels"]
+    train_set = tokenized["train"].select_columns(columns)
+    shape = VanillaTransformerConfig.from_preset(
+        "tiny",
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+        dropout=MARIAN["dropout"],
+    )
+    model = MarianMTModel(marian_like(shape))
+    limit = TimeLimit(args.minutes * 60)
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=Seq2SeqTrainingArguments(
+            output_dir=str(args.output_dir / "marian"),
+            per_device_train_batch_size=MARIAN["batch_size"],
+            learning_rate=MARIAN["learning_rate"],
+            lr_scheduler_type="inverse_sqrt",
+            warmup_steps=MARIAN["warmup_steps"],
+            label_smoothing_factor=MARIAN["label_smoothing"],
+            train_sampling_strategy="group_by_length",
+            max_steps=10**7,
+            save_strategy="no",
+            eval_strategy="no",
+            logging_steps=50,
+            report_to=[],
+            use_cpu=not torch.cuda.is_available(),
+            seed=0,
+        ),
+        train_dataset=train_set,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+        callbacks=[limit],
+    )
+    result = trainer.train()
+    test = data["test"]
+    longest = max(len(ids) for ids in tokenized["test"]["input_ids"])
+    hypotheses = translate(
+        model,
+        tokenizer,
+        test["source"],
+        batch_size=64,
+        num_beams=MARIAN["num_beams"],
+        max_new_tokens=longest + 50,
+    )
+    scores = score_translations(hypotheses, test["target"])
+    return {
+        "updates": result.global_step,
+        "train_minutes": limit.elapsed / 60,
+        "bleu": scores["bleu"],
+        "chrf": scores["chrf"],
+        "repetition": repetition_rate(hypotheses),
+        "reference_repetition": repetition_rate(test["target"]),
+    }
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| recipe | updates | training minutes | test BLEU | test chrF | outputs with a repeated 4-gram |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['updates']} | {r['train_minutes']:.1f} | {r['bleu']:.2f} | {r['chrf']:.2f} "
+            f"| {r['repetition']:.1%} (references {r['reference_repetition']:.1%}) |"
+        )
+    if {"ours", "marian"} <= results.keys() and results["marian"]["bleu"] > 0:
+        lines.append(f"\nBLEU ours / marian: {results['ours']['bleu'] / results['marian']['bleu']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        result = run_ours(args) if args.only == "ours" else run_marian(args)
+        (args.output_dir / f"{args.only}.json").write_text(json.dumps(result, indent=2))
+        return 0
+    results = {}
+    for side in ("ours", "marian"):  # one after the other, each alone in its own process
+        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--only", side]
+        subprocess.run(command, check=True, env=os.environ.copy())
+        results[side] = json.loads((args.output_dir / f"{side}.json").read_text())
+    (args.output_dir / "comparison.json").write_text(json.dumps(results, indent=2))
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

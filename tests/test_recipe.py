@@ -1,0 +1,187 @@
+"""The small-corpus recipe's parts: learning-rate schedules, the repetition metric, the second corpus's
+builder and the recipe comparison script."""
+
+import importlib.util
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_training import corpus_files, small_args  # noqa: F401  (a fixture and a helper)
+
+from vanilla_transformer.metrics import repeats_ngram, repetition_rate
+from vanilla_transformer.training import (
+    TrainingConfig,
+    default_vocab_size,
+    lr_factor,
+    paper_peak_lr,
+    parse_config,
+    train,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_inverse_sqrt_is_the_papers_formula():
+    d_model, warmup = 64, 8
+    peak = paper_peak_lr(d_model, warmup)
+    for step in (1, 4, 8, 9, 50, 4000):
+        paper = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)  # Section 5.3
+        assert peak * lr_factor("inverse_sqrt", step, warmup, 0.5, 0.1) == pytest.approx(paper, rel=1e-12)
+
+
+def test_linear_schedule_warms_up_then_ends_at_zero():
+    factors = [
+        lr_factor("linear", step, 4, progress=(step - 1) / 10, warmup_progress=0.4) for step in range(1, 11)
+    ]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    # From progress 0.4 (end of warm-up) straight down to 0 at progress 1.
+    assert factors[4:] == pytest.approx([(1 - p / 10) / 0.6 for p in range(4, 10)])
+    assert lr_factor("linear", 20, 4, progress=1.3, warmup_progress=0.4) == 0.0  # never negative
+
+
+def logged_lrs(result: dict) -> dict[int, float]:
+    return {h["step"]: h["lr"] for h in result["history"] if "lr" in h}
+
+
+def test_training_follows_the_linear_schedule_to_the_end_of_the_updates(tmp_path, corpus_files):  # noqa: F811
+    args = small_args(
+        tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, logging_steps=1, test_samples=1
+    )
+    result = train(parse_config([*args, "--lr_schedule", "linear"]))
+    peak = paper_peak_lr(64, 8, 2.0)  # small_args: d_model 64, 8 warm-up updates, lr_scale 2
+    expected = {s: peak * s / 8 if s <= 8 else peak * (12 - (s - 1)) / (12 - 8) for s in range(1, 13)}
+    assert logged_lrs(result) == pytest.approx(expected, rel=1e-9)
+
+
+def test_linear_schedule_decays_with_the_time_budget(tmp_path, corpus_files):  # noqa: F811
+    args = small_args(tmp_path / "run", corpus_files, max_steps=100_000, eval_steps=0, logging_steps=1)
+    args += [
+        "--warmup_steps",
+        "2",
+        "--max_train_minutes",
+        "0.01",
+        "--lr_schedule",
+        "linear",
+        "--test_samples",
+        "1",
+    ]
+    result = train(parse_config(args))
+    assert result["metrics"]["stopped_by"] == "max_train_minutes"
+    lrs = [lr for _, lr in sorted(logged_lrs(result).items())]
+    peak = paper_peak_lr(64, 2, 2.0)
+    assert lrs[1] == pytest.approx(peak) and max(lrs) == pytest.approx(peak)
+    after_warmup = lrs[1:]
+    assert all(b <= a for a, b in itertools.pairwise(after_warmup)), lrs
+    assert lrs[-1] < peak
+
+
+def test_default_vocabulary_grows_with_the_corpus_within_bounds():
+    assert default_vocab_size(306_981) == 4000  # the embedded corpus: 4,000 measured best (README)
+    assert default_vocab_size(433_923) == 6000
+    assert default_vocab_size(10) == 1000 and default_vocab_size(10**9) == 37000  # the paper's, at most
+    sizes = [default_vocab_size(words) for words in range(0, 4_000_000, 50_000)]
+    assert sizes == sorted(sizes) and all(size % 1000 == 0 for size in sizes)
+
+
+def test_bad_schedule_is_rejected():
+    with pytest.raises(ValueError, match="--lr_schedule must be one of"):
+        TrainingConfig(lr_schedule="cosine")
+
+
+def test_repetition_counts_outputs_with_a_4gram_seen_three_times():
+    looping = "der Vorschau der Vorschau der Vorschau der Vorschau"  # "der Vorschau der Vorschau" x3
+    assert repeats_ngram(looping)
+    assert not repeats_ngram("de la casa de la casa de la casa")  # each 4-gram twice only
+    assert not repeats_ngram("a b c")  # shorter than a 4-gram
+    assert repetition_rate([looping, "ok", "a b c d a b c d a b c d"]) == pytest.approx(2 / 3)
+    assert repetition_rate([]) == 0.0
+    with pytest.raises(ValueError, match="not a single string"):
+        repetition_rate("a b c d")
+
+
+@pytest.fixture
+def locale_dir(tmp_path) -> Path:
+    """Three German catalogs written with polib, one of them a name list."""
+    polib = pytest.importorskip("polib")
+    folder = tmp_path / "locale" / "de" / "LC_MESSAGES"
+    folder.mkdir(parents=True)
+    catalogs = {
+        "tool": [
+            ("_Open file", "Datei _öffnen", []),
+            ("Cannot open %s: %s", "Kann %s nicht öffnen: %s", []),
+            ("Copied %d files", "Dateien kopiert", []),  # placeholder lost: dropped
+            ("Fuzzy message", "Unsichere Nachricht", ["fuzzy"]),  # dropped
+            ("OK", "OK", []),  # identical: dropped
+            ("Shared message", "Gemeinsame Nachricht", []),
+        ],
+        "iso_3166": [("Germany", "Deutschland", [])],  # a name list: skipped
+    }
+    for name, entries in catalogs.items():
+        catalog = polib.POFile()
+        for source, target, flags in entries:
+            catalog.append(polib.POEntry(msgid=source, msgstr=target, flags=flags))
+        catalog.save_as_mofile(str(folder / f"{name}.mo"))
+    return tmp_path / "locale"
+
+
+def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_dir, tmp_path):
+    builder = load_script("build_messages_corpus")
+    assert builder.normalise("_Open\n  the  &file") == "Open the file"
+    assert builder.placeholders("%2$s of {name} at %.*s") == builder.placeholders("{name}: %.*s %2$s")
+
+    output = tmp_path / "corpus"
+    assert builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output)]) == 0
+    rows = {
+        split: [json.loads(line) for line in (output / f"{split}.jsonl").read_text().splitlines()]
+        for split in ("train", "validation", "test")
+    }
+    kept = [row for split in rows.values() for row in split]
+    assert sorted(r["en"] for r in kept) == ["Cannot open %s: %s", "Open file", "Shared message"]
+    assert {"en": "Open file", "de": "Datei öffnen"} in kept
+    # One catalog, one split.
+    assert sum(bool(split) for split in rows.values()) == 1
+    assert builder.catalog_split("tool") in [name for name, split in rows.items() if split]
+
+
+def test_compare_recipes_validates_its_flags_and_formats_the_table():
+    compare = load_script("compare_recipes")
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--output_dir", "x", "--minutes", "0"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--output_dir", "x", "--validation_file", "v.tsv"])
+    row = {"updates": 10, "train_minutes": 1.0, "bleu": 13.0, "chrf": 40.0}
+    row |= {"repetition": 0.02, "reference_repetition": 0.01}
+    table = compare.format_table({"ours": row, "marian": row | {"bleu": 10.0}})
+    assert "| ours | 10 | 1.0 | 13.00 | 40.00 | 2.0% (references 1.0%) |" in table
+    assert "BLEU ours / marian: 1.30x" in table
+
+
+@pytest.mark.slow
+def test_compare_recipes_runs_both_sides(tmp_path, corpus_files):  # noqa: F811
+    output = tmp_path / "compare"
+    command = [sys.executable, str(ROOT / "scripts/compare_recipes.py"), "--output_dir", str(output)]
+    command += [
+        "--train_file",
+        corpus_files["train_file"],
+        "--validation_file",
+        corpus_files["validation_file"],
+    ]
+    command += ["--test_file", corpus_files["test_file"], "--minutes", "0.02", "--marian_vocab_size", "400"]
+    command += ["--ours_args", "--vocab_size 400 --config_overrides d_model=64,d_ff=128,num_heads=4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads((output / "comparison.json").read_text())
+    for side in ("ours", "marian"):
+        assert results[side]["updates"] > 0 and results[side]["train_minutes"] >= 0.02
+        assert 0 <= results[side]["bleu"] <= 100 and 0 <= results[side]["repetition"] <= 1
+    assert "| ours |" in result.stdout and "| marian |" in result.stdout
