@@ -101,8 +101,14 @@ def test_bad_data_gives_clear_errors(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "e.tsv", "en\tes\n\t\n \t \n"), validation_file=good)
     with pytest.raises(ValueError, match="too small to hold out"):
         load_parallel_data(train_file=good)
-    with pytest.raises(ValueError, match="Could not parse"):
-        load_parallel_data(train_file=write(tmp_path / "j.jsonl", '{"en": "a", "es": \n'))
+    with pytest.raises(ValueError, match=r"j\.jsonl, line 2: not valid JSON"):
+        load_parallel_data(
+            train_file=write(tmp_path / "j.jsonl", '{"en": "a", "es": "b"}\n{"en": "a", "es": \n')
+        )
+    with pytest.raises(ValueError, match=r"k\.jsonl, line 1: a JSON list, not an object"):
+        load_parallel_data(train_file=write(tmp_path / "k.jsonl", '["a", "b"]\n'))
+    with pytest.raises(ValueError, match=r"e\.jsonl is empty"):
+        load_parallel_data(train_file=write(tmp_path / "e.jsonl", "\n"))
     with pytest.raises(ValueError, match="same type"):
         load_parallel_data(train_file=good, validation_file=write(tmp_path / "v.jsonl", '{"en": "a"}\n'))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,24 @@ def check_delimited(path: Path) -> None:
             raise ValueError(f"{path} is empty: it needs a header row naming the columns.")
 
 
+def check_jsonl(path: Path) -> None:
+    """Raise a ValueError naming file and line unless every non-blank line is one JSON object."""
+    with path.open(encoding="utf-8") as handle:
+        rows = 0
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({error}).") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: a JSON {type(row).__name__}, not an object.")
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"{path} is empty: it needs one JSON object per line.")
+
+
 def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
@@ -106,6 +125,8 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
         check_utf8(path)
         if FILE_BUILDERS[path.suffix] == "csv":
             check_delimited(path)
+        elif path.suffix == ".jsonl":
+            check_jsonl(path)
         suffixes.add(path.suffix)
     if len({FILE_BUILDERS[s] for s in suffixes}) > 1 or suffixes == {".tsv", ".csv"}:
         raise ValueError(f"All data files must have the same type, got {sorted(suffixes)}.")
@@ -256,4 +277,11 @@ def tokenize_parallel_data(
     return tokenized
 
 
-__all__ = ["DataReport", "check_delimited", "check_utf8", "load_parallel_data", "tokenize_parallel_data"]
+__all__ = [
+    "DataReport",
+    "check_delimited",
+    "check_jsonl",
+    "check_utf8",
+    "load_parallel_data",
+    "tokenize_parallel_data",
+]
