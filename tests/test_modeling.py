@@ -367,7 +367,12 @@ def test_mismatched_masks_and_empty_inputs_raise(model, batch):
     # A 0-row batch once ended in a reshape RuntimeError deep inside the attention.
     with pytest.raises(ValueError, match="The batch is empty"):
         model(input_ids=torch.empty(0, 4, dtype=torch.long), labels=torch.empty(0, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="empty batch"):
+    with pytest.raises(ValueError, match="The batch is empty"):
         model.generate(torch.empty(0, 4, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="The batch is empty"):
+        model(
+            encoder_outputs=(torch.empty(0, 4, model.config.d_model),),
+            decoder_input_ids=torch.empty(0, 1, dtype=torch.long),
+        )
     with pytest.raises(ValueError, match="exactly one of `input_ids`"):
         model(labels=batch["labels"])

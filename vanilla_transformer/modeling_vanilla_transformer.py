@@ -209,7 +209,7 @@ class VanillaTransformerAttention(nn.Module):
         if packing is not None:
             query = packing.unpack(query)  # (B, T, D)
         batch_size, length, _ = query.shape
-        query = query.view(batch_size, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        query = query.view(batch_size, length, -1, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
 
         layer_cache, reuse = None, False
         if cache is not None:
@@ -226,8 +226,8 @@ class VanillaTransformerAttention(nn.Module):
             key, value = self.k_proj(source), self.v_proj(source)
             if source_packing is not None:
                 key, value = source_packing.unpack(key), source_packing.unpack(value)
-            key = key.view(batch_size, key.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
-            value = value.view(batch_size, value.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+            key = key.view(batch_size, key.shape[1], -1, self.head_dim).transpose(1, 2)
+            value = value.view(batch_size, value.shape[1], -1, self.head_dim).transpose(1, 2)
             if layer_cache is not None:
                 key, value = layer_cache.update(key, value, self.layer_idx)  # (B, H, P+T, Dh)
                 if is_cross_attention:
@@ -457,6 +457,11 @@ def _check_token_ids(
         )
 
 
+# Attention cannot reshape 0 rows; the encoder and the decoder (which `generate` and a forward with
+# `encoder_outputs` reach without the encoder) say so instead.
+EMPTY_BATCH = "The batch is empty (0 sequences): pass at least one."
+
+
 def _check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: int) -> None:
     if mask is not None and mask.dim() == 2 and tuple(mask.shape) != (batch_size, length):
         raise ValueError(
@@ -523,7 +528,7 @@ class VanillaTransformerEncoder(nn.Module):
         batch_size, length = inputs_embeds.shape[:2]
         _check_mask("attention_mask", attention_mask, batch_size, length)
         if batch_size == 0:
-            raise ValueError("The batch is empty (0 source sequences): pass at least one.")
+            raise ValueError(EMPTY_BATCH)
         if length == 0:
             raise ValueError(
                 "The source sequence is empty: every input needs at least one token (e.g. </s>)."
@@ -615,6 +620,8 @@ class VanillaTransformerDecoder(nn.Module):
                 _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
+        if batch_size == 0:
+            raise ValueError(EMPTY_BATCH)
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         if checking:
@@ -1193,13 +1200,12 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             for k in ("max_length", "max_new_tokens")
         )
         offset = getattr(config, "max_length_offset", None)
-        source = inputs if inputs is not None else kwargs.get("input_ids")
-        if source is None and kwargs.get("encoder_outputs") is not None:
-            source = kwargs["encoder_outputs"][0]
-        if source is not None and source.shape[0] == 0:
-            raise ValueError("generate() got an empty batch (0 source sequences): nothing to translate.")
-        if unset and offset is not None and source is not None:
-            kwargs["max_new_tokens"] = source.shape[1] + offset
+        if unset and offset is not None:
+            source = inputs if inputs is not None else kwargs.get("input_ids")
+            if source is None and kwargs.get("encoder_outputs") is not None:
+                source = kwargs["encoder_outputs"][0]
+            if source is not None:
+                kwargs["max_new_tokens"] = source.shape[1] + offset
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
 

@@ -600,8 +600,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     )
     log(
         f"model: {config.preset}, {model.num_parameters():,} parameters, vocabulary {len(tokenizer):,}; "
-        f"peak lr {peak_lr:.2e}, "
-        f"{config.lr_schedule} schedule"
+        f"peak lr {peak_lr:.2e}, {config.lr_schedule} schedule"
     )
 
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
