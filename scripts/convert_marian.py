@@ -12,6 +12,7 @@ import argparse
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
 from vanilla_transformer.conversion import convert_from_marian
+from vanilla_transformer.publishing import publish_folder
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="Marian model folder or Hub id")
@@ -27,10 +28,10 @@ try:
     model = convert_from_marian(marian)
 except (OSError, ValueError) as error:
     parser.error(str(error))
-model.save_pretrained(args.output)
-try:
-    AutoTokenizer.from_pretrained(args.model).save_pretrained(args.output)
-except (OSError, ValueError, ImportError) as error:
-    print(f"model written to {args.output}; its tokenizer was not copied: {error}")
-else:
-    print(f"model and tokenizer written to {args.output}")
+with publish_folder(args.output) as staging:  # the folder appears complete or not at all
+    model.save_pretrained(staging)
+    try:
+        AutoTokenizer.from_pretrained(args.model).save_pretrained(staging)
+    except (OSError, ValueError, ImportError) as error:
+        print(f"the tokenizer was not copied: {error}")
+print(f"model written to {args.output}")

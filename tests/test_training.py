@@ -218,6 +218,40 @@ def test_greedy_decoding_flags_give_a_valid_model_folder(tmp_path, corpus_files)
     assert (tmp_path / "greedy" / "model.safetensors").is_file() and "test_bleu" in result["metrics"]
 
 
+KILLED_WHILE_PUBLISHING = """
+import os, sys
+import vanilla_transformer.training as training
+training.write_model_card = lambda *args, **kwargs: os._exit(9)  # weights and metrics written, no card
+training.train(training.parse_config(sys.argv[1:]))
+"""
+
+
+def test_a_kill_while_the_final_folder_is_written_loses_nothing(tmp_path, corpus_files):
+    """A kill after the weights and metrics but before the card once left a folder without card or plots."""
+    output_dir = tmp_path / "run"
+    args = small_args(output_dir, corpus_files, max_steps=4, eval_steps=0, test_samples=2)
+    killed = [sys.executable, "-c", KILLED_WHILE_PUBLISHING, *args]
+    result = subprocess.run(killed, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 9, result.stderr[-3000:]
+    assert not (output_dir / "model.safetensors").exists() and not (output_dir / "metrics.json").exists()
+    assert len(list_checkpoints(output_dir)) == 1
+    # Resuming finishes the job: the complete folder appears, and no staging folder is left.
+    train(parse_config([*args, "--resume_from_checkpoint", "latest"]))
+    assert {"model.safetensors", "metrics.json", "README.md", "training_curves.png"} <= {
+        p.name for p in output_dir.iterdir()
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    first = json.loads((output_dir / "metrics.json").read_text())["metrics"]
+
+    # Killed while replacing a finished folder: the previous folder stays whole, checkpoints included.
+    more = [*args, "--max_steps", "8", "--resume_from_checkpoint", "latest"]
+    result = subprocess.run([*killed[:3], *more], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 9, result.stderr[-3000:]
+    assert json.loads((output_dir / "metrics.json").read_text())["metrics"] == first
+    assert (output_dir / "README.md").is_file() and len(list_checkpoints(output_dir)) == 2
+    AutoModelForSeq2SeqLM.from_pretrained(output_dir)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -256,6 +290,8 @@ def test_bad_flags_are_rejected():
         TrainingConfig(config_overrides="num_heads=0")
     with pytest.raises(ValueError, match="is a file, not a folder"):
         TrainingConfig(output_dir=__file__)
+    with pytest.raises(ValueError, match="is the current folder or holds it"):
+        TrainingConfig(output_dir=".")
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

@@ -42,6 +42,7 @@ from .model_card import write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
+from .publishing import finish_interrupted_publish, publish_folder
 from .tokenization import train_bpe_tokenizer
 from .translation import translate
 
@@ -245,12 +246,18 @@ class TrainingConfig:
         VanillaTransformerConfig.from_preset(
             self.preset, **model_fields | parse_overrides(self.config_overrides)
         )
-        output = Path(self.output_dir)
+        output = Path(self.output_dir).absolute()
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output_dir {output} is a file, not a folder.")
-        parent = next((p for p in (output, *output.parents) if p.exists()), Path("."))
-        if not os.access(parent, os.W_OK):
-            raise ValueError(f"--output_dir {output}: {parent} is not writable.")
+        if output == Path.cwd() or output in Path.cwd().parents:
+            raise ValueError(
+                f"--output_dir {self.output_dir} is the current folder or holds it; the final folder is "
+                "written beside it and renamed into place, so name a subfolder."
+            )
+        # The final folder is written into a sibling, then renamed: the parent must be writable too.
+        for folder in (output, next(p for p in output.parents if p.exists())):
+            if folder.exists() and not os.access(folder, os.W_OK):
+                raise ValueError(f"--output_dir {self.output_dir}: {folder} is not writable.")
         if self.max_train_minutes is not None and not self.max_train_minutes >= 0:  # NaN included
             raise ValueError(
                 f"--max_train_minutes must be positive, or 0 for no limit; got {self.max_train_minutes}."
@@ -530,11 +537,6 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     if config.push_to_hub:  # fail now, not after training
         check_repo_id(config.hub_model_id or output_dir.name)
         resolve_token()
-    resume_path = (
-        resolve_checkpoint(output_dir, config.resume_from_checkpoint)
-        if config.resume_from_checkpoint
-        else None
-    )
     accelerator = Accelerator(
         # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
         # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs.
@@ -550,6 +552,14 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     log = (lambda message: logger.info(message)) if accelerator.is_main_process else (lambda message: None)
+    if accelerator.is_main_process:  # a run killed while publishing its folder left it half moved
+        finish_interrupted_publish(output_dir)
+    accelerator.wait_for_everyone()
+    resume_path = (
+        resolve_checkpoint(output_dir, config.resume_from_checkpoint)
+        if config.resume_from_checkpoint
+        else None
+    )
     # Times and speeds mean little without the machine: CPU model, ISA, cores, measured matmul rate.
     machine = describe_machine(measure=accelerator.device.type == "cpu" and accelerator.is_main_process)
     if accelerator.device.type == "cuda":
@@ -840,9 +850,20 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     metrics["stopped_by"] = "max_train_minutes" if stopped else "max_steps"
 
     if accelerator.is_main_process:
-        write_model_folder(
-            config, output_dir, unwrapped, tokenizer, metrics, samples, state, tokenized, accelerator
-        )
+        # Written aside and renamed into place: a kill leaves the previous folder or the new one.
+        with publish_folder(output_dir) as staging:
+            write_model_folder(
+                config,
+                staging,
+                unwrapped,
+                tokenizer,
+                metrics,
+                samples,
+                state,
+                tokenized,
+                accelerator,
+                name=output_dir.name,
+            )
         if config.push_to_hub:
             metrics["hub_commit"] = push_model_folder(
                 output_dir, config.hub_model_id or output_dir.name, private=config.hub_private
@@ -927,8 +948,11 @@ def write_model_folder(
     state: dict[str, Any],
     tokenized: Any,
     accelerator: Accelerator,
+    *,
+    name: str,
 ) -> None:
-    """The final folder: weights, config + code, tokenizer, generation config, card, curves, metrics."""
+    """The final folder `name`, written into `output_dir`: weights, config + code, tokenizer, generation
+    config, card, curves, metrics."""
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     (output_dir / "metrics.json").write_text(json.dumps({"metrics": metrics, "samples": samples}, indent=1))
@@ -982,7 +1006,7 @@ def write_model_folder(
     }
     write_model_card(
         output_dir,
-        model_name=output_dir.name,
+        model_name=name,
         config=model.config,
         metrics={k: v for k, v in card_metrics.items() if v is not None},
         training=training,

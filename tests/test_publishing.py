@@ -1,0 +1,127 @@
+"""The final model folder is replaced all at once: a kill at any step leaves the old folder or the new one."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vanilla_transformer import publishing
+from vanilla_transformer.publishing import finish_interrupted_publish, publish_folder, staging_paths
+
+OLD = {"config.json": "old config", "model.safetensors": "old weights", "README.md": "old card"}
+NEW = {"config.json": "new config", "model.safetensors": "new weights", "README.md": "new card"}
+KEPT = {"checkpoints/step-1/state.json": "1", "logs/events": "log", "notes.txt": "mine"}
+
+
+def write_files(folder: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+
+
+def read_files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_publishing_a_new_folder(tmp_path):
+    with publish_folder(tmp_path / "model") as staging:
+        assert staging.parent == tmp_path and not (tmp_path / "model").exists()
+        write_files(staging, NEW)
+    assert read_files(tmp_path / "model") == NEW
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_publishing_replaces_the_model_files_and_keeps_everything_else(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_files(folder, OLD | KEPT)
+    with publish_folder(folder) as staging:
+        write_files(staging, NEW)
+    assert read_files(folder) == NEW | KEPT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_an_error_while_writing_leaves_the_old_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_files(folder, OLD | KEPT)
+    with pytest.raises(OSError, match="disk full"), publish_folder(folder) as staging:
+        write_files(staging, {"config.json": "new config"})
+        raise OSError("disk full")
+    assert read_files(folder) == OLD | KEPT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+class Killed(BaseException):
+    """Stands for the process dying: nothing after it runs, not even `except Exception` blocks."""
+
+
+def count_file_operations(tmp_path: Path) -> int:
+    calls = []
+    real = os.replace
+    folder = tmp_path / "count"
+    folder.mkdir()
+    write_files(folder, OLD | KEPT)
+    publishing.os.replace = lambda *args: (calls.append(args), real(*args))
+    try:
+        with publish_folder(folder) as staging:
+            write_files(staging, NEW)
+    finally:
+        publishing.os.replace = real
+    return len(calls)
+
+
+def test_a_kill_at_any_rename_leaves_a_folder_that_recovery_completes(tmp_path, monkeypatch):
+    """Kill the publication before each of its renames (and before deleting the old folder); the
+    folder on disk is then the old one or the new one, and recovery leaves the new one with every
+    kept file."""
+    renames = count_file_operations(tmp_path)
+    # partial -> ready, each kept entry, old folder -> replaced, ready -> folder
+    assert renames == 3 + len({Path(name).parts[0] for name in KEPT})
+    real_replace, real_rmtree = os.replace, publishing.shutil.rmtree
+    for kill_at in range(renames + 1):
+        folder = tmp_path / f"model-{kill_at}"
+        folder.mkdir()
+        write_files(folder, OLD | KEPT)
+        calls = []
+
+        def replace(src, dst, kill_at=kill_at, calls=calls):
+            if len(calls) == kill_at:
+                raise Killed
+            calls.append(src)
+            real_replace(src, dst)
+
+        def rmtree(path, *args, kill_at=kill_at, calls=calls, **kwargs):
+            if Path(path).name.endswith(".replaced") and kill_at == renames:
+                raise Killed
+            real_rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(publishing.os, "replace", replace)
+        monkeypatch.setattr(publishing.shutil, "rmtree", rmtree)
+        with pytest.raises(Killed), publish_folder(folder) as staging:
+            write_files(staging, NEW)
+        monkeypatch.setattr(publishing.os, "replace", real_replace)
+        monkeypatch.setattr(publishing.shutil, "rmtree", real_rmtree)
+
+        # What a reader sees right after the kill: a whole old or a whole new model.
+        if folder.exists():
+            model = {k: v for k, v in read_files(folder).items() if k in NEW}
+            assert model in (OLD, NEW), kill_at
+        else:  # between the two renames of the swap: the new folder is complete beside it
+            assert read_files(staging_paths(folder)[1]) == NEW | KEPT
+        finish_interrupted_publish(folder)
+        expected = OLD | KEPT if kill_at == 0 else NEW | KEPT
+        assert read_files(folder) == expected, kill_at
+        assert not any(p.exists() for p in staging_paths(folder)), kill_at
+
+
+def test_a_killed_write_is_discarded(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_files(folder, OLD | KEPT)
+    partial = staging_paths(folder)[0]
+    partial.mkdir()
+    write_files(partial, {"config.json": "half written"})
+    finish_interrupted_publish(folder)
+    assert read_files(folder) == OLD | KEPT
+    assert not partial.exists()

@@ -1,0 +1,87 @@
+"""Replace a model folder all at once: a reader (or a resumed run) sees the old folder or the new one,
+never a mix, whatever moment the writing process is killed at.
+
+The new files are written into a hidden sibling, `.NAME.partial`, renamed `.NAME.ready` once complete.
+Publishing then moves everything of the old folder that the new one does not replace (the run's
+checkpoints, logs and tokenizer, a user's own files) into `.NAME.ready`, renames the old folder
+`.NAME.replaced`, renames `.NAME.ready` to NAME and deletes `.NAME.replaced`. Every step is one rename
+on one file system, and `finish_interrupted_publish` completes (or undoes) whatever a kill left
+half done; training calls it before it reads anything from its output folder.
+"""
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def staging_paths(folder: str | Path) -> tuple[Path, Path, Path]:
+    """The hidden siblings of `folder`: (being written, complete, old folder being replaced)."""
+    folder = Path(folder).absolute()
+    return (
+        folder.parent / f".{folder.name}.partial",
+        folder.parent / f".{folder.name}.ready",
+        folder.parent / f".{folder.name}.replaced",
+    )
+
+
+def finish_interrupted_publish(folder: str | Path) -> None:
+    """Bring `folder` to a consistent state after a publish that was killed part way.
+
+    A complete new folder (`.ready`) is published; an incomplete one (`.partial`) is deleted, since
+    nothing but new files was ever put there; a leftover `.replaced` is deleted once `folder` exists.
+    """
+    folder = Path(folder).absolute()
+    partial, ready, replaced = staging_paths(folder)
+    if partial.exists():
+        logger.warning("Removing %s, an unfinished model folder of an interrupted run.", partial)
+        shutil.rmtree(partial)
+    if ready.exists():
+        logger.warning("Completing the interrupted publication of %s.", folder)
+        _swap_in(ready, folder)
+    elif replaced.exists():
+        if folder.exists():
+            shutil.rmtree(replaced)
+        else:  # not a state publishing leaves; restore rather than lose anything
+            os.replace(replaced, folder)
+
+
+def _swap_in(ready: Path, folder: Path) -> None:
+    replaced = staging_paths(folder)[2]
+    if folder.exists():
+        for entry in folder.iterdir():
+            if not os.path.lexists(ready / entry.name):
+                os.replace(entry, ready / entry.name)
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.replace(folder, replaced)
+    os.replace(ready, folder)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+@contextmanager
+def publish_folder(folder: str | Path) -> Iterator[Path]:
+    """Yield an empty staging folder; when the block ends without an exception, its files become
+    `folder` in one rename, keeping the old folder's other files (checkpoints, logs).
+
+    If the block raises (or the process dies), `folder` is untouched; the staging folder is removed
+    (on an exception now, after a kill by the next `finish_interrupted_publish`).
+    """
+    folder = Path(folder).absolute()
+    finish_interrupted_publish(folder)
+    partial, ready, _ = staging_paths(folder)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    os.replace(partial, ready)
+    _swap_in(ready, folder)
+
+
+__all__ = ["finish_interrupted_publish", "publish_folder", "staging_paths"]
