@@ -7,7 +7,11 @@
 Every flag is listed by --help; the logic lives in vanilla_transformer.training.
 """
 
+from accelerate import PartialState
+
 from vanilla_transformer.training import format_summary, parse_config, train
 
 if __name__ == "__main__":
-    print(format_summary(train(parse_config())))
+    result = train(parse_config())
+    if PartialState().is_main_process:  # one report, not one per process
+        print(format_summary(result))

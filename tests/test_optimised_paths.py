@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import EOS, PAD, TINY_TERMS, assert_same_up_to_rounding, gradient_scale, tiny_model
+from tests.conftest import (
+    EOS,
+    PAD,
+    TINY_TERMS,
+    assert_same_up_to_rounding,
+    gradient_scale,
+    tiny_model,
+)
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.modeling_vanilla_transformer import (
     TokenPacking,
@@ -255,3 +262,30 @@ def test_training_mode_with_labels_skips_the_logits_and_keeps_loss_and_gradients
             trainer_grads[name], requested_grads[name], TINY_TERMS, gradient_scale(requested_grads), msg=name
         )
     assert model.eval()(**batch).logits.shape == (3, 6, 99)
+
+
+def test_bfloat16_autocast_training_path_matches_the_plain_one(monkeypatch):
+    """`--mixed_precision bf16` on CPU runs the model under autocast: the fast path (packing, chunked
+    loss, custom autograd functions) must give the plain path's loss and gradients to bfloat16 rounding."""
+    batch = ragged_batch()
+    model = tiny_model("sdpa").train()
+    full_precision, _ = loss_and_grads(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, fast_grads = loss_and_grads(model, batch, return_logits=False)
+        monkeypatch.setattr(TokenPacking, "from_mask", classmethod(lambda cls, keep: None))
+        plain, plain_grads = loss_and_grads(model, batch, return_logits=True)
+    assert plain.logits.dtype == torch.bfloat16  # autocast is on
+    assert fast.loss.dtype == plain.loss.dtype == torch.float32  # the loss itself is summed in float32
+    assert fast.loss != full_precision.loss
+    # Autocast rounds each product's inputs and output to bfloat16 and accumulates in float32, so
+    # the paths differ by a few bfloat16 units, not by units grown with the terms summed. (bfloat16
+    # against float32 arithmetic moves these gradients by ~10% of their scale.)
+    tolerance = 4 * torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(fast.loss, plain.loss, rtol=tolerance, atol=0)
+    scale = gradient_scale(plain_grads)
+    assert fast_grads.keys() == plain_grads.keys()
+    for name in plain_grads:
+        assert fast_grads[name].dtype == torch.float32
+        torch.testing.assert_close(
+            fast_grads[name], plain_grads[name], rtol=tolerance, atol=tolerance * scale, msg=name
+        )

@@ -9,6 +9,7 @@ a complete model folder with tokenizer, generation config, model card and traini
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import hashlib
 import json
@@ -26,7 +27,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, gather_object, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    ProjectConfiguration,
+    gather_object,
+    set_seed,
+)
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -447,13 +454,30 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str,
     return final
 
 
+FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # Accelerate's name for an FSDP model's full state dict
+
+
+def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint: `model.safetensors` (one process, DDP), or the full state
+    dict that Accelerate writes under FSDP (`fsdp_state_dict_type: FULL_STATE_DICT`), read with
+    `torch.load(weights_only=True)`, which admits tensors and containers, never code."""
+    if (folder / "model.safetensors").is_file():
+        return load_file(folder / "model.safetensors")
+    if (folder / FSDP_WEIGHTS).is_file():
+        return torch.load(folder / FSDP_WEIGHTS, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(
+        f"{folder} holds no model.safetensors or {FSDP_WEIGHTS} (sharded FSDP checkpoints cannot be "
+        "averaged: use fsdp_state_dict_type FULL_STATE_DICT, as configs/accelerate/fsdp.yaml does)."
+    )
+
+
 def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
     """Element-wise mean of the model weights saved in `paths` (paper Section 6.1)."""
     if not paths:
         raise ValueError("No checkpoint to average.")
     total: dict[str, torch.Tensor] = {}
     for path in paths:
-        weights = load_file(path / "model.safetensors")
+        weights = checkpoint_weights(path)
         for name, tensor in weights.items():
             total[name] = total.get(name, 0) + tensor.double()
     return {name: (tensor / len(paths)).float() for name, tensor in total.items()}
@@ -528,6 +552,21 @@ def translate_sharded(
     return gather_object(mine) if shards > 1 else mine
 
 
+def full_copy(model: Any, like: VanillaTransformerForConditionalGeneration) -> Any:
+    """An unsharded copy of an FSDP model's weights, on every process (every process calls this).
+
+    Evaluation and saving use it: a sharded model's every forward is a collective, so processes that
+    translate different sentences (different numbers of decoding steps) would wait on each other."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    copy = VanillaTransformerForConditionalGeneration(like.config)
+    copy.load_state_dict(weights)
+    copy.tie_weights()
+    copy.generation_config = copy_module.deepcopy(like.generation_config)
+    return copy.to(next(iter(weights.values())).device)
+
+
 # The loop ----------------------------------------------------------------------------------------
 
 
@@ -552,9 +591,20 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     log = (lambda message: logger.info(message)) if accelerator.is_main_process else (lambda message: None)
+    sharded = accelerator.distributed_type == DistributedType.FSDP
     if accelerator.is_main_process:  # a run killed while publishing its folder left it half moved
         finish_interrupted_publish(output_dir)
     accelerator.wait_for_everyone()
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not sharded:
+        logger.warning(
+            "FSDP was asked for, but Accelerate runs it only on GPUs and other accelerators: on CPUs it "
+            "runs plain data parallelism (DDP over gloo), which trains the same model with full copies."
+        )
+    if sharded and getattr(accelerator.state.fsdp_plugin.state_dict_type, "name", "") != "FULL_STATE_DICT":
+        raise ValueError(
+            "FSDP checkpoints must be written whole (fsdp_state_dict_type: FULL_STATE_DICT, as in "
+            "configs/accelerate/fsdp.yaml): the final model averages the last checkpoints' weights."
+        )
     resume_path = (
         resolve_checkpoint(output_dir, config.resume_from_checkpoint)
         if config.resume_from_checkpoint
@@ -647,11 +697,15 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     validation_refs = data["validation"]["target"][: config.eval_samples]
     generate_kwargs = config.decoding()
 
-    def validate() -> dict[str, float]:
-        losses = validation_loss(model, valid_loader, accelerator, model_config.label_smoothing)
+    def model_to_evaluate() -> Any:
+        """The model as evaluation sees it: the training model, or under FSDP an unsharded copy."""
+        return full_copy(model, unwrapped) if sharded else model
+
+    def validate(evaluated: Any) -> dict[str, float]:
+        losses = validation_loss(evaluated, valid_loader, accelerator, model_config.label_smoothing)
         hypotheses = translate_sharded(
             accelerator,
-            unwrapped,
+            accelerator.unwrap_model(evaluated),
             tokenizer,
             validation_sources,
             batch_size=config.eval_batch_size,
@@ -761,7 +815,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
 
             if config.eval_steps and state["step"] % config.eval_steps == 0 and not last_update:
                 paused = time.perf_counter()
-                record = {"step": state["step"], **validate()}
+                record = {"step": state["step"], **validate(model_to_evaluate())}
                 state["history"].append(record)
                 accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
                 log(
@@ -787,7 +841,9 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         log(f"--max_train_minutes {config.max_train_minutes}: stopped after update {state['step']}")
 
     # Data parallelism must leave every process with the same weights; a mismatch is a bug, not noise.
-    parameters = torch.cat([p.detach().double().flatten() for p in unwrapped.parameters()])
+    final_model = model_to_evaluate()
+    final = accelerator.unwrap_model(final_model)
+    parameters = torch.cat([p.detach().double().flatten() for p in final.parameters()])
     checksum = torch.stack([parameters.sum(), parameters.square().sum()])
     checksums = accelerator.gather(checksum[None]).tolist()
     if any(c != checksums[0] for c in checksums):
@@ -803,16 +859,16 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     if len(averaged) > 1:
         # The last weights' loss, to compare with the average's (translating with them too would
         # cost as much as validating the average again, for a number nobody decides on).
-        last = validation_loss(model, valid_loader, accelerator, model_config.label_smoothing)
+        last = validation_loss(final_model, valid_loader, accelerator, model_config.label_smoothing)
         metrics |= {"last_val_loss": last["loss"], "last_val_ppl": last["ppl"]}
-        result = unwrapped.load_state_dict(average_checkpoints(averaged), strict=False)
-        untied = set(result.missing_keys) - set(unwrapped.all_tied_weights_keys)
+        result = final.load_state_dict(average_checkpoints(averaged), strict=False)
+        untied = set(result.missing_keys) - set(final.all_tied_weights_keys)
         if untied or result.unexpected_keys:
             raise RuntimeError(
                 f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}"
             )
-        unwrapped.tie_weights()
-    metrics |= validate()
+        final.tie_weights()
+    metrics |= validate(final_model)
     metrics["averaged_checkpoints"] = [p.name for p in averaged] if len(averaged) > 1 else []
     state["history"].append(
         {"step": state["step"], **{k: metrics[k] for k in ("val_loss", "val_ppl", "val_bleu")}}
@@ -821,26 +877,27 @@ def train(config: TrainingConfig) -> dict[str, Any]:
 
     # Final scores on the test split (the validation split when there is none).
     split = "test" if "test" in data else "validation"
-    final = data[split].select(range(min(config.test_samples or len(data[split]), len(data[split]))))
+    count = min(config.test_samples or len(data[split]), len(data[split]))
+    test_split = data[split].select(range(count))
     hypotheses = translate_sharded(
         accelerator,
-        unwrapped,
+        final,
         tokenizer,
-        final["source"],
+        test_split["source"],
         batch_size=config.eval_batch_size,
         **generate_kwargs,
     )
-    scores = score_translations(hypotheses, final["target"])
+    scores = score_translations(hypotheses, test_split["target"])
     metrics |= {"split": split} | {
         f"test_{k}": scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")
     }
     # Decoding loops: share of outputs with a word 4-gram repeated 3+ times, beside the references' share.
     metrics["test_repetition"] = repetition_rate(hypotheses)
-    metrics["reference_repetition"] = repetition_rate(final["target"])
-    step = max(len(final) // 5, 1)
+    metrics["reference_repetition"] = repetition_rate(test_split["target"])
+    triples = list(zip(test_split["source"], test_split["target"], hypotheses, strict=True))
     samples = [
         {"source": s, "reference": r, "translation": h}
-        for s, r, h in list(zip(final["source"], final["target"], hypotheses, strict=True))[::step][:5]
+        for s, r, h in triples[:: max(len(triples) // 5, 1)][:5]
     ]
     metrics["train_time_s"] = state["train_time_s"]
     metrics["machine"] = machine
@@ -855,7 +912,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
             write_model_folder(
                 config,
                 staging,
-                unwrapped,
+                final,
                 tokenizer,
                 metrics,
                 samples,
