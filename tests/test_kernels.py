@@ -201,3 +201,98 @@ def test_environment_variable(value, mode):
 def test_environment_variable_with_a_bad_value_says_what_is_allowed():
     with pytest.raises(ValueError, match=r"VANILLA_TRANSFORMER_ONEDNN='yes' .* 0 or torch"):
         kernels._parse_mode("yes")
+
+
+# Attention of a decoding step -------------------------------------------------------------------
+
+
+@pytest.fixture
+def attention_policy():
+    previous = kernels.set_attention_kernel("auto")
+    yield kernels.attention_kernel()
+    kernels.set_attention_kernel(previous)
+
+
+def single_query(batch=3, heads=4, keys=5, width=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, heads, 1, width), (batch, heads, keys, width), (batch, heads, keys, width)]
+    return [torch.randn(*shape, generator=generator) for shape in shapes]
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_matmul_attention_is_equation_1(mask_kind):
+    """Against softmax(QK^T / sqrt(d_k)) V computed in float64, and SDPA, with each kind of mask."""
+    query, key, value = single_query()
+    keep = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+    keep[1, ..., 3:] = keep[2, ..., 1:] = False  # padded sources
+    mask = {"none": None, "bool": keep, "float": torch.zeros(keep.shape).masked_fill(~keep, -1e9)}[mask_kind]
+    got = kernels.matmul_attention(query, key, value, mask, 8**-0.5)
+    scores = query.double() @ key.double().transpose(-1, -2) / 8**0.5
+    if mask is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    expected = (scores.softmax(-1) @ value.double()).float()
+    assert_same_up_to_rounding(got, expected, 8 + 5)
+    sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    assert_same_up_to_rounding(got, sdpa, 8 + 5)
+
+
+def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatch):
+    """One probe per class; the measured choice computes later calls; several queries, gradients and
+    dropout always go to SDPA."""
+    calls = []
+    monkeypatch.setattr(kernels, "matmul_attention", lambda *a: (calls.append(a), kernels._sdpa(*a))[1])
+    monkeypatch.setattr(attention_policy, "_faster_as_matmul", lambda *a: True)
+    module = torch.nn.Module()
+    query, key, value = single_query(keys=6)
+    with torch.inference_mode():
+        output, weights = kernels.decoding_attention(module, query, key, value, None, scaling=8**-0.5)
+        kernels.decoding_attention(module, query, key[:, :, :5], value[:, :, :5], None, scaling=8**-0.5)
+    assert attention_policy.decisions == {(16, 8, 8, "none"): True}  # 3 x 4 -> 16 rows, 6 and 5 -> 8 keys
+    assert len(calls) == 2 and output.shape == (3, 1, 4, 8) and weights is None
+    torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value).transpose(1, 2))
+    many = torch.randn(3, 4, 2, 8)
+    kernels.decoding_attention(module, many, key, value, None)
+    kernels.decoding_attention(module, query.requires_grad_(), key, value, None)
+    kernels.decoding_attention(module, query.detach(), key, value, None, dropout=0.1)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_attention_probe_fails_closed(attention_policy, monkeypatch, failure):
+    def broken(query, key, value, mask, scaling):
+        if failure == "raises":
+            raise RuntimeError("out of memory")
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(kernels, "matmul_attention", broken)
+    query, key, value = single_query()
+    with torch.inference_mode():
+        output, _ = kernels.decoding_attention(torch.nn.Module(), query, key, value, None)
+    torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value).transpose(1, 2))
+    assert attention_policy.decisions == {(16, 8, 8, "none"): False}
+
+
+def test_generated_tokens_agree_between_attention_kernels(attention_policy):
+    """Greedy and beam search over padded sources (a boolean cross-attention mask) give the same tokens
+    with every decoding step's attention on SDPA and on the matrix products."""
+    model = tiny_model("sdpa", d_model=64, d_ff=128)
+    source = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(source)
+    attention_mask[1, 4:] = attention_mask[2, 2:] = 0
+    results = {}
+    for mode in ("sdpa", "matmul"):
+        kernels.set_attention_kernel(mode)
+        with torch.inference_mode():
+            results[mode] = [
+                model.generate(source, attention_mask=attention_mask, num_beams=beams, max_new_tokens=8)
+                for beams in (1, 3)
+            ]
+    for sdpa, matmul in zip(results["sdpa"], results["matmul"], strict=True):
+        assert torch.equal(sdpa, matmul)
+
+
+def test_attention_environment_variable():
+    assert kernels._parse_attention_mode(None) == "auto"
+    assert kernels._parse_attention_mode(" MatMul ") == "matmul"
+    with pytest.raises(ValueError, match=r"VANILLA_TRANSFORMER_DECODE_ATTENTION='fast' .* sdpa or matmul"):
+        kernels._parse_attention_mode("fast")

@@ -28,7 +28,7 @@ from transformers import CompileConfig, DataCollatorForSeq2Seq, MarianConfig, Ma
 from .batching import TokenBatchSampler
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .corpus import load_default_corpus
-from .kernels_vanilla_transformer import linear_kernel
+from .kernels_vanilla_transformer import attention_kernel, linear_kernel
 from .machine import describe_machine, format_machine, reset_peak_resident, resident_bytes
 from .modeling_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
@@ -585,6 +585,15 @@ def run(
         ],
         "probe_seconds": policy.probe_seconds,
     }
+    attention = attention_kernel()
+    results["decode_attention"] = {
+        "mode": attention.mode,
+        "matmul_chosen": [
+            {"rows_x_heads": rows, "keys": keys, "head_dim": width, "mask": mask, "matmul": chosen}
+            for (rows, keys, width, mask), chosen in sorted(attention.decisions.items())
+        ],
+        "probe_seconds": attention.probe_seconds,
+    }
     if attention_lengths:
         results["attention"] = attention_scaling(attention_lengths, device, torch_dtype)
         if plot_path is not None:
@@ -676,6 +685,16 @@ def format_tables(results: dict[str, Any]) -> str:
                 + "".join(f"\n  {c['rows']} rows x ({c['out']} x {c['in']})" for c in chosen)
                 + f"\n  ({kernel['probe_seconds'] * 1e3:.0f} ms spent measuring)",
             ]
+    if "decode_attention" in results:
+        attention = results["decode_attention"]
+        chosen = [c for c in attention["matmul_chosen"] if c["matmul"]]
+        lines += [
+            "",
+            f"decoding attention mode {attention['mode']}: matrix products measured faster than SDPA for "
+            f"{len(chosen)} of {len(attention['matmul_chosen'])} single-query classes"
+            + "".join(f"\n  {c['rows_x_heads']} rows x heads, {c['keys']} keys" for c in chosen)
+            + f"\n  ({attention['probe_seconds'] * 1e3:.0f} ms spent measuring)",
+        ]
     if "attention" in results:
         lines += ["", "| n | eager (s) | SDPA (s) | eager scores tensor (MiB) |", "|---|---|---|---|"]
         by_n: dict[int, dict[str, Any]] = {}

@@ -30,6 +30,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -41,7 +42,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .kernels_vanilla_transformer import Linear
+from .kernels_vanilla_transformer import Linear, decoding_attention
 
 # When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
 # plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").
@@ -236,6 +237,8 @@ class VanillaTransformerAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+        if attention_interface is sdpa_attention_forward:  # decoding steps: SDPA or matmul, measured
+            attention_interface = decoding_attention
         output, weights = attention_interface(
             self,
             query,
