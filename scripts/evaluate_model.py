@@ -24,6 +24,9 @@ parser.add_argument("--max_samples", type=positive_int, help="score only the fir
 parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, default=4)
 parser.add_argument("--length_penalty", type=float, default=0.6)
+parser.add_argument(
+    "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
+)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")
 args = parser.parse_args()
@@ -48,6 +51,7 @@ try:
         data_options=data_options,
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
+        **({"no_repeat_ngram_size": args.no_repeat_ngram_size} if args.no_repeat_ngram_size else {}),
     )
 except (ValueError, FileNotFoundError) as error:
     parser.error(str(error))
@@ -56,5 +60,9 @@ for line in result["skipped"]:
 print(f"{result['split']}: {result['sentences']} sentences")
 print(f"BLEU  {result['bleu']:.2f}   {result['bleu_signature']}")
 print(f"chrF  {result['chrf']:.2f}   {result['chrf_signature']}")
+print(
+    f"outputs with a word 4-gram repeated 3+ times: {result['repetition']:.1%} "
+    f"(references: {result['reference_repetition']:.1%})"
+)
 if args.hypotheses:
     args.hypotheses.write_text("".join(h + "\n" for h in result["hypotheses"]), encoding="utf-8")

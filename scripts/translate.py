@@ -23,6 +23,9 @@ parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
 parser.add_argument("--max_new_tokens", type=positive_int, help="default: source length + 50")
+parser.add_argument(
+    "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
+)
 parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=False)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 args = parser.parse_args()
@@ -30,6 +33,7 @@ options = {
     "num_beams": args.num_beams,
     "length_penalty": args.length_penalty,
     "max_new_tokens": args.max_new_tokens,
+    "no_repeat_ngram_size": args.no_repeat_ngram_size,
 }
 try:
     model, tokenizer = load_model_folder(args.model, args.device)

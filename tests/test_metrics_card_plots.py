@@ -277,6 +277,11 @@ def test_model_card_states_the_recipe_and_the_repetition_share():
     paper = " ".join(str(build_model_card(**card_kwargs(training=TRAINING | {"preset": "base"}))).split())
     assert "The recipe of the paper (Section 5):" in paper and "min(step^-0.5" in paper
     assert "repeated 3+ times" not in paper
+    assert "n-gram blocking" not in text and "n-gram blocking" not in paper
+    blocked = build_model_card(**card_kwargs(metrics=metrics | {"no_repeat_ngram_size": 3}))
+    assert "No 3-token sequence may appear twice in an output (n-gram blocking" in " ".join(
+        str(blocked).split()
+    )
 
 
 def test_template_renders_with_optional_values_missing():

@@ -365,6 +365,10 @@ def test_bad_flags_are_rejected():
         TrainingConfig(config_overrides="num_heads=0")
     with pytest.raises(ValueError, match="is a file, not a folder"):
         TrainingConfig(output_dir=__file__)
+    assert TrainingConfig(no_repeat_ngram_size=3).decoding()["no_repeat_ngram_size"] == 3
+    assert "no_repeat_ngram_size" not in TrainingConfig().decoding()  # off by default: not the paper's
+    with pytest.raises(ValueError, match="--no_repeat_ngram_size must not be negative"):
+        TrainingConfig(no_repeat_ngram_size=-1)
     with pytest.raises(ValueError, match="is the current folder or holds it"):
         TrainingConfig(output_dir=".")
     with pytest.raises(SystemExit):
@@ -409,6 +413,16 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     assert "test: 6 sentences" in result.stdout
     assert "BLEU" in result.stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in result.stdout
     assert "chrF" in result.stdout and len(hypotheses.read_text().splitlines()) == 6
+    assert "outputs with a word 4-gram repeated 3+ times:" in result.stdout
+    # n-gram blocking (off by default): with size 1 no output repeats a token.
+    blocked = tmp_path / "blocked.txt"
+    options = ["--num_beams", "2", "--no_repeat_ngram_size", "1", "--hypotheses", str(blocked)]
+    result = run_script("evaluate_model.py", *args, *options)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    for line in blocked.read_text().splitlines():
+        ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(set(ids)), line
 
 
 @pytest.mark.parametrize(
@@ -417,6 +431,7 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
         ("evaluate_model.py", "--num_beams"),
         ("evaluate_model.py", "--batch_size"),
         ("translate.py", "--num_beams"),
+        ("translate.py", "--no_repeat_ngram_size"),
     ],
 )
 def test_scripts_reject_non_positive_counts_before_loading(script, flag):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from .metrics import score_translations
+from .metrics import repetition_rate, score_translations
 from .parallel_data import load_parallel_data
 from .translation import translate
 
@@ -39,7 +39,8 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus).
 
-    Returns the scores, the sacreBLEU signatures, and the sources, references and hypotheses.
+    Returns the scores, the sacreBLEU signatures, the share of outputs (and of references) with a word
+    4-gram repeated three or more times, and the sources, references and hypotheses.
     """
     data, report = load_parallel_data(**(data_options or {}), for_training=False)
     if split not in data:
@@ -52,6 +53,8 @@ def evaluate_model(
     scores = score_translations(hypotheses, rows["target"])
     return {
         **{k: scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
+        "repetition": repetition_rate(hypotheses),
+        "reference_repetition": repetition_rate(rows["target"]),
         "split": split,
         "sentences": len(rows),
         "skipped": report.lines(),

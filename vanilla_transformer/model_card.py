@@ -153,6 +153,7 @@ def _template_variables(
     )
     for key, default in DEFAULT_DECODING.items():
         variables[key] = metrics.get(key, default)
+    variables["no_repeat_ngram_size"] = metrics.get("no_repeat_ngram_size")
     return variables
 
 
@@ -223,7 +224,7 @@ def build_model_card(
 
     `metrics` needs "bleu", "chrf" and "bleu_signature", scored on the split named by "split" (default
     "test"); "chrf_signature", "val_loss", "test_loss" and the decoding settings "num_beams",
-    "length_penalty", "max_length_offset" are optional.
+    "length_penalty", "max_length_offset", "no_repeat_ngram_size" are optional.
     `training` and `dataset` keys are all optional (see the template). `base_template` is the path of a
     Jinja2 template (default: the packaged `model_card_template.md`). The YAML metadata carries a
     model-index with test BLEU and chrF; the card is re-parsed to check it.

@@ -200,6 +200,10 @@ class TrainingConfig:
     )
     num_beams: int = field(default=4, metadata={"help": "beam size for BLEU"})
     length_penalty: float = field(default=0.6, metadata={"help": "length penalty for BLEU"})
+    no_repeat_ngram_size: int = field(
+        default=0,
+        metadata={"help": "forbid repeating any token n-gram when decoding (not in the paper; 0: off)"},
+    )
     eval_batch_size: int = 64
     test_samples: int | None = field(
         default=None, metadata={"help": "score only the first N test pairs at the end (default: all)"}
@@ -214,9 +218,11 @@ class TrainingConfig:
         """The generation settings for BLEU and for the model folder: beam search stops when every beam
         is finished (Section 6.1) and applies the length penalty; greedy search (`num_beams` 1) has
         neither, and transformers refuses to save a generation config that sets them."""
+        blocking = {"no_repeat_ngram_size": self.no_repeat_ngram_size} if self.no_repeat_ngram_size else {}
         if self.num_beams == 1:
-            return {"num_beams": 1, "early_stopping": False, "length_penalty": 1.0}
-        return {"num_beams": self.num_beams, "early_stopping": True, "length_penalty": self.length_penalty}
+            return {"num_beams": 1, "early_stopping": False, "length_penalty": 1.0, **blocking}
+        beams = {"num_beams": self.num_beams, "early_stopping": True, "length_penalty": self.length_penalty}
+        return beams | blocking
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -235,8 +241,8 @@ class TrainingConfig:
         GenerationConfig(**self.decoding()).validate(strict=True)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}.")
-        if self.warmup_steps < 0 or self.eval_steps < 0:
-            raise ValueError("--warmup_steps and --eval_steps must not be negative.")
+        if self.warmup_steps < 0 or self.eval_steps < 0 or self.no_repeat_ngram_size < 0:
+            raise ValueError("--warmup_steps, --eval_steps and --no_repeat_ngram_size must not be negative.")
         if self.average_checkpoints > self.keep_checkpoints:
             raise ValueError(
                 "--average_checkpoints cannot exceed --keep_checkpoints (older ones are deleted)."
