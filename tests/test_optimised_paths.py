@@ -21,12 +21,14 @@ from tests.conftest import (
     tiny_model,
 )
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
-from vanilla_transformer.modeling_vanilla_transformer import (
+from vanilla_transformer.kernels_vanilla_transformer import (
+    PositionTable,
     TokenPacking,
-    _PositionTable,
     dropout,
-    label_smoothed_cross_entropy,
     projected_label_smoothed_loss,
+)
+from vanilla_transformer.modeling_vanilla_transformer import (
+    label_smoothed_cross_entropy,
     sinusoidal_position_encoding,
 )
 
@@ -221,7 +223,7 @@ def test_projected_loss_in_bfloat16_has_no_gradient_bias():
 
 
 def test_position_table_equals_the_encoding_computed_on_the_fly():
-    table = _PositionTable(32, "interleaved")
+    table = PositionTable(32, "interleaved", sinusoidal_position_encoding)
     for start, length in ((0, 10), (9, 1), (100, 5), (3, 200)):  # grows past 64 and 128 rows
         expected = sinusoidal_position_encoding(torch.arange(start, start + length), 32)
         assert torch.equal(table(start, length, torch.device("cpu"), torch.float32), expected)

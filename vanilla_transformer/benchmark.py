@@ -222,7 +222,7 @@ def decode_bytes_per_token(model: VanillaTransformerForConditionalGeneration) ->
 
 def dropout_timing(shape: Sequence[int] = (3500, 512), p: float = 0.1, repeats: int = 20) -> dict[str, float]:
     """Median seconds of dropout forward + backward on CPU: `F.dropout` against this package's `dropout`."""
-    from .modeling_vanilla_transformer import dropout
+    from .kernels_vanilla_transformer import dropout
 
     inputs = torch.randn(*shape, requires_grad=True)
     functions = {

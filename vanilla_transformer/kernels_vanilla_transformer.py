@@ -1,4 +1,17 @@
-"""Which kernel computes the model's linear layers on CPU: decided by timing, on the running machine.
+"""The machinery beside the paper's model: kernels chosen by measurement, and the work it skips.
+
+- Which kernel computes a linear layer, and a decoding step's attention, on CPU: decided by timing,
+  on the running machine (below, and at "Attention of a decoding step").
+- `dropout`: `F.dropout` with a cheaper mask draw on CPU.
+- `TokenPacking`: per-token work on the real tokens of a padded batch only.
+- `PositionTable`: the sinusoidal encodings kept for reuse while decoding.
+- `projected_label_smoothed_loss`: output projection and label-smoothed loss in chunks, without the
+  (N, V) logits.
+
+The model module imports these; each gives the plain computation's result (tests/test_kernels.py,
+tests/test_optimised_paths.py), so the paper can be read in `modeling_vanilla_transformer.py` alone.
+
+Linear layers.
 
 torch computes float32 CPU matrix products with its BLAS (MKL on x86-64). It also ships oneDNN, whose
 linear kernel (`torch.ops.mkldnn._linear_pointwise`, a private op that torch.compile uses on CPU) is
@@ -31,11 +44,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
+from torch.autograd.function import once_differentiable
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"
@@ -336,15 +351,221 @@ def decoding_attention(
     return matmul_attention(query, key, value, mask, scaling).transpose(1, 2), None
 
 
+# Dropout, token packing, the position table and the chunked loss ---------------------------------
+
+
+class _CPUDropout(torch.autograd.Function):
+    """Dropout whose keep mask comes from 32-bit random integers, for CPU tensors.
+
+    The same operation as `F.dropout` (each element kept with probability 1 - p, to within 2^-32, and
+    scaled by 1 / (1 - p)), but torch's CPU `bernoulli_` draws one random number per element on a
+    single thread and costs more than a (T, d_model) x (d_model, d_model) matrix product; drawing 64
+    random bits at a time makes dropout forward + backward faster (`benchmark.dropout_timing`).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, inputs: torch.Tensor, p: float) -> torch.Tensor:
+        count = inputs.numel()
+        bits = torch.empty((count + 1) // 2, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
+        uniform = bits.view(torch.int32)[:count].view(inputs.shape)  # uniform over [-2^31, 2^31)
+        keep = uniform >= round(p * 2**32) - 2**31
+        ctx.save_for_backward(keep)
+        ctx.scale = 1.0 / (1.0 - p)
+        return torch.mul(inputs, keep).mul_(ctx.scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (keep,) = ctx.saved_tensors
+        return torch.mul(grad_output, keep).mul_(ctx.scale), None
+
+
+def dropout(inputs: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`F.dropout`, with a faster mask draw on CPU (`_CPUDropout`)."""
+    if not training or p == 0.0:
+        return inputs
+    if inputs.device.type == "cpu" and p > 0.0 and round(p * 2**32) < 2**32 and inputs.numel() > 0:
+        return _CPUDropout.apply(inputs, p)
+    return F.dropout(inputs, p=p, training=True)
+
+
+def identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class TokenPacking:
+    """Where the computed tokens of a padded (B, L) batch sit, to run per-token work on them only.
+
+    Everything in a layer except attention acts on each token separately (projections, feed-forward,
+    layer norms, dropout), so it can run on the (N, D) rows of real tokens instead of the (B, L, D)
+    padded batch. Attention unpacks its queries, keys and values into the padded layout (zeros at
+    padding, which the mask excludes) and packs its output again. Results at the kept positions are
+    the same as the padded computation's; skipped positions come back as zeros.
+    """
+
+    def __init__(self, keep: torch.Tensor):
+        self.batch_size, self.length = keep.shape
+        self.index = keep.flatten().nonzero().squeeze(-1)  # (N,) flat positions b * L + t
+
+    @classmethod
+    def from_mask(cls, keep: torch.Tensor | None) -> TokenPacking | None:
+        """A packing for `keep` (B, L) (True = compute), or None when nothing would be skipped."""
+        if keep is None or keep.dim() != 2 or bool(keep.all()):
+            return None
+        return cls(keep.bool())
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) -> (N, ...)."""
+        return padded.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (B, L, ...), zeros at skipped positions."""
+        padded = packed.new_zeros(self.batch_size * self.length, *packed.shape[1:])
+        return padded.index_copy(0, self.index, packed).view(self.batch_size, self.length, *packed.shape[1:])
+
+
+class PositionTable:
+    """Sinusoidal encodings of positions 0..n-1, computed by `encode` (the model's
+    `sinusoidal_position_encoding`) and kept for reuse (not a buffer: nothing goes into checkpoints),
+    grown by doubling when a longer sequence comes, so there is still no maximum length. Saves
+    recomputing the table at every decoding step."""
+
+    def __init__(self, d_model: int, layout: str, encode: Callable[..., torch.Tensor]):
+        self.d_model, self.layout, self.encode = d_model, layout, encode
+        self.table: torch.Tensor | None = None
+
+    def __call__(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        table = self.table
+        if table is None or table.shape[0] < start + length or table.device != device or table.dtype != dtype:
+            size = max(64, 1 << (start + length - 1).bit_length())
+            positions = torch.arange(size, device=device)
+            table = self.encode(positions, self.d_model, self.layout, dtype)
+            self.table = None if device.type == "meta" else table
+        return table[start : start + length]
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Losses are computed in float32, or in the input's dtype where it is wider (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def per_item(
+    loss_sum: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
+) -> torch.Tensor:
+    """The summed loss over `num_items_in_batch`, by default the count of labels that are not -100."""
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != -100).sum().clamp(min=1)  # all ignored: loss 0, not NaN
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+    return loss_sum / num_items_in_batch
+
+
+class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
+    """Sum over N tokens of the label-smoothed cross entropy of logits = hidden W^T + b.
+
+    Equal to `label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, smoothing)` summed,
+    without ever holding the (N, V) logits: tokens go through in chunks, and since the loss is a
+    scalar each chunk's gradient (softmax - (1 - eps) one-hot - eps / V) is formed right away and
+    multiplied into the gradients of hidden, W and b. Backward only scales them. This saves the
+    memory of the logits, log-probabilities and their gradient (3 x N x V floats) and two passes over
+    them, the largest tensors of a training step.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        smoothing: float,
+        with_gradients: bool,
+    ) -> torch.Tensor:
+        vocab_size = weight.shape[0]
+        chunk = max(1, 2**22 // vocab_size)  # ~16 MiB of float32 logits at a time
+        compute = loss_dtype(hidden.dtype)
+        total = torch.zeros((), device=hidden.device, dtype=compute)
+        grads = None
+        if with_gradients:
+            grads = [
+                torch.empty_like(hidden),
+                torch.zeros_like(weight, dtype=compute),
+                None if bias is None else torch.zeros_like(bias, dtype=compute),
+            ]
+        for start in range(0, hidden.shape[0], chunk):
+            part, targets = hidden[start : start + chunk], labels[start : start + chunk]
+            logits = F.linear(part, weight, bias).to(compute)  # (C, V)
+            target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+            mean_logits = logits.mean(-1)
+            # log-sum-exp, reusing exp(logits - max) in place for the softmax below
+            maximum = logits.amax(-1, keepdim=True)
+            exponentials = logits.sub_(maximum).exp_()
+            normalizer = exponentials.sum(-1)
+            log_normalizer = maximum.squeeze(1) + normalizer.log()  # (C,)
+            # -(1 - eps) log p_y - eps / V sum_v log p_v, with log p_v = logit_v - log_normalizer
+            losses = log_normalizer - (1.0 - smoothing) * target_logits - smoothing * mean_logits
+            total += losses.sum()
+            if grads is None:
+                continue
+            grad_logits = exponentials.div_(normalizer[:, None]).sub_(smoothing / vocab_size)
+            grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
+            grads[1].addmm_(grad_logits.t(), part.to(compute))  # (V, D)
+            if grads[2] is not None:
+                grads[2] += grad_logits.sum(0)
+            grads[0][start : start + chunk] = grad_logits.to(hidden.dtype) @ weight  # (C, D)
+        if grads is not None:
+            ctx.save_for_backward(*(g for g in grads if g is not None))
+            ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    @once_differentiable  # the gradients were formed in forward: no second derivatives
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        scale = grad_total.to(grad_weight.dtype)  # the loss's compute dtype
+        return (
+            (grad_hidden.to(scale.dtype) * scale).to(grad_hidden.dtype),
+            (grad_weight * scale).to(weight_dtype),
+            (grad_bias[0] * scale).to(bias_dtype) if grad_bias else None,
+            None,
+            None,
+            None,
+        )
+
+
+def projected_label_smoothed_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    smoothing: float,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, ...)` for labels without -100,
+    in bounded memory (`_ProjectedLabelSmoothedLoss`). hidden: (N, D); weight: (V, D); labels: (N,)."""
+    with_gradients = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    total = _ProjectedLabelSmoothedLoss.apply(hidden, weight, bias, labels, smoothing, with_gradients)
+    return per_item(total, labels, num_items_in_batch)
+
+
 __all__ = [
     "AttentionKernel",
     "Linear",
     "LinearKernel",
+    "PositionTable",
+    "TokenPacking",
     "attention_kernel",
     "decoding_attention",
+    "dropout",
+    "identity",
     "linear",
     "linear_kernel",
+    "loss_dtype",
     "matmul_attention",
+    "per_item",
+    "projected_label_smoothed_loss",
     "set_attention_kernel",
     "set_linear_kernel",
 ]

@@ -1,7 +1,10 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers model.
 
-Self-contained (imports only torch and transformers): this file is copied next to saved checkpoints so
-that `AutoModelForSeq2SeqLM.from_pretrained(..., trust_remote_code=True)` works without this package.
+It imports torch, transformers and two sibling files: the configuration, and
+`kernels_vanilla_transformer.py`, the machinery beside the paper (kernels chosen by measurement, cheaper
+dropout on CPU, packing of padded batches, the chunked loss). All three are copied next to saved
+checkpoints so that `AutoModelForSeq2SeqLM.from_pretrained(..., trust_remote_code=True)` works without
+this package.
 
 Read top to bottom it follows the paper: positional encoding (3.5), scaled dot-product attention
 (3.2.1), multi-head attention (3.2.2), encoder and decoder layers (3.1, 3.3), the stacks, the model
@@ -25,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -42,7 +44,17 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .kernels_vanilla_transformer import Linear, decoding_attention
+from .kernels_vanilla_transformer import (
+    Linear,
+    PositionTable,
+    TokenPacking,
+    decoding_attention,
+    dropout,
+    identity,
+    loss_dtype,
+    per_item,
+    projected_label_smoothed_loss,
+)
 
 # When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
 # plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").
@@ -75,40 +87,6 @@ def sinusoidal_position_encoding(
     return encoding.to(dtype)
 
 
-class _CPUDropout(torch.autograd.Function):
-    """Dropout whose keep mask comes from 32-bit random integers, for CPU tensors.
-
-    The same operation as `F.dropout` (each element kept with probability 1 - p, to within 2^-32, and
-    scaled by 1 / (1 - p)), but torch's CPU `bernoulli_` draws one random number per element on a
-    single thread and costs more than a (T, d_model) x (d_model, d_model) matrix product; drawing 64
-    random bits at a time makes dropout forward + backward faster (`benchmark.dropout_timing`).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, inputs: torch.Tensor, p: float) -> torch.Tensor:
-        count = inputs.numel()
-        bits = torch.empty((count + 1) // 2, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
-        uniform = bits.view(torch.int32)[:count].view(inputs.shape)  # uniform over [-2^31, 2^31)
-        keep = uniform >= round(p * 2**32) - 2**31
-        ctx.save_for_backward(keep)
-        ctx.scale = 1.0 / (1.0 - p)
-        return torch.mul(inputs, keep).mul_(ctx.scale)
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (keep,) = ctx.saved_tensors
-        return torch.mul(grad_output, keep).mul_(ctx.scale), None
-
-
-def dropout(inputs: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """`F.dropout`, with a faster mask draw on CPU (`_CPUDropout`)."""
-    if not training or p == 0.0:
-        return inputs
-    if inputs.device.type == "cpu" and p > 0.0 and round(p * 2**32) < 2**32 and inputs.numel() > 0:
-        return _CPUDropout.apply(inputs, p)
-    return F.dropout(inputs, p=p, training=True)
-
-
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -131,41 +109,6 @@ def eager_attention_forward(
     weights = F.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, Dh)
     return output, weights
-
-
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-class TokenPacking:
-    """Where the computed tokens of a padded (B, L) batch sit, to run per-token work on them only.
-
-    Everything in a layer except attention acts on each token separately (projections, feed-forward,
-    layer norms, dropout), so it can run on the (N, D) rows of real tokens instead of the (B, L, D)
-    padded batch. Attention unpacks its queries, keys and values into the padded layout (zeros at
-    padding, which the mask excludes) and packs its output again. Results at the kept positions are
-    the same as the padded computation's; skipped positions come back as zeros.
-    """
-
-    def __init__(self, keep: torch.Tensor):
-        self.batch_size, self.length = keep.shape
-        self.index = keep.flatten().nonzero().squeeze(-1)  # (N,) flat positions b * L + t
-
-    @classmethod
-    def from_mask(cls, keep: torch.Tensor | None) -> TokenPacking | None:
-        """A packing for `keep` (B, L) (True = compute), or None when nothing would be skipped."""
-        if keep is None or keep.dim() != 2 or bool(keep.all()):
-            return None
-        return cls(keep.bool())
-
-    def pack(self, padded: torch.Tensor) -> torch.Tensor:
-        """(B, L, ...) -> (N, ...)."""
-        return padded.flatten(0, 1).index_select(0, self.index)
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """(N, ...) -> (B, L, ...), zeros at skipped positions."""
-        padded = packed.new_zeros(self.batch_size * self.length, *packed.shape[1:])
-        return padded.index_copy(0, self.index, packed).view(self.batch_size, self.length, *packed.shape[1:])
 
 
 class VanillaTransformerAttention(nn.Module):
@@ -473,25 +416,6 @@ def _check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: i
         )
 
 
-class _PositionTable:
-    """Sinusoidal encodings of positions 0..n-1, computed by `sinusoidal_position_encoding` and kept
-    for reuse (not a buffer: nothing goes into checkpoints), grown by doubling when a longer sequence
-    comes, so there is still no maximum length. Saves recomputing the table at every decoding step."""
-
-    def __init__(self, d_model: int, layout: str):
-        self.d_model, self.layout = d_model, layout
-        self.table: torch.Tensor | None = None
-
-    def __call__(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        table = self.table
-        if table is None or table.shape[0] < start + length or table.device != device or table.dtype != dtype:
-            size = max(64, 1 << (start + length - 1).bit_length())
-            positions = torch.arange(size, device=device)
-            table = sinusoidal_position_encoding(positions, self.d_model, self.layout, dtype)
-            self.table = None if device.type == "meta" else table
-        return table[start : start + length]
-
-
 class VanillaTransformerEncoder(nn.Module):
     """The encoder: embeddings x sqrt(d_model) + positions, dropout, then N encoder layers (Section 3.1)."""
 
@@ -500,7 +424,9 @@ class VanillaTransformerEncoder(nn.Module):
         self.config = config
         self.embed_tokens = embed_tokens
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.position_table = _PositionTable(config.d_model, config.position_encoding_layout)
+        self.position_table = PositionTable(
+            config.d_model, config.position_encoding_layout, sinusoidal_position_encoding
+        )
         self.dropout = config.dropout
         self.layers = nn.ModuleList(
             VanillaTransformerEncoderLayer(config) for _ in range(config.num_encoder_layers)
@@ -549,7 +475,7 @@ class VanillaTransformerEncoder(nn.Module):
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
 
-        padded = packing.unpack if packing is not None else _identity
+        padded = packing.unpack if packing is not None else identity
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for layer in self.layers:
@@ -579,7 +505,9 @@ class VanillaTransformerDecoder(nn.Module):
         self.config = config
         self.embed_tokens = embed_tokens
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.position_table = _PositionTable(config.d_model, config.position_encoding_layout)
+        self.position_table = PositionTable(
+            config.d_model, config.position_encoding_layout, sinusoidal_position_encoding
+        )
         self.dropout = config.dropout
         self.layers = nn.ModuleList(
             VanillaTransformerDecoderLayer(config, layer_idx=i) for i in range(config.num_decoder_layers)
@@ -671,7 +599,7 @@ class VanillaTransformerDecoder(nn.Module):
             encoder_hidden_states=encoder_hidden_states,
         )
 
-        padded = packing.unpack if packing is not None else _identity
+        padded = packing.unpack if packing is not None else identity
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_self_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions else None
@@ -845,120 +773,13 @@ def label_smoothed_cross_entropy(
     gradient accumulation gives the same gradient as one large batch.
     """
     loss = F.cross_entropy(
-        logits.to(_loss_dtype(logits.dtype)),
+        logits.to(loss_dtype(logits.dtype)),
         labels,
         ignore_index=-100,
         label_smoothing=smoothing,
         reduction="sum",
     )
-    return _per_item(loss, labels, num_items_in_batch)
-
-
-def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Losses are computed in float32, or in the input's dtype where it is wider (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _per_item(
-    loss_sum: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None
-) -> torch.Tensor:
-    """The summed loss over `num_items_in_batch`, by default the count of labels that are not -100."""
-    if num_items_in_batch is None:
-        num_items_in_batch = (labels != -100).sum().clamp(min=1)  # all ignored: loss 0, not NaN
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(loss_sum.device)
-    return loss_sum / num_items_in_batch
-
-
-class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
-    """Sum over N tokens of the label-smoothed cross entropy of logits = hidden W^T + b.
-
-    Equal to `label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, smoothing)` summed,
-    without ever holding the (N, V) logits: tokens go through in chunks, and since the loss is a
-    scalar each chunk's gradient (softmax - (1 - eps) one-hot - eps / V) is formed right away and
-    multiplied into the gradients of hidden, W and b. Backward only scales them. This saves the
-    memory of the logits, log-probabilities and their gradient (3 x N x V floats) and two passes over
-    them, the largest tensors of a training step.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        labels: torch.Tensor,
-        smoothing: float,
-        with_gradients: bool,
-    ) -> torch.Tensor:
-        vocab_size = weight.shape[0]
-        chunk = max(1, 2**22 // vocab_size)  # ~16 MiB of float32 logits at a time
-        compute = _loss_dtype(hidden.dtype)
-        total = torch.zeros((), device=hidden.device, dtype=compute)
-        grads = None
-        if with_gradients:
-            grads = [
-                torch.empty_like(hidden),
-                torch.zeros_like(weight, dtype=compute),
-                None if bias is None else torch.zeros_like(bias, dtype=compute),
-            ]
-        for start in range(0, hidden.shape[0], chunk):
-            part, targets = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = F.linear(part, weight, bias).to(compute)  # (C, V)
-            target_logits = logits.gather(1, targets[:, None]).squeeze(1)
-            mean_logits = logits.mean(-1)
-            # log-sum-exp, reusing exp(logits - max) in place for the softmax below
-            maximum = logits.amax(-1, keepdim=True)
-            exponentials = logits.sub_(maximum).exp_()
-            normalizer = exponentials.sum(-1)
-            log_normalizer = maximum.squeeze(1) + normalizer.log()  # (C,)
-            # -(1 - eps) log p_y - eps / V sum_v log p_v, with log p_v = logit_v - log_normalizer
-            losses = log_normalizer - (1.0 - smoothing) * target_logits - smoothing * mean_logits
-            total += losses.sum()
-            if grads is None:
-                continue
-            grad_logits = exponentials.div_(normalizer[:, None]).sub_(smoothing / vocab_size)
-            grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
-            grads[1].addmm_(grad_logits.t(), part.to(compute))  # (V, D)
-            if grads[2] is not None:
-                grads[2] += grad_logits.sum(0)
-            grads[0][start : start + chunk] = grad_logits.to(hidden.dtype) @ weight  # (C, D)
-        if grads is not None:
-            ctx.save_for_backward(*(g for g in grads if g is not None))
-            ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total
-
-    @staticmethod
-    @once_differentiable  # the gradients were formed in forward: no second derivatives
-    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
-        scale = grad_total.to(grad_weight.dtype)  # the loss's compute dtype
-        return (
-            (grad_hidden.to(scale.dtype) * scale).to(grad_hidden.dtype),
-            (grad_weight * scale).to(weight_dtype),
-            (grad_bias[0] * scale).to(bias_dtype) if grad_bias else None,
-            None,
-            None,
-            None,
-        )
-
-
-def projected_label_smoothed_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    smoothing: float,
-    num_items_in_batch: int | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, ...)` for labels without -100,
-    in bounded memory (`_ProjectedLabelSmoothedLoss`). hidden: (N, D); weight: (V, D); labels: (N,)."""
-    with_gradients = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias)
-    )
-    total = _ProjectedLabelSmoothedLoss.apply(hidden, weight, bias, labels, smoothing, with_gradients)
-    return _per_item(total, labels, num_items_in_batch)
+    return per_item(loss, labels, num_items_in_batch)
 
 
 class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
