@@ -116,6 +116,40 @@ def test_default_output_length_is_source_length_plus_50(source):
     assert capped.shape[1] == 6
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams):
+    """Section 6.1's limit (source length + 50) is per input: in a padded batch each row stops where it
+    would alone (every row once got the padded length + 50). Offset 5 here, to keep the test short."""
+    from tests.conftest import PAD
+
+    model = tiny_model("sdpa")
+    model.generation_config.max_length_offset = 5
+    attention_mask = torch.ones_like(source)
+    attention_mask[1, 5:] = attention_mask[2, 2:] = 0
+    padded = source.masked_fill(attention_mask == 0, PAD)
+    options = {"num_beams": num_beams, "suppress_tokens": [EOS]}  # nothing stops early
+    batch = model.generate(padded, attention_mask=attention_mask, **options)
+    assert batch.shape[1] == 1 + source.shape[1] + 5
+    for row, length in enumerate(attention_mask.sum(-1).tolist()):
+        alone = model.generate(source[row : row + 1, :length], **options)[0]
+        assert alone.shape[0] == 1 + length + 5
+        assert torch.equal(batch[row, : alone.shape[0]], alone), row
+        # after the limit only filler: padding (greedy) or end-of-sentence (beam search)
+        assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+
+
+def test_a_fresh_generation_config_keeps_the_length_rule(source):
+    """A user's `GenerationConfig()` has no `max_length_offset`: the model's own (50) applies, not
+    transformers' 20-token default."""
+    from transformers import GenerationConfig
+
+    model = tiny_model()
+    config = GenerationConfig(
+        num_beams=1, suppress_tokens=[EOS], decoder_start_token_id=BOS, eos_token_id=EOS, pad_token_id=0
+    )
+    assert model.generate(source, generation_config=config).shape[1] == 1 + source.shape[1] + 50
+
+
 def test_generation_step_inputs_match_generation_mixins(source):
     """The model's lean `prepare_inputs_for_generation` gives the decoder what transformers' generic one
     gives (same tensors, same pass-through options), and generation is unchanged with either."""

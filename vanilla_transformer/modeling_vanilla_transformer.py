@@ -32,6 +32,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import StoppingCriteria, StoppingCriteriaList
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -1012,11 +1013,12 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         generation_config: GenerationConfig | None = None,
         **kwargs: Any,
     ) -> Any:
-        """`GenerationMixin.generate` with the paper's output-length rule.
+        """`GenerationMixin.generate` with the paper's output-length rule (Section 6.1).
 
         When neither `max_length` nor `max_new_tokens` is set (in the call or the generation config),
-        at most source length + `generation_config.max_length_offset` (50) tokens are generated,
-        instead of transformers' silent 20-token default.
+        each sentence gets at most its own source length (its attention-mask count) + `max_length_offset`
+        new tokens, instead of transformers' silent 20-token default. The offset comes from the
+        generation config in use, else from the model's (50), so a fresh `GenerationConfig` keeps the rule.
         """
         config = generation_config if generation_config is not None else self.generation_config
         unset = all(
@@ -1024,13 +1026,38 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             for k in ("max_length", "max_new_tokens")
         )
         offset = getattr(config, "max_length_offset", None)
-        if unset and offset is not None:
-            source = inputs if inputs is not None else kwargs.get("input_ids")
-            if source is None and kwargs.get("encoder_outputs") is not None:
-                source = kwargs["encoder_outputs"][0]
-            if source is not None:
-                kwargs["max_new_tokens"] = source.shape[1] + offset
+        if offset is None:
+            offset = getattr(self.generation_config, "max_length_offset", DEFAULT_MAX_LENGTH_OFFSET)
+        source = inputs if inputs is not None else kwargs.get("input_ids")
+        if source is None and kwargs.get("encoder_outputs") is not None:
+            source = kwargs["encoder_outputs"][0]
+        if unset and offset is not None and source is not None:
+            kwargs["max_new_tokens"] = source.shape[1] + offset  # the longest row's limit
+            mask = kwargs.get("attention_mask")
+            if mask is not None and mask.dim() == 2 and bool((mask.sum(-1) < mask.shape[1]).any()):
+                decoder_prompt = kwargs.get("decoder_input_ids")
+                limit = SourceLengthLimit(
+                    mask.sum(-1) + offset, 1 if decoder_prompt is None else decoder_prompt.shape[1]
+                )
+                criteria = kwargs.get("stopping_criteria")
+                kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
         return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+
+class SourceLengthLimit(StoppingCriteria):
+    """Stops each sentence after its own limit of new tokens (its source length + 50 in the paper).
+
+    `limits`: (B,) per source sentence. Beam search asks about (B x beams) hypotheses, batch-major."""
+
+    def __init__(self, limits: torch.Tensor, prompt_length: int):
+        self.limits = limits
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        limits = self.limits.to(input_ids.device)
+        if input_ids.shape[0] != limits.shape[0]:
+            limits = limits.repeat_interleave(input_ids.shape[0] // limits.shape[0])
+        return (input_ids.shape[1] - self.prompt_length) >= limits
 
 
 __all__ = [
