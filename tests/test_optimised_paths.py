@@ -291,3 +291,21 @@ def test_bfloat16_autocast_training_path_matches_the_plain_one(monkeypatch):
         torch.testing.assert_close(
             fast_grads[name], plain_grads[name], rtol=tolerance, atol=tolerance * scale, msg=name
         )
+
+
+def test_eval_outputs_do_not_depend_on_labels():
+    """transformers' convention, which `generate`, evaluation and `Trainer.predict` rely on: in eval mode
+    the logits and encoder states are the same with and without `labels` (positions after a row's last
+    label once came back as bias-only logits)."""
+    batch = ragged_batch()
+    model = tiny_model("sdpa").eval()
+    with torch.no_grad():
+        with_labels = model(**batch)
+        decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+        without = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            decoder_input_ids=decoder_input_ids,
+        )
+    assert torch.equal(with_labels.logits, without.logits)
+    assert torch.equal(with_labels.encoder_last_hidden_state, without.encoder_last_hidden_state)

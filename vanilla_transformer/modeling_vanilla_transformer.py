@@ -875,9 +875,11 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-            # Positions after a row's last label (its padding) affect no loss term: skip their compute.
-            positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
-            target_lengths = torch.where(labels != -100, positions, 0).amax(dim=1)
+            if not return_logits:
+                # Positions after a row's last label (its padding) affect no loss term: when no logits
+                # are returned, skip their compute. (Returned logits are those of a forward without labels.)
+                positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+                target_lengths = torch.where(labels != -100, positions, 0).amax(dim=1)
 
         outputs = self.model(
             input_ids=input_ids,
