@@ -71,6 +71,35 @@ def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
     assert output.predictions.shape[1] == 1 + longest_source + 50 > 20
 
 
+@pytest.mark.parametrize("factor", [0.0, 0.2])
+def test_one_label_smoothing_knob(start, tmp_path, factor):
+    """`label_smoothing_factor=0` once still smoothed with the model's 0.1: the training loss is now
+    the cross entropy against (1 - factor) one-hot + factor / V targets, computed independently here."""
+    model_dir, data = start
+    config = FinetuneConfig(
+        model=str(model_dir),
+        train_file=str(data),
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        label_smoothing_factor=factor,
+        validation_size=40,
+    )
+    trainer = build_trainer(config)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    trainer.model.eval()  # no dropout, so that the two computations see the same function
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+        logits = trainer.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            decoder_input_ids=trainer.model.prepare_decoder_input_ids_from_labels(batch["labels"]),
+        ).logits.flatten(0, 1)
+    labels = batch["labels"].flatten()
+    expected = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=factor)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_finetune_options():
     with pytest.raises(ValueError, match="--max_steps must be positive"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", max_steps=0)

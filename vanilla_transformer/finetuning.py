@@ -80,6 +80,9 @@ def bleu_metric_fn(tokenizer: Any) -> Any:
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
+    # One knob: the model computes its own label-smoothed loss (the fast path, no (N, V) logits kept),
+    # with the fine-tuning's factor; Trainer's own smoother, which would need the logits, stays off.
+    model.config.label_smoothing = config.label_smoothing_factor
     data, report = load_parallel_data(
         train_file=config.train_file,
         validation_file=config.validation_file,
@@ -108,7 +111,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         per_device_train_batch_size=config.per_device_train_batch_size,
         per_device_eval_batch_size=config.per_device_eval_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        label_smoothing_factor=config.label_smoothing_factor,
+        label_smoothing_factor=0.0,  # smoothing is the model's, set above
         eval_strategy="steps",
         eval_steps=config.eval_steps,
         save_strategy="steps",
