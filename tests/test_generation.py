@@ -74,6 +74,13 @@ def test_greedy_stops_at_eos_and_pads_finished_rows(source):
     assert (generated == EOS).any(-1).all()
 
 
+def teacher_forced_log_probs(model, source: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+    """log p(token_i | tokens_<i, source) of every generated token (B, T-1), from one plain forward."""
+    with torch.no_grad():
+        logits = model(input_ids=source, decoder_input_ids=sequences[:, :-1], use_cache=False).logits
+    return logits.log_softmax(-1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
+
+
 def test_beam_search_sampling_and_multiple_returns(source):
     model = tiny_model()
     beams = model.generate(
@@ -81,6 +88,7 @@ def test_beam_search_sampling_and_multiple_returns(source):
         num_beams=4,
         num_return_sequences=3,
         max_new_tokens=7,
+        length_penalty=1.0,
         output_scores=True,
         return_dict_in_generate=True,
     )
@@ -88,17 +96,29 @@ def test_beam_search_sampling_and_multiple_returns(source):
     scores = beams.sequences_scores.view(3, 3)
     assert (scores[:, :-1] >= scores[:, 1:]).all(), "returned beams are best first"
     assert len({tuple(row.tolist()) for row in beams.sequences[:3]}) == 3
-    # One beam is greedy search.
-    torch.testing.assert_close(
-        model.generate(source, num_beams=1, max_new_tokens=7),
-        model.generate(source, num_beams=1, do_sample=False, max_new_tokens=7),
-    )
+    # Each returned score is its sequence's log-probability over its length, rescored independently
+    # by a plain forward over the whole sequence (tokens after an EOS are padding, not scored).
+    repeated = source.repeat_interleave(3, dim=0)
+    log_probs = teacher_forced_log_probs(model, repeated, beams.sequences)
+    ended = torch.cumsum(beams.sequences[:, 1:] == EOS, dim=1)
+    scored = (ended == 0) | ((ended == 1) & (beams.sequences[:, 1:] == EOS))  # up to and with the EOS
+    expected = (log_probs * scored).sum(-1) / scored.sum(-1)
+    assert_same_up_to_rounding(beams.sequences_scores, expected, TINY_TERMS)
+
+    # Sampling with top_k: every drawn token is among the 20 most likely at its step, and a seed
+    # reproduces the draw.
     torch.manual_seed(0)
     first = model.generate(source, do_sample=True, num_beams=1, top_k=20, max_new_tokens=7)
     torch.manual_seed(0)
     second = model.generate(source, do_sample=True, num_beams=1, top_k=20, max_new_tokens=7)
     torch.testing.assert_close(first, second)
     assert first.shape == (3, 8)
+    with torch.no_grad():
+        logits = model(input_ids=source, decoder_input_ids=first[:, :-1], use_cache=False).logits
+    drawn = logits.gather(-1, first[:, 1:, None]).squeeze(-1)
+    twentieth = logits.topk(20, dim=-1).values[..., -1]
+    live = torch.cumsum(first[:, 1:] == EOS, dim=1) - (first[:, 1:] == EOS).long() == 0  # before EOS
+    assert (drawn[live] >= twentieth[live]).all()
 
 
 def test_default_generation_config_is_the_papers():

@@ -330,7 +330,9 @@ def test_model_card_errors_and_writing(tmp_path):
 
 
 def test_packaged_template_is_the_repository_template():
-    assert default_template_path().read_text(encoding="utf-8").startswith("---\n{{ card_data }}\n---\n")
+    """The template the package renders (a file in a wheel, a link in a checkout) is model_card.md."""
+    repository = Path(__file__).resolve().parents[1] / "model_card.md"
+    assert default_template_path().read_bytes() == repository.read_bytes()
 
 
 # ---------------------------------------------------------------- plots

@@ -259,7 +259,6 @@ def test_attention_scaling_gives_unit_variance_scores():
     d_k, n = 64, 256
     query, key = torch.randn(1, 1, n, d_k), torch.randn(1, 1, n, d_k)
     value = torch.zeros(1, 1, n, d_k)
-    assert torch.matmul(query, key.transpose(-1, -2)).var().item() == pytest.approx(d_k, rel=0.1)
     _, weights = eager_attention_forward(nn.Module(), query, key, value, None, scaling=d_k**-0.5)
     # log-softmax recovers the scores up to a per-row constant.
     scores = weights.log()

@@ -223,6 +223,27 @@ def test_greedy_decoding_flags_give_a_valid_model_folder(tmp_path, corpus_files)
     assert (tmp_path / "greedy" / "model.safetensors").is_file() and "test_bleu" in result["metrics"]
 
 
+def test_checkpoint_averaging_is_the_element_wise_mean(tmp_path):
+    """Known weights in both checkpoint formats (safetensors, and FSDP's whole-state torch.save)."""
+    from safetensors.torch import save_file
+
+    values = (1.0, 2.0, 6.0)
+    folders = []
+    for index, value in enumerate(values):
+        folder = tmp_path / f"step-{index}"
+        folder.mkdir()
+        weights = {"w": torch.full((2, 3), value), "b": torch.tensor([value, -value])}
+        if index == 1:
+            torch.save(weights, folder / "pytorch_model_fsdp.bin")
+        else:
+            save_file(weights, folder / "model.safetensors")
+        folders.append(folder)
+    averaged = average_checkpoints(folders)
+    assert torch.equal(averaged["w"], torch.full((2, 3), 3.0))
+    assert torch.equal(averaged["b"], torch.tensor([3.0, -3.0]))
+    assert averaged["w"].dtype == torch.float32
+
+
 KILLED_WHILE_PUBLISHING = """
 import os, sys
 import vanilla_transformer.training as training
