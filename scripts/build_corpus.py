@@ -17,7 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vanilla_transformer.corpus import SPLITS, build_corpus, default_corpus_path, write_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
+from tools.bible_corpus import build_corpus, write_corpus
+from vanilla_transformer.corpus import SPLITS, default_corpus_path
 
 PACKAGES = ("sword-text-web", "sword-text-sparv")
 

@@ -8,22 +8,20 @@ import re
 
 import pytest
 
-from vanilla_transformer import corpus
-from vanilla_transformer.corpus import (
+from tools import bible_corpus as corpus
+from tools.bible_corpus import (
     VersePair,
-    default_corpus_path,
     detect_shifted_chapters,
     displaced_endings,
     drop_held_out_duplicates,
     find_proper_nouns,
     fix_drop_caps,
     is_shifted_chapter,
-    load_default_corpus,
-    read_corpus,
     strip_markup,
     strip_subscription,
     write_corpus,
 )
+from vanilla_transformer.corpus import default_corpus_path, load_default_corpus, read_corpus
 
 GEN_1_1 = (
     '<w lemma="strong:H0430">In</w> <w lemma="strong:H0853">the</w> <w lemma="strong:H7225">beginning</w>, '

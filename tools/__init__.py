@@ -1,0 +1,1 @@
+"""Tooling outside the installed package: building the embedded corpus."""
