@@ -235,3 +235,16 @@ def test_shipped_known_verses(shipped) -> None:
         "es": "Y lloró Jesús.",
     }
     assert "Num.13.2" not in by_id  # a shifted chapter in the Spanish module
+
+
+def test_the_corpus_carries_its_own_description():
+    """The model card's dataset text comes from here, not from the training code."""
+    from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    info = load_default_corpus()["train"].info
+    assert info.license == "public domain" and "Reina-Valera 1909" in info.description
+    data, report = load_parallel_data()
+    tokenizer = train_bpe_tokenizer(data["train"]["source"][:200] + data["train"]["target"][:200], 300)
+    tokenized = tokenize_parallel_data(data, tokenizer, 64, report)
+    assert tokenized["test"].info.dataset_name == info.dataset_name  # it survives loading and tokenizing

@@ -1020,19 +1020,16 @@ def write_model_folder(
     tokenizer.save_pretrained(output_dir)
     (output_dir / "metrics.json").write_text(json.dumps({"metrics": metrics, "samples": samples}, indent=1))
     plot_training_curves(state["history"], output_dir / "training_curves.png")
-    default_corpus = not (config.dataset_name or config.train_file)
+    # The dataset's own metadata (the embedded corpus ships its own; Hub datasets carry theirs), or for
+    # local files their names.
+    info = tokenized["train"].info
+    pair = f"({config.source_lang}-{config.target_lang})"
+    local = config.train_file is not None
     dataset = {
-        "name": "WEB-derived / Reina-Valera 1909 Bible verses (en-es)"
-        if default_corpus
-        else (config.dataset_name or Path(config.train_file).name),
-        "description": (
-            "Short verse pairs (<= 20 words a side) from the public-domain World English Bible (modified, so "
-            "'WEB-derived') and Reina-Valera 1909, shipped with vanilla_transformer; validation and test are "
-            "whole held-out books."
-            if default_corpus
-            else f"{config.dataset_name or config.train_file} ({config.source_lang}-{config.target_lang})"
-        ),
-        "license": "public domain" if default_corpus else None,
+        "name": Path(config.train_file).name if local else info.dataset_name or config.dataset_name,
+        "description": (None if local else info.description)
+        or f"{config.dataset_name or config.train_file} {pair}",
+        "license": None if local else info.license or None,
         "train_pairs": len(tokenized["train"]),
         "validation_pairs": len(tokenized["validation"]),
         "test_pairs": len(tokenized["test"]) if "test" in tokenized else None,
