@@ -102,26 +102,35 @@ class LinearKernel:
         return decision
 
     def _faster_on_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Time both kernels on this product, alternating; oneDNN only if faster and equal in result."""
-        try:
-            kernels = {
-                False: lambda: F.linear(rows, weight, bias),
-                True: lambda: self.onednn(rows, weight, bias, "none", [], ""),
-            }
-            expected, got = kernels[False](), kernels[True]()
-            scale = float(expected.abs().max()) if expected.numel() else 0.0
-            tolerance = 16 * torch.finfo(torch.float32).eps * weight.shape[1] ** 0.5 * max(scale, 1.0)
-            if got.shape != expected.shape or not bool(((got - expected).abs() <= tolerance).all()):
-                return False
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(PROBE_ROUNDS):
-                for choice, kernel in kernels.items():
-                    started = time.perf_counter()
-                    kernel()
-                    times[choice].append(time.perf_counter() - started)
-            return statistics.median(times[True]) < statistics.median(times[False])
-        except Exception:  # fail closed: torch's own kernel
+        """oneDNN only if faster on this product and equal in result (any error: torch's kernel)."""
+        return faster_and_equal(
+            lambda: F.linear(rows, weight, bias),
+            lambda: self.onednn(rows, weight, bias, "none", [], ""),
+            terms=weight.shape[1],
+        )
+
+
+def faster_and_equal(
+    plain: Callable[[], torch.Tensor], candidate: Callable[[], torch.Tensor], terms: int
+) -> bool:
+    """Whether `candidate` gives `plain`'s result (to float32 rounding of `terms`-term sums, relative to
+    max(|result|, 1)) and is faster: medians of `PROBE_ROUNDS` timed calls each, alternating, after one
+    untimed call. Fails closed: any exception means False."""
+    try:
+        expected, got = plain(), candidate()
+        scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1.0)
+        tolerance = 16 * torch.finfo(torch.float32).eps * terms**0.5 * scale
+        if got.shape != expected.shape or not bool(((got - expected).abs() <= tolerance).all()):
             return False
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(PROBE_ROUNDS):
+            for choice, kernel in ((False, plain), (True, candidate)):
+                started = time.perf_counter()
+                kernel()
+                times[choice].append(time.perf_counter() - started)
+        return statistics.median(times[True]) < statistics.median(times[False])
+    except Exception:
+        return False
 
 
 _POLICY = LinearKernel(mode=_parse_mode(os.environ.get(ENVIRONMENT_VARIABLE)), onednn=_find_onednn_linear())
@@ -272,25 +281,12 @@ class AttentionKernel:
 
     @staticmethod
     def _faster_as_matmul(query, key, value, mask, scaling) -> bool:
-        try:
-            kernels = {
-                False: lambda: _sdpa(query, key, value, mask, scaling),
-                True: lambda: matmul_attention(query, key, value, mask, scaling),
-            }
-            expected, got = kernels[False](), kernels[True]()
-            scale = max(float(value.abs().max()), 1.0)
-            tolerance = 16 * torch.finfo(query.dtype).eps * key.shape[-2] ** 0.5 * scale
-            if got.shape != expected.shape or not bool(((got - expected).abs() <= tolerance).all()):
-                return False
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(PROBE_ROUNDS):
-                for choice, kernel in kernels.items():
-                    started = time.perf_counter()
-                    kernel()
-                    times[choice].append(time.perf_counter() - started)
-            return statistics.median(times[True]) < statistics.median(times[False])
-        except Exception:  # fail closed: SDPA
-            return False
+        """Matrix products only if faster than SDPA here and equal in result (any error: SDPA)."""
+        return faster_and_equal(
+            lambda: _sdpa(query, key, value, mask, scaling),
+            lambda: matmul_attention(query, key, value, mask, scaling),
+            terms=key.shape[-2],
+        )
 
 
 _ATTENTION = AttentionKernel(mode=_parse_attention_mode(os.environ.get(ATTENTION_VARIABLE)))
