@@ -4,12 +4,15 @@
     python scripts/benchmark.py --presets tiny --json bench.json --plot docs/attention_scaling.png
     python scripts/benchmark.py --device cuda --dtype bfloat16
 
-Logic in vanilla_transformer.benchmark.
+Logic in tools/benchmark.py (outside the installed package).
 """
 
 import argparse
+import sys
+from pathlib import Path
 
-from vanilla_transformer.benchmark import format_tables, run, save_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
+from tools.benchmark import format_tables, run, save_json
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
+
 MARIAN = {
     "learning_rate": 5e-4,
     "warmup_steps": 400,
@@ -97,8 +99,8 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
         TrainerCallback,
     )
 
+    from tools.benchmark import marian_like
     from vanilla_transformer import VanillaTransformerConfig
-    from vanilla_transformer.benchmark import marian_like
     from vanilla_transformer.metrics import repetition_rate, score_translations
     from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
     from vanilla_transformer.tokenization import train_bpe_tokenizer

@@ -1,1 +1,1 @@
-"""Tooling outside the installed package: building the embedded corpus."""
+"""Tooling outside the installed package: building the embedded corpus, the benchmark."""

@@ -22,19 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import CompileConfig, DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
 
-from .batching import TokenBatchSampler
-from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .corpus import load_default_corpus
-from .kernels_vanilla_transformer import attention_kernel, linear_kernel
-from .machine import describe_machine, format_machine, reset_peak_resident, resident_bytes
-from .modeling_vanilla_transformer import (
+from vanilla_transformer.batching import TokenBatchSampler
+from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
+from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.kernels_vanilla_transformer import attention_kernel, linear_kernel
+from vanilla_transformer.machine import describe_machine, format_machine, reset_peak_resident, resident_bytes
+from vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
     VanillaTransformerForConditionalGeneration,
 )
-from .tokenization import train_bpe_tokenizer
+from vanilla_transformer.tokenization import train_bpe_tokenizer
 
 MODELS = ("ours", "marian")
 # generate() benchmarks: source length and number of new tokens
@@ -222,7 +221,7 @@ def decode_bytes_per_token(model: VanillaTransformerForConditionalGeneration) ->
 
 def dropout_timing(shape: Sequence[int] = (3500, 512), p: float = 0.1, repeats: int = 20) -> dict[str, float]:
     """Median seconds of dropout forward + backward on CPU: `F.dropout` against this package's `dropout`."""
-    from .kernels_vanilla_transformer import dropout
+    from vanilla_transformer.kernels_vanilla_transformer import dropout
 
     inputs = torch.randn(*shape, requires_grad=True)
     functions = {
@@ -236,13 +235,28 @@ def dropout_timing(shape: Sequence[int] = (3500, 512), p: float = 0.1, repeats: 
     return results
 
 
-def step_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    """FLOPs of one forward + backward, counted by torch's FlopCounterMode."""
-    counter = FlopCounterMode(display=False)
-    with counter:
-        training_loss(model, batch).backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+def step_flops(config: VanillaTransformerConfig, batch: dict[str, torch.Tensor]) -> int:
+    """Matrix-multiply FLOPs of one training step (forward + backward = 3 x forward) of the paper's
+    network on `batch`, counted over each pair's real source and target lengths (no padding).
+
+    Per layer and token: the attention projections (4 d^2 multiply-adds per token of the queries' side;
+    cross-attention projects keys and values from the source), the two attention products (scores and
+    weighted values: 2 d per query-key pair) and the feed-forward network (2 d d_ff); then the output
+    projection (d V per target token). A multiply-add is 2 FLOPs. The same count serves both models, so
+    model FLOPs utilisation compares their speed on the same work.
+    """
+    d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
+    sources = batch["attention_mask"].sum(dim=1).tolist()
+    targets = (batch["labels"] != -100).sum(dim=1).tolist()
+    multiply_adds = 0
+    for s, t in zip(sources, targets, strict=True):
+        encoder = 4 * s * d * d + 2 * s * s * d + 2 * s * d * d_ff
+        decoder = 4 * t * d * d + 2 * t * t * d  # masked self-attention
+        decoder += 2 * t * d * d + 2 * s * d * d + 2 * t * s * d  # cross-attention
+        decoder += 2 * t * d * d_ff
+        multiply_adds += config.num_encoder_layers * encoder + config.num_decoder_layers * decoder
+        multiply_adds += t * d * vocab
+    return 3 * 2 * multiply_adds
 
 
 def benchmark_training(
@@ -431,10 +445,13 @@ def peak_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str
     """`probe_memory` in a fresh Python process, so that each model starts from the same baseline
     (-1 where the peak cannot be measured)."""
     code = (
-        "from vanilla_transformer.benchmark import probe_memory; "
+        "from tools.benchmark import probe_memory; "
         f"print(probe_memory({kind!r}, {preset!r}, {max_tokens}, {device!r}, {dtype!r}))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    root = Path(__file__).resolve().parents[1]  # the repository, where `tools` is importable
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
     return int(result.stdout.strip().splitlines()[-1])
 
 
@@ -547,13 +564,10 @@ def run(
         bucketed = [to_device(b, device) for b in data["length-bucketed"]]
         entry["train Trainer path"] = benchmark_training(models, bucketed, device, rounds, trainer_loss)
         entry["train Trainer path"]["padding_fraction"] = entry["train length-bucketed"]["padding_fraction"]
-        flops = {
-            kind: step_flops(model, to_device(data["length-bucketed"][0], device))
-            for kind, model in models.items()
-        }
+        flops = statistics.mean(step_flops(config, batch) for batch in data["length-bucketed"])
         for kind in MODELS:
             step_s = entry["train length-bucketed"][kind]["step_s"]
-            entry["train length-bucketed"][kind]["mfu"] = flops[kind] / step_s / results["matmul_peak_flops"]
+            entry["train length-bucketed"][kind]["mfu"] = flops / step_s / results["matmul_peak_flops"]
         for batch_size in (1, 32):
             for beams in (1, 4):
                 name = f"generate {'greedy' if beams == 1 else 'beam 4'} batch {batch_size}"
