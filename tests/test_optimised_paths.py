@@ -11,6 +11,7 @@ default cache reordering.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import (
     EOS,
@@ -21,6 +22,8 @@ from tests.conftest import (
     tiny_model,
 )
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
+from vanilla_transformer import kernels_vanilla_transformer as kernels
+from vanilla_transformer import modeling_vanilla_transformer as modeling
 from vanilla_transformer.kernels_vanilla_transformer import (
     PositionTable,
     TokenPacking,
@@ -309,3 +312,49 @@ def test_eval_outputs_do_not_depend_on_labels():
         )
     assert torch.equal(with_labels.logits, without.logits)
     assert torch.equal(with_labels.encoder_last_hidden_state, without.encoder_last_hidden_state)
+
+
+class RecordedOps(TorchDispatchMode):
+    """Every aten op that runs, and whether any indexes with a boolean mask (a data-dependent shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        indices = args[1] if func.overloadpacket is torch.ops.aten.index else ()
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()):
+            self.names.add("index with a boolean mask")
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that read a value on the host or whose output shape depends on values: on an accelerator each
+# waits for the device to finish.
+HOST_READS = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "item",
+    "nonzero",
+    "masked_select",
+    "index with a boolean mask",
+}
+
+
+@pytest.mark.parametrize("on_accelerator", [False, True])
+def test_training_forward_reads_no_values_on_the_host_on_an_accelerator(monkeypatch, on_accelerator):
+    """CUDA emulated on CPU: where `reads_are_free` says no (as for accelerator tensors), a training
+    forward and backward with labels (what `Trainer` runs) and an evaluation forward run no op that
+    reads a value on the host, with the loss of the path that does; on CPU the shortcuts do read."""
+    batch, model = ragged_batch(), tiny_model("sdpa").train()
+    reference = model(**batch).loss
+    if on_accelerator:
+        for module in (kernels, modeling):
+            monkeypatch.setattr(module, "reads_are_free", lambda tensor: False)
+    with RecordedOps() as recorded:
+        loss = model(**batch).loss
+        loss.backward()
+        with torch.no_grad():
+            model.eval()(**batch)  # what evaluation sees
+    assert bool(recorded.names & HOST_READS) != on_accelerator, recorded.names & HOST_READS
+    assert_same_up_to_rounding(loss, reference, TINY_TERMS)

@@ -3,10 +3,17 @@
 - Which kernel computes a linear layer, and a decoding step's attention, on CPU: decided by timing,
   on the running machine (below, and at "Attention of a decoding step").
 - `dropout`: `F.dropout` with a cheaper mask draw on CPU.
-- `TokenPacking`: per-token work on the real tokens of a padded batch only.
+- `TokenPacking`: per-token work on the real tokens of a padded batch only (on CPU: see
+  `reads_are_free`); layers pass it to attention as `PackedTokens` keyword arguments.
 - `PositionTable`: the sinusoidal encodings kept for reuse while decoding.
 - `projected_label_smoothed_loss`: output projection and label-smoothed loss in chunks, without the
   (N, V) logits.
+- Input checks (`check_token_ids`, `check_mask`), `LeanGenerationSteps` (less work per decoding
+  step than `GenerationMixin`'s hooks) and `RemoteCodeFolder` (a saved folder that loads with
+  `trust_remote_code` where this package is not installed).
+
+Shortcuts that read tensor values on the host (packing, selecting labelled tokens, token-id checks) run
+only on CPU tensors (`reads_are_free`): on an accelerator a forward pass never waits for the device.
 
 The model module imports these; each gives the plain computation's result (tests/test_kernels.py,
 tests/test_optimised_paths.py), so the paper can be read in `modeling_vanilla_transformer.py` alone.
@@ -40,17 +47,20 @@ order differs between the kernels.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"
@@ -388,6 +398,15 @@ def identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether the host can read `tensor`'s values without waiting for a device: CPU tensors only.
+
+    Shortcuts that depend on values (packing, boolean selection of labelled tokens, early token-id
+    checks) are taken only then, so that a forward pass on an accelerator never synchronises with it.
+    """
+    return tensor.device.type == "cpu"
+
+
 class TokenPacking:
     """Where the computed tokens of a padded (B, L) batch sit, to run per-token work on them only.
 
@@ -405,7 +424,7 @@ class TokenPacking:
     @classmethod
     def from_mask(cls, keep: torch.Tensor | None) -> TokenPacking | None:
         """A packing for `keep` (B, L) (True = compute), or None when nothing would be skipped."""
-        if keep is None or keep.dim() != 2 or bool(keep.all()):
+        if keep is None or keep.dim() != 2 or not reads_are_free(keep) or bool(keep.all()):
             return None
         return cls(keep.bool())
 
@@ -419,6 +438,32 @@ class TokenPacking:
         return padded.index_copy(0, self.index, packed).view(self.batch_size, self.length, *packed.shape[1:])
 
 
+class PackedTokens(TypedDict, total=False):
+    """Keyword arguments that layers pass through to attention when their states are packed tokens
+    (the way transformers passes padding-free batch information to its attention kernels).
+
+    packing: the (N, D) states stand for these positions of the (B, T) queries' sequence.
+    encoder_packing: the encoder states that cross-attention reads are packed, (N_S, D).
+    """
+
+    packing: TokenPacking | None
+    encoder_packing: TokenPacking | None
+
+
+def split_heads(states: torch.Tensor, head_dim: int, packing: TokenPacking | None = None) -> torch.Tensor:
+    """(B, L, D), or (N, D) packed, -> (B, H, L, Dh) (packed tokens are unpacked, zeros at padding)."""
+    if packing is not None:
+        states = packing.unpack(states)
+    batch_size, length, _ = states.shape
+    return states.view(batch_size, length, -1, head_dim).transpose(1, 2)
+
+
+def merge_heads(output: torch.Tensor, packing: TokenPacking | None = None) -> torch.Tensor:
+    """(B, L, H, Dh) -> (B, L, D), or (N, D) when the layer runs on packed tokens."""
+    output = output.reshape(*output.shape[:2], -1)
+    return output if packing is None else packing.pack(output)
+
+
 class PositionTable:
     """Sinusoidal encodings of positions 0..n-1, computed by `encode` (the model's
     `sinusoidal_position_encoding`) and kept for reuse (not a buffer: nothing goes into checkpoints),
@@ -429,7 +474,19 @@ class PositionTable:
         self.d_model, self.layout, self.encode = d_model, layout, encode
         self.table: torch.Tensor | None = None
 
-    def __call__(self, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def __call__(
+        self,
+        start: int | torch.Tensor,
+        length: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        capacity: int | None = None,
+    ) -> torch.Tensor:
+        """Encodings of positions start..start+length-1. A tensor `start` (a static cache's length, under
+        torch.compile) is not read on the host: the rows are selected from a table of `capacity` rows."""
+        if isinstance(start, torch.Tensor):
+            table = self(0, capacity, device, dtype)
+            return table.index_select(0, start + torch.arange(length, device=device))
         table = self.table
         if table is None or table.shape[0] < start + length or table.device != device or table.dtype != dtype:
             size = max(64, 1 << (start + length - 1).bit_length())
@@ -546,13 +603,154 @@ def projected_label_smoothed_loss(
     return per_item(total, labels, num_items_in_batch)
 
 
+# Input checks at the model's boundary.
+
+
+def check_token_ids(name: str, ids: torch.Tensor | None, vocab_size: int, allow_ignore: bool = False) -> None:
+    """Raise a clear error for ids outside [0, vocab_size) instead of an index error inside the embedding.
+
+    On an accelerator the check would make the host wait for the device; there the embedding's own
+    device-side assertion reports such ids."""
+    if ids is None or ids.numel() == 0 or not reads_are_free(ids):
+        return
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"`{name}` must hold integer token ids, got dtype {ids.dtype}.")
+    invalid = (ids < 0) | (ids >= vocab_size)
+    if allow_ignore:
+        invalid &= ids != -100
+    if invalid.any():  # one reduction; the details only on the error path
+        allowed = f"[0, {vocab_size})" + (" or -100 (ignored)" if allow_ignore else "")
+        seen = ids[ids != -100] if allow_ignore else ids
+        raise ValueError(
+            f"`{name}` holds ids from {int(seen.min())} to {int(seen.max())}, outside {allowed}. "
+            "Was the input tokenized with this model's tokenizer?"
+        )
+
+
+# Attention cannot reshape 0 rows; the encoder and the decoder (which `generate` and a forward with
+# `encoder_outputs` reach without the encoder) say so instead.
+EMPTY_BATCH = "The batch is empty (0 sequences): pass at least one."
+
+
+def check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: int) -> None:
+    if mask is not None and mask.dim() == 2 and tuple(mask.shape) != (batch_size, length):
+        raise ValueError(
+            f"`{name}` has shape {tuple(mask.shape)}, but the sequence it masks has shape "
+            f"({batch_size}, {length})."
+        )
+
+
+def plain_linear(head: nn.Module) -> bool:
+    """Whether `head` is a bias-free linear layer with nothing wrapped around it, so that the chunked loss
+    may read its weight directly (hooks, adapters, offloading or ZeRO-3 sharding need its forward to
+    run)."""
+    return (
+        type(head) in (Linear, nn.Linear)
+        and head.bias is None
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and not hasattr(head, "_hf_hook")
+    )
+
+
+class LeanGenerationSteps:
+    """Two `GenerationMixin` hooks with less work per decoding step; the model class inherits them
+    before `GenerationMixin`."""
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """One generation step's inputs: the newest target tokens, the cache, the source mask and what else
+        `generate` passes on. `GenerationMixin`'s version does more at every step that this model does
+        not need (position ids, a signature inspection for custom-code models); it still handles
+        compilable (static) caches, which need 4-D masks."""
+        if (cache is not None and cache.is_compileable) or kwargs.get("decoder_position_ids") is not None:
+            return super().prepare_inputs_for_generation(
+                input_ids, next_sequence_length, cache=cache, attention_mask=attention_mask, **kwargs
+            )
+        if next_sequence_length is not None:
+            input_ids = input_ids[:, -next_sequence_length:]
+        inputs: dict[str, Any] = {"decoder_input_ids": input_ids}
+        if cache is not None:
+            inputs["cache"] = cache
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        skipped = ("labels", "next_sequence_length", "inputs_embeds", "is_first_iteration")
+        inputs |= {key: value for key, value in kwargs.items() if key not in skipped and key not in inputs}
+        return inputs
+
+    def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
+        """Beam search's cache reordering, without copying the cross-attention keys and values.
+
+        `generate` gives every beam of an input the same encoder output, and beam search only
+        reorders beams within an input, so the cross-attention cache is unchanged by any reordering:
+        only the self-attention cache is gathered (transformers' default gathers both).
+        """
+        if isinstance(cache, EncoderDecoderCache):
+            cache.self_attention_cache.reorder_cache(beam_idx)
+        else:
+            cache.reorder_cache(beam_idx)
+        return cache
+
+
+# The translation pipeline's module, saved next to every model (see `save_pretrained`).
+PIPELINE_FILE = "pipeline_vanilla_transformer.py"
+
+
+class RemoteCodeFolder:
+    """`save_pretrained` for a folder that works where this package is not installed."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """`PreTrainedModel.save_pretrained`, plus what makes the folder usable without this package.
+
+        `auto_map` names both model classes, so the folder loads with `AutoModel` and
+        `AutoModelForSeq2SeqLM` under `trust_remote_code=True`; and the translation pipeline's code is
+        copied next to the model with `custom_pipelines` in config.json, so that
+        `pipeline("translation", model=folder, trust_remote_code=True)` works (transformers 5 has none).
+        """
+        module = type(self).__module__.rsplit(".", 1)[-1]
+        if self._auto_class is not None:
+            self.config.auto_map = {
+                **(getattr(self.config, "auto_map", None) or {}),
+                "AutoModel": f"{module}.VanillaTransformerModel",
+                "AutoModelForSeq2SeqLM": f"{module}.VanillaTransformerForConditionalGeneration",
+            }
+        # Beside this file in the package, and in a remote-code cache once the pipeline has been used.
+        pipeline_file = Path(__file__).with_name(PIPELINE_FILE)
+        pipelines = dict(getattr(self.config, "custom_pipelines", None) or {})
+        if pipeline_file.is_file():
+            pipelines["translation"] = {
+                "impl": f"{pipeline_file.stem}.TranslationPipeline",
+                "pt": ["AutoModelForSeq2SeqLM"],
+                "type": "text",
+            }
+        else:
+            pipelines.pop("translation", None)  # never point at code the folder does not carry
+        self.config.custom_pipelines = pipelines
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if pipeline_file.is_file() and kwargs.get("is_main_process", True):
+            shutil.copyfile(pipeline_file, Path(save_directory) / PIPELINE_FILE)
+        return result
+
+
 __all__ = [
+    "EMPTY_BATCH",
     "AttentionKernel",
+    "LeanGenerationSteps",
     "Linear",
     "LinearKernel",
+    "PackedTokens",
     "PositionTable",
+    "RemoteCodeFolder",
     "TokenPacking",
     "attention_kernel",
+    "check_mask",
+    "check_token_ids",
     "decoding_attention",
     "dropout",
     "identity",
@@ -560,8 +758,12 @@ __all__ = [
     "linear_kernel",
     "loss_dtype",
     "matmul_attention",
+    "merge_heads",
     "per_item",
+    "plain_linear",
     "projected_label_smoothed_loss",
+    "reads_are_free",
     "set_attention_kernel",
     "set_linear_kernel",
+    "split_heads",
 ]

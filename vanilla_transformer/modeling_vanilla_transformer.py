@@ -2,7 +2,8 @@
 
 It imports torch, transformers and two sibling files: the configuration, and
 `kernels_vanilla_transformer.py`, the machinery beside the paper (kernels chosen by measurement, cheaper
-dropout on CPU, packing of padded batches, the chunked loss). All three are copied next to saved
+dropout on CPU, packing of padded batches, the chunked loss, input checks, leaner generation steps, what
+`save_pretrained` adds). All three are copied next to saved
 checkpoints so that `AutoModelForSeq2SeqLM.from_pretrained(..., trust_remote_code=True)` works without
 this package.
 
@@ -19,11 +20,8 @@ Shape legend:
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,22 +44,33 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .kernels_vanilla_transformer import (
+    EMPTY_BATCH,
+    LeanGenerationSteps,
     Linear,
+    PackedTokens,
     PositionTable,
+    RemoteCodeFolder,
     TokenPacking,
+    check_mask,
+    check_token_ids,
     decoding_attention,
     dropout,
     identity,
     loss_dtype,
+    merge_heads,
     per_item,
+    plain_linear,
     projected_label_smoothed_loss,
+    reads_are_free,
+    split_heads,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 # When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
 # plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").
 DEFAULT_MAX_LENGTH_OFFSET = 50
-# The translation pipeline's module, saved next to every model (see `save_pretrained`).
-PIPELINE_FILE = "pipeline_vanilla_transformer.py"
 
 
 def sinusoidal_position_encoding(
@@ -141,20 +150,15 @@ class VanillaTransformerAttention(nn.Module):
         key_value_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        packing: TokenPacking | None = None,
-        key_value_packing: TokenPacking | None = None,
+        **kwargs: Unpack[PackedTokens],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D).
 
-        With `packing`, hidden_states holds only the packed tokens, (N, D), and so does the result;
-        with `key_value_packing`, key_value_states is packed, (N_S, D).
+        (`kwargs` may say that the states are packed tokens, (N, D): see `PackedTokens`.)
         """
         is_cross_attention = key_value_states is not None
-        query = self.q_proj(hidden_states)
-        if packing is not None:
-            query = packing.unpack(query)  # (B, T, D)
-        batch_size, length, _ = query.shape
-        query = query.view(batch_size, length, -1, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        packing = kwargs.get("packing")
+        query = split_heads(self.q_proj(hidden_states), self.head_dim, packing)  # (B, H, T, Dh)
 
         layer_cache, reuse = None, False
         if cache is not None:
@@ -167,12 +171,9 @@ class VanillaTransformerAttention(nn.Module):
             value = layer_cache.layers[self.layer_idx].values
         else:
             source = key_value_states if is_cross_attention else hidden_states
-            source_packing = key_value_packing if is_cross_attention else packing
-            key, value = self.k_proj(source), self.v_proj(source)
-            if source_packing is not None:
-                key, value = source_packing.unpack(key), source_packing.unpack(value)
-            key = key.view(batch_size, key.shape[1], -1, self.head_dim).transpose(1, 2)
-            value = value.view(batch_size, value.shape[1], -1, self.head_dim).transpose(1, 2)
+            source_packing = kwargs.get("encoder_packing") if is_cross_attention else packing
+            key = split_heads(self.k_proj(source), self.head_dim, source_packing)  # (B, H, S, Dh)
+            value = split_heads(self.v_proj(source), self.head_dim, source_packing)
             if layer_cache is not None:
                 key, value = layer_cache.update(key, value, self.layer_idx)  # (B, H, P+T, Dh)
                 if is_cross_attention:
@@ -192,10 +193,7 @@ class VanillaTransformerAttention(nn.Module):
             dropout=self.dropout if self.training else 0.0,
             scaling=self.scaling,
         )
-        output = output.reshape(batch_size, length, -1)  # (B, T, D)
-        if packing is not None:
-            output = packing.pack(output)  # (N, D)
-        return self.out_proj(output), weights
+        return self.out_proj(merge_heads(output, packing)), weights  # (B, T, D)
 
 
 class VanillaTransformerLayer(GradientCheckpointingLayer):
@@ -248,17 +246,14 @@ class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        packing: TokenPacking | None = None,
+        **kwargs: Unpack[PackedTokens],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states: (B, S, D), or (N, D) packed tokens with `packing`.
-
-        Returns the new hidden states and the self-attention weights.
-        """
+        """hidden_states: (B, S, D). Returns the new hidden states and the self-attention weights."""
         residual = hidden_states
         hidden_states, weights = self.self_attn(
             self._sublayer_input(hidden_states, self.self_attn_layer_norm),
             attention_mask=attention_mask,
-            packing=packing,
+            **kwargs,
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.self_attn_layer_norm)
         return self._feed_forward(hidden_states), weights
@@ -285,12 +280,10 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         encoder_attention_mask: torch.Tensor | None = None,
         cache: EncoderDecoderCache | None = None,
         use_cache: bool = False,
-        packing: TokenPacking | None = None,
-        encoder_packing: TokenPacking | None = None,
+        **kwargs: Unpack[PackedTokens],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """hidden_states: (B, T, D); encoder_hidden_states: (B, S, D).
 
-        With `packing` / `encoder_packing` these hold only the packed tokens, (N, D) / (N_S, D).
         Returns the new hidden states, the self-attention and the cross-attention weights.
         """
         residual = hidden_states
@@ -298,7 +291,7 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
             self._sublayer_input(hidden_states, self.self_attn_layer_norm),
             attention_mask=attention_mask,
             cache=cache,
-            packing=packing,
+            **kwargs,
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.self_attn_layer_norm)
 
@@ -308,14 +301,13 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
             key_value_states=encoder_hidden_states,
             attention_mask=encoder_attention_mask,
             cache=cache,
-            packing=packing,
-            key_value_packing=encoder_packing,
+            **kwargs,
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.encoder_attn_layer_norm)
         return self._feed_forward(hidden_states), self_weights, cross_weights
 
 
-class VanillaTransformerPreTrainedModel(PreTrainedModel):
+class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
     """Weight initialisation and loading glue shared by the models below.
 
     Initialisation follows tensor2tensor and fairseq: embeddings N(0, d_model^-0.5), so that embeddings
@@ -332,38 +324,6 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _can_compile_fullgraph = False
-
-    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        """`PreTrainedModel.save_pretrained`, plus what makes the folder usable without this package.
-
-        `auto_map` names both model classes, so the folder loads with `AutoModel` and
-        `AutoModelForSeq2SeqLM` under `trust_remote_code=True`; and the translation pipeline's code is
-        copied next to the model with `custom_pipelines` in config.json, so that
-        `pipeline("translation", model=folder, trust_remote_code=True)` works (transformers 5 has none).
-        """
-        module = __name__.rsplit(".", 1)[-1]
-        if self._auto_class is not None:
-            self.config.auto_map = {
-                **(getattr(self.config, "auto_map", None) or {}),
-                "AutoModel": f"{module}.VanillaTransformerModel",
-                "AutoModelForSeq2SeqLM": f"{module}.VanillaTransformerForConditionalGeneration",
-            }
-        # Beside this file in the package, and in a remote-code cache once the pipeline has been used.
-        pipeline_file = Path(__file__).with_name(PIPELINE_FILE)
-        pipelines = dict(getattr(self.config, "custom_pipelines", None) or {})
-        if pipeline_file.is_file():
-            pipelines["translation"] = {
-                "impl": f"{pipeline_file.stem}.TranslationPipeline",
-                "pt": ["AutoModelForSeq2SeqLM"],
-                "type": "text",
-            }
-        else:
-            pipelines.pop("translation", None)  # never point at code the folder does not carry
-        self.config.custom_pipelines = pipelines
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        if pipeline_file.is_file() and kwargs.get("is_main_process", True):
-            shutil.copyfile(pipeline_file, Path(save_directory) / PIPELINE_FILE)
-        return result
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -384,37 +344,9 @@ class VanillaTransformerPreTrainedModel(PreTrainedModel):
             init.zeros_(module.final_logits_bias)
 
 
-def _check_token_ids(
-    name: str, ids: torch.Tensor | None, vocab_size: int, allow_ignore: bool = False
-) -> None:
-    """Raise a clear error for ids outside [0, vocab_size) instead of an index error inside the embedding."""
-    if ids is None or ids.numel() == 0:
-        return
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"`{name}` must hold integer token ids, got dtype {ids.dtype}.")
-    invalid = (ids < 0) | (ids >= vocab_size)
-    if allow_ignore:
-        invalid &= ids != -100
-    if invalid.any():  # one reduction, one device sync; the details only on the error path
-        allowed = f"[0, {vocab_size})" + (" or -100 (ignored)" if allow_ignore else "")
-        seen = ids[ids != -100] if allow_ignore else ids
-        raise ValueError(
-            f"`{name}` holds ids from {int(seen.min())} to {int(seen.max())}, outside {allowed}. "
-            "Was the input tokenized with this model's tokenizer?"
-        )
-
-
-# Attention cannot reshape 0 rows; the encoder and the decoder (which `generate` and a forward with
-# `encoder_outputs` reach without the encoder) say so instead.
-EMPTY_BATCH = "The batch is empty (0 sequences): pass at least one."
-
-
-def _check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: int) -> None:
-    if mask is not None and mask.dim() == 2 and tuple(mask.shape) != (batch_size, length):
-        raise ValueError(
-            f"`{name}` has shape {tuple(mask.shape)}, but the sequence it masks has shape "
-            f"({batch_size}, {length})."
-        )
+def may_read(mask: torch.Tensor | None) -> bool:
+    """Whether transformers' mask builders may read `mask` to skip it when nothing is masked (on CPU)."""
+    return mask is None or reads_are_free(mask)
 
 
 class VanillaTransformerEncoder(nn.Module):
@@ -453,10 +385,10 @@ class VanillaTransformerEncoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the encoder.")
         if inputs_embeds is None:
-            _check_token_ids("input_ids", input_ids, self.config.vocab_size)
+            check_token_ids("input_ids", input_ids, self.config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
-        _check_mask("attention_mask", attention_mask, batch_size, length)
+        check_mask("attention_mask", attention_mask, batch_size, length)
         if batch_size == 0:
             raise ValueError(EMPTY_BATCH)
         if length == 0:
@@ -473,14 +405,17 @@ class VanillaTransformerEncoder(nn.Module):
             hidden_states = packing.pack(hidden_states)  # (N, D)
         hidden_states = dropout(hidden_states, self.dropout, self.training)
         mask = create_bidirectional_mask(
-            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            allow_is_bidirectional_skip=may_read(attention_mask),  # (it reads whether all are 1)
         )
 
         padded = packing.unpack if packing is not None else identity
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for layer in self.layers:
-            hidden_states, weights = layer(hidden_states, mask, packing)
+            hidden_states, weights = layer(hidden_states, mask, packing=packing)
             if output_hidden_states:
                 all_hidden_states += (padded(hidden_states),)
             if output_attentions:
@@ -549,7 +484,7 @@ class VanillaTransformerDecoder(nn.Module):
         if inputs_embeds is None:
             # Later steps of cached decoding feed back the model's own tokens: checked once.
             if checking and past_length == 0:
-                _check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
+                check_token_ids("decoder_input_ids", input_ids, self.config.decoder_vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, length = inputs_embeds.shape[:2]
         if batch_size == 0:
@@ -557,17 +492,13 @@ class VanillaTransformerDecoder(nn.Module):
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         if checking:
-            _check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
-            _check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
+            check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
+            check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
 
-        if isinstance(past_length, torch.Tensor):  # positions past_length.. as a tensor: no graph break
-            table = self.position_table(0, cache.get_max_length(), inputs_embeds.device, inputs_embeds.dtype)
-            positions = past_length + torch.arange(length, device=inputs_embeds.device)
-            position_encoding = table.index_select(0, positions)  # (T, D)
-        else:
-            position_encoding = self.position_table(
-                past_length, length, inputs_embeds.device, inputs_embeds.dtype
-            )
+        capacity = cache.get_max_length() if isinstance(past_length, torch.Tensor) else None
+        position_encoding = self.position_table(
+            past_length, length, inputs_embeds.device, inputs_embeds.dtype, capacity
+        )  # (T, D)
         hidden_states = inputs_embeds * self.embed_scale + position_encoding
         packing = encoder_packing = None
         if cache is None:  # one full forward (teacher forcing): per-token work on the needed tokens only
@@ -592,12 +523,14 @@ class VanillaTransformerDecoder(nn.Module):
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 cache=cache.self_attention_cache if cache is not None else None,
+                allow_is_causal_skip=may_read(attention_mask),
             )
         cross_mask = create_bidirectional_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=encoder_attention_mask,
             encoder_hidden_states=encoder_hidden_states,
+            allow_is_bidirectional_skip=may_read(encoder_attention_mask),
         )
 
         padded = packing.unpack if packing is not None else identity
@@ -783,7 +716,9 @@ def label_smoothed_cross_entropy(
     return per_item(loss, labels, num_items_in_batch)
 
 
-class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedModel, GenerationMixin):
+class VanillaTransformerForConditionalGeneration(
+    VanillaTransformerPreTrainedModel, LeanGenerationSteps, GenerationMixin
+):
     """The full Transformer: encoder-decoder plus the pre-softmax linear projection tied to the embeddings.
 
     Section 3.4: "we share the same weight matrix between the two embedding layers and the pre-softmax
@@ -871,7 +806,7 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             return_logits = labels is None or not self.training
         target_lengths = None
         if labels is not None:
-            _check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)
+            check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
@@ -897,23 +832,25 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
         )
         hidden_states = outputs.last_hidden_state  # (B, T, D)
         loss = logits = None
-        if labels is not None and not return_logits:  # padding positions skipped
+        if labels is not None and not return_logits:  # the loss alone, on labelled positions
             targets = labels.to(hidden_states.device)
-            kept = targets != -100
             smoothing = self.config.label_smoothing
-            if self._plain_output_projection():  # in chunks, no (N, V) logits kept
-                bias = None if self.final_logits_bias is None else self.final_logits_bias[0]
-                loss = projected_label_smoothed_loss(
-                    hidden_states[kept],
-                    self.lm_head.weight,
-                    bias,
-                    targets[kept],
+            if reads_are_free(targets):  # on an accelerator, selecting them would wait for the device
+                kept = targets != -100
+                hidden_states, targets = hidden_states[kept], targets[kept]  # (N, D), (N,)
+                if plain_linear(self.lm_head):  # in chunks, no (N, V) logits kept
+                    bias = None if self.final_logits_bias is None else self.final_logits_bias[0]
+                    weight = self.lm_head.weight
+                    loss = projected_label_smoothed_loss(
+                        hidden_states, weight, bias, targets, smoothing, num_items_in_batch
+                    )
+            if loss is None:
+                projected = self.project(hidden_states)
+                loss = label_smoothed_cross_entropy(
+                    projected.reshape(-1, projected.shape[-1]),
+                    targets.reshape(-1),
                     smoothing,
                     num_items_in_batch,
-                )
-            else:
-                loss = label_smoothed_cross_entropy(
-                    self.project(hidden_states[kept]), targets[kept], smoothing, num_items_in_batch
                 )
         else:
             logits = self.project(hidden_states)  # (B, T, V)
@@ -937,19 +874,6 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
             encoder_attentions=outputs.encoder_attentions,
         )
 
-    def _plain_output_projection(self) -> bool:
-        """Whether `lm_head` is this package's bias-free linear layer with nothing wrapped around it, so
-        that the chunked loss may read its weight directly (hooks, adapters, offloading or ZeRO-3
-        sharding need its forward to run: those go through `project`)."""
-        head = self.lm_head
-        return (
-            type(head) in (Linear, nn.Linear)
-            and head.bias is None
-            and not head._forward_hooks
-            and not head._forward_pre_hooks
-            and not hasattr(head, "_hf_hook")
-        )
-
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The pre-softmax linear transformation (Section 3.4): (..., D) -> (..., V) logits."""
         logits = self.lm_head(hidden_states)
@@ -968,46 +892,6 @@ class VanillaTransformerForConditionalGeneration(VanillaTransformerPreTrainedMod
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Teacher-forcing decoder inputs for `DataCollatorForSeq2Seq`: labels shifted right."""
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
-        """One generation step's inputs: the newest target tokens, the cache, the source mask and what else
-        `generate` passes on. `GenerationMixin`'s version does more at every step that this model does
-        not need (position ids, a signature inspection for custom-code models); it still handles
-        compilable (static) caches, which need 4-D masks."""
-        if (cache is not None and cache.is_compileable) or kwargs.get("decoder_position_ids") is not None:
-            return super().prepare_inputs_for_generation(
-                input_ids, next_sequence_length, cache=cache, attention_mask=attention_mask, **kwargs
-            )
-        if next_sequence_length is not None:
-            input_ids = input_ids[:, -next_sequence_length:]
-        inputs: dict[str, Any] = {"decoder_input_ids": input_ids}
-        if cache is not None:
-            inputs["cache"] = cache
-        if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask
-        skipped = ("labels", "next_sequence_length", "inputs_embeds", "is_first_iteration")
-        inputs |= {key: value for key, value in kwargs.items() if key not in skipped and key not in inputs}
-        return inputs
-
-    def _reorder_cache(self, cache: Cache, beam_idx: torch.LongTensor) -> Cache:
-        """Beam search's cache reordering, without copying the cross-attention keys and values.
-
-        `generate` gives every beam of an input the same encoder output, and beam search only
-        reorders beams within an input, so the cross-attention cache is unchanged by any reordering:
-        only the self-attention cache is gathered (transformers' default gathers both).
-        """
-        if isinstance(cache, EncoderDecoderCache):
-            cache.self_attention_cache.reorder_cache(beam_idx)
-        else:
-            cache.reorder_cache(beam_idx)
-        return cache
 
     def generate(
         self,
