@@ -573,12 +573,82 @@ def full_copy(model: Any, like: VanillaTransformerForConditionalGeneration) -> A
     return copy.to(next(iter(weights.values())).device)
 
 
-# The loop ----------------------------------------------------------------------------------------
+# The run ------------------------------------------------------------------------------------------
+# `train` reads like accelerate's examples: `start` (accelerator, data, model, resume), the loop of
+# `update`s with logging, validation and checkpoints, `finalise` (averaging, validation), `test_scores`
+# and `publish`. `Run` carries what they share.
+
+
+@dataclass
+class Run:
+    """Everything the stages of one training run share."""
+
+    config: TrainingConfig
+    output_dir: Path
+    accelerator: Accelerator
+    machine: dict[str, Any]
+    data: Any  # the raw text splits
+    tokenized: Any
+    tokenizer: Any
+    model: Any  # as prepared by Accelerate (wrapped under DDP/FSDP)
+    optimizer: torch.optim.Optimizer
+    peak_lr: float
+    train_loader: Any
+    valid_loader: Any
+    state: dict[str, Any]
+
+    @property
+    def unwrapped(self) -> VanillaTransformerForConditionalGeneration:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def sharded(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.FSDP
+
+    def log(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            logger.info(message)
+
+    def model_to_evaluate(self) -> Any:
+        """The model as evaluation sees it: the training model, or under FSDP an unsharded copy."""
+        return full_copy(self.model, self.unwrapped) if self.sharded else self.model
+
+    def validate(self, evaluated: Any) -> dict[str, float]:
+        """Validation loss over the whole split and beam-search BLEU on its first `eval_samples` pairs."""
+        config = self.config
+        losses = validation_loss(
+            evaluated, self.valid_loader, self.accelerator, self.unwrapped.config.label_smoothing
+        )
+        hypotheses = translate_sharded(
+            self.accelerator,
+            self.accelerator.unwrap_model(evaluated),
+            self.tokenizer,
+            self.data["validation"]["source"][: config.eval_samples],
+            batch_size=config.eval_batch_size,
+            **config.decoding(),
+        )
+        bleu = score_translations(hypotheses, self.data["validation"]["target"][: config.eval_samples])[
+            "bleu"
+        ]
+        self.model.train()
+        return {"val_loss": losses["loss"], "val_ppl": losses["ppl"], "val_bleu": bleu}
 
 
 def train(config: TrainingConfig) -> dict[str, Any]:
     """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`)."""
-    output_dir = Path(config.output_dir)
+    run = start(config)
+    stopped = train_loop(run)
+    final, metrics = finalise(run, stopped)
+    samples = test_scores(run, final, metrics)
+    if run.accelerator.is_main_process:
+        publish(run, final, metrics, samples)
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
+    return {"metrics": metrics, "samples": samples, "history": run.state["history"]}
+
+
+def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
+    """The Accelerator for this launch (one process, DDP, FSDP), after checks that fail before any work."""
     if config.push_to_hub:  # fail now, not after training
         check_repo_id(config.hub_model_id or output_dir.name)
         resolve_token()
@@ -596,7 +666,6 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         dataloader_config=DataLoaderConfiguration(even_batches=False),
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    log = (lambda message: logger.info(message)) if accelerator.is_main_process else (lambda message: None)
     sharded = accelerator.distributed_type == DistributedType.FSDP
     if accelerator.is_main_process:  # a run killed while publishing its folder left it half moved
         finish_interrupted_publish(output_dir)
@@ -611,6 +680,13 @@ def train(config: TrainingConfig) -> dict[str, Any]:
             "FSDP checkpoints must be written whole (fsdp_state_dict_type: FULL_STATE_DICT, as in "
             "configs/accelerate/fsdp.yaml): the final model averages the last checkpoints' weights."
         )
+    return accelerator
+
+
+def start(config: TrainingConfig) -> Run:
+    """Accelerator, data, tokenizer, model, optimizer and loaders, restored from a checkpoint if asked."""
+    output_dir = Path(config.output_dir)
+    accelerator = make_accelerator(config, output_dir)
     resume_path = (
         resolve_checkpoint(output_dir, config.resume_from_checkpoint)
         if config.resume_from_checkpoint
@@ -620,10 +696,10 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     machine = describe_machine(measure=accelerator.device.type == "cpu" and accelerator.is_main_process)
     if accelerator.device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(accelerator.device)
+    log = (lambda message: logger.info(message)) if accelerator.is_main_process else (lambda message: None)
     log(f"machine: {format_machine(machine)}" + (f", {machine['gpu']}" if "gpu" in machine else ""))
     set_seed(config.seed)
 
-    # Data and tokenizer.
     with accelerator.main_process_first():
         data, report = load_parallel_data(
             dataset_name=config.dataset_name,
@@ -644,9 +720,53 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         log(line)
     log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}; {memory()}")
 
-    # Model, optimizer and schedule (Section 5.3).
-    # Precedence: the tokenizer's ids, then fields named in --config_overrides, then --dropout (or the
-    # recipe's) and --label_smoothing, then the preset.
+    model, optimizer, peak_lr = build_model(config, tokenizer)
+    log(
+        f"model: {config.preset}, {model.num_parameters():,} parameters, vocabulary {len(tokenizer):,}; "
+        f"peak lr {peak_lr:.2e}, {config.lr_schedule} schedule"
+    )
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    shards = accelerator.num_processes
+    train_loader = make_loader(
+        tokenized["train"], collator, config.max_tokens, shuffle=True, seed=config.seed, num_shards=shards
+    )
+    valid_loader = make_loader(
+        tokenized["validation"], collator, config.max_tokens, shuffle=False, seed=0, num_shards=shards
+    )
+    model, optimizer, train_loader, valid_loader = accelerator.prepare(
+        model, optimizer, train_loader, valid_loader
+    )
+
+    state: dict[str, Any] = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "history": [], "train_time_s": 0.0}
+    if resume_path is not None:
+        state = resume(accelerator, output_dir, resume_path)
+        log(f"resumed from {resume_path} at update {state['step']}")
+    if accelerator.is_main_process and config.report_to != "none":
+        accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
+    return Run(
+        config,
+        output_dir,
+        accelerator,
+        machine,
+        data,
+        tokenized,
+        tokenizer,
+        model,
+        optimizer,
+        peak_lr,
+        train_loader,
+        valid_loader,
+        state,
+    )
+
+
+def build_model(
+    config: TrainingConfig, tokenizer: Any
+) -> tuple[VanillaTransformerForConditionalGeneration, torch.optim.Optimizer, float]:
+    """The model for `tokenizer`'s vocabulary, Adam and the peak learning rate (Section 5.3).
+
+    Precedence: the tokenizer's ids, then fields named in --config_overrides, then --dropout (or the
+    recipe's) and --label_smoothing, then the preset."""
     overrides: dict[str, Any] = {"label_smoothing": config.label_smoothing}
     if config.dropout is not None:
         overrides["dropout"] = config.dropout
@@ -664,190 +784,190 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     optimizer = torch.optim.Adam(
         model.parameters(), lr=peak_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
     )
-    log(
-        f"model: {config.preset}, {model.num_parameters():,} parameters, vocabulary {len(tokenizer):,}; "
-        f"peak lr {peak_lr:.2e}, {config.lr_schedule} schedule"
-    )
+    return model, optimizer, peak_lr
 
-    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
-    shards = accelerator.num_processes
-    train_loader = make_loader(
-        tokenized["train"], collator, config.max_tokens, shuffle=True, seed=config.seed, num_shards=shards
-    )
-    valid_loader = make_loader(
-        tokenized["validation"], collator, config.max_tokens, shuffle=False, seed=0, num_shards=shards
-    )
-    model, optimizer, train_loader, valid_loader = accelerator.prepare(
-        model, optimizer, train_loader, valid_loader
-    )
-    unwrapped = accelerator.unwrap_model(model)
 
-    state: dict[str, Any] = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "history": [], "train_time_s": 0.0}
-    if resume_path is not None:
-        if accelerator.is_main_process:
-            for path in retire_later_checkpoints(output_dir, resume_path):
-                logger.warning(
-                    f"{path.name} is newer than {resume_path.name}, where this run resumes: moved to {path}"
-                )
-        accelerator.wait_for_everyone()
-        try:
-            accelerator.load_state(str(resume_path))
-        except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
-            raise RuntimeError(f"Could not load checkpoint {resume_path}: {error}") from error
-        state = json.loads((resume_path / STATE_FILE).read_text())
-        log(f"resumed from {resume_path} at update {state['step']}")
-    if accelerator.is_main_process and config.report_to != "none":
-        accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
+def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dict[str, Any]:
+    """Restore weights, optimizer, RNGs and the loop's state from `resume_path`; later checkpoints (from
+    a run that went further) are moved aside first."""
+    if accelerator.is_main_process:
+        for path in retire_later_checkpoints(output_dir, resume_path):
+            logger.warning(
+                f"{path.name} is newer than {resume_path.name}, where this run resumes: moved to {path}"
+            )
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.load_state(str(resume_path))
+    except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
+        raise RuntimeError(f"Could not load checkpoint {resume_path}: {error}") from error
+    return json.loads((resume_path / STATE_FILE).read_text())
 
-    validation_sources = data["validation"]["source"][: config.eval_samples]
-    validation_refs = data["validation"]["target"][: config.eval_samples]
-    generate_kwargs = config.decoding()
 
-    def model_to_evaluate() -> Any:
-        """The model as evaluation sees it: the training model, or under FSDP an unsharded copy."""
-        return full_copy(model, unwrapped) if sharded else model
+class TrainingClock:
+    """The training loop's wall time, summed over resumed runs and agreed between processes, and the
+    share of the run's budget (updates or minutes, whichever is further along) spent."""
 
-    def validate(evaluated: Any) -> dict[str, float]:
-        losses = validation_loss(evaluated, valid_loader, accelerator, model_config.label_smoothing)
-        hypotheses = translate_sharded(
-            accelerator,
-            accelerator.unwrap_model(evaluated),
-            tokenizer,
-            validation_sources,
-            batch_size=config.eval_batch_size,
-            **generate_kwargs,
-        )
-        bleu = score_translations(hypotheses, validation_refs)["bleu"]
-        model.train()
-        return {"val_loss": losses["loss"], "val_ppl": losses["ppl"], "val_bleu": bleu}
+    def __init__(self, accelerator: Accelerator, config: TrainingConfig, earlier_s: float):
+        self.accelerator, self.max_steps = accelerator, config.max_steps
+        self.limit_s = config.max_train_minutes * 60 if config.max_train_minutes else None  # 0: no limit
+        self.earlier_s, self.started = earlier_s, time.perf_counter()
 
+    def local(self) -> float:
+        return self.earlier_s + time.perf_counter() - self.started
+
+    def agreed(self) -> float:
+        """The main process's `local()` on every process, so that all stop and set the learning rate
+        alike (only measured when there is a time limit)."""
+        if self.limit_s is None:
+            return 0.0
+        elapsed = torch.tensor(self.local(), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            main = self.accelerator.is_main_process
+            elapsed = self.accelerator.reduce(elapsed if main else elapsed * 0, "sum")
+        return float(elapsed)
+
+    def expired(self, elapsed: float) -> bool:
+        return self.limit_s is not None and elapsed >= self.limit_s
+
+    def progress(self, step: int, elapsed: float) -> float:
+        return max(step / self.max_steps, elapsed / self.limit_s if self.limit_s else 0.0)
+
+
+def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer update from a window of micro-batches; returns the summed micro-batch losses and
+    the window's target tokens over all processes."""
+    accelerator, model = run.accelerator, run.model
+    # Normalise by the target tokens of the whole update, on every process (exact accumulation).
+    local_tokens = sum(int((b["labels"] != -100).sum()) for b in window)
+    tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
+    losses = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    for index, batch in enumerate(window):
+        with nullcontext() if index == len(window) - 1 else accelerator.no_sync(model):
+            loss = model(**batch, num_items_in_batch=tokens, return_logits=False).loss
+            losses += loss.detach().double()
+            # DDP averages gradients over processes; the loss is already a global mean.
+            accelerator.backward(loss * accelerator.num_processes)
+    if run.config.max_grad_norm is not None:
+        accelerator.clip_grad_norm_(model.parameters(), run.config.max_grad_norm)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return losses, tokens
+
+
+class Interval:
+    """The training loss, updates, target tokens and time since the last log line."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.updates = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def pause(self, since: float) -> None:
+        """Leave the time since `since` (validation, checkpoints) out of the throughput."""
+        self.started += time.perf_counter() - since
+
+    def record(self, run: Run, lr: float) -> dict[str, Any]:
+        train_loss = float(run.accelerator.reduce(self.loss, "sum")) / self.updates
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        record = {
+            "step": run.state["step"],
+            "epoch": run.state["epoch"],
+            "train_loss": train_loss,
+            "lr": lr,
+            "tokens_per_s": self.tokens / seconds,
+        }
+        self.reset()
+        return record
+
+
+def train_loop(run: Run) -> bool:
+    """Updates until `max_steps` or `max_train_minutes`, logging, validating and saving checkpoints on
+    the way; returns whether the time limit stopped it."""
+    config, accelerator, state = run.config, run.accelerator, run.state
     progress = tqdm(
         total=config.max_steps,
         initial=state["step"],
         disable=not accelerator.is_main_process,
         desc="training",
     )
-    model.train()
-    # Since the last log line: summed update losses, updates, target tokens, and when it began.
-    interval_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    interval_updates = interval_tokens = 0
-    interval_start = loop_start = time.perf_counter()
-    earlier_time = state["train_time_s"]  # the training loop's wall time before this run (resumes)
-    time_limit = config.max_train_minutes * 60 if config.max_train_minutes else None  # 0: no limit
-
-    def loop_time() -> float:
-        return earlier_time + time.perf_counter() - loop_start
-
-    def agreed_loop_time() -> float:
-        """The main process's `loop_time()` on every process, so that all stop and set the learning rate
-        alike (only read when there is a time limit)."""
-        if time_limit is None:
-            return 0.0
-        elapsed = torch.tensor(loop_time(), device=accelerator.device)
-        if accelerator.num_processes > 1:
-            elapsed = accelerator.reduce(elapsed if accelerator.is_main_process else elapsed * 0, "sum")
-        return float(elapsed)
-
-    def progress_of(step: int, elapsed: float) -> float:
-        """Share of the run's budget spent: updates or minutes, whichever is further along."""
-        return max(step / config.max_steps, elapsed / time_limit if time_limit else 0.0)
-
-    elapsed = agreed_loop_time()
-    stopped = time_limit is not None and elapsed >= time_limit
+    run.model.train()
+    interval = Interval(accelerator.device)
+    clock = TrainingClock(accelerator, config, earlier_s=state["train_time_s"])
+    elapsed = clock.agreed()
+    stopped = clock.expired(elapsed)
     if stopped and accelerator.is_main_process:
         logger.warning(
             f"This run already trained for {state['train_time_s'] / 60:.1f} minutes, its --max_train_minutes "
             f"({config.max_train_minutes}): no further update. Raise it (0: no limit) to train on."
         )
     while state["step"] < config.max_steps and not stopped:
-        train_loader.set_epoch(state["epoch"])
-        loader = train_loader
+        run.train_loader.set_epoch(state["epoch"])
+        loader = run.train_loader
         if state["batches_in_epoch"]:
-            loader = accelerator.skip_first_batches(train_loader, state["batches_in_epoch"])
+            loader = accelerator.skip_first_batches(run.train_loader, state["batches_in_epoch"])
         for window in windows(loader, config.gradient_accumulation_steps):
-            # Normalise by the target tokens of the whole update, on every process (exact accumulation).
-            local_tokens = sum(int((b["labels"] != -100).sum()) for b in window)
-            update_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
-            for index, batch in enumerate(window):
-                last = index == len(window) - 1
-                with nullcontext() if last else accelerator.no_sync(model):
-                    loss = model(**batch, num_items_in_batch=update_tokens, return_logits=False).loss
-                    interval_loss += loss.detach().double()
-                    # DDP averages gradients over processes; the loss is already a global mean.
-                    accelerator.backward(loss * accelerator.num_processes)
-            if config.max_grad_norm is not None:
-                accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             step = state["step"] + 1
-            lr = peak_lr * lr_factor(
-                config.lr_schedule,
-                step,
-                config.warmup_steps,
-                progress_of(state["step"], elapsed),
-                state.get("warmup_progress", 0.0),
+            progress_now = clock.progress(state["step"], elapsed)
+            lr = run.peak_lr * lr_factor(
+                config.lr_schedule, step, config.warmup_steps, progress_now, state.get("warmup_progress", 0.0)
             )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+            losses, tokens = update(run, window, lr)
             state["step"] = step
             state["batches_in_epoch"] += len(window)
-            interval_updates += 1
-            interval_tokens += int(update_tokens)
+            interval.loss += losses
+            interval.updates += 1
+            interval.tokens += int(tokens)
             progress.update(1)
-            elapsed = agreed_loop_time()
-            stopped = time_limit is not None and elapsed >= time_limit
+            elapsed = clock.agreed()
+            stopped = clock.expired(elapsed)
             if step == config.warmup_steps:  # where the linear schedule's decay starts
-                state["warmup_progress"] = progress_of(step, elapsed)
-            last_update = stopped or state["step"] == config.max_steps
+                state["warmup_progress"] = clock.progress(step, elapsed)
+            last_update = stopped or step == config.max_steps
 
-            if state["step"] % config.logging_steps == 0 or last_update:
-                train_loss = float(accelerator.reduce(interval_loss, "sum")) / interval_updates
-                record = {
-                    "step": state["step"],
-                    "epoch": state["epoch"],
-                    "train_loss": train_loss,
-                    "lr": lr,
-                    "tokens_per_s": interval_tokens / max(time.perf_counter() - interval_start, 1e-9),
-                }
-                interval_loss.zero_()
-                interval_updates = interval_tokens = 0
-                interval_start = time.perf_counter()
+            if step % config.logging_steps == 0 or last_update:
+                record = interval.record(run, lr)
                 state["history"].append(record)
                 progress.set_postfix(
-                    loss=f"{train_loss:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
+                    loss=f"{record['train_loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
                 )
-                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
-
-            if config.eval_steps and state["step"] % config.eval_steps == 0 and not last_update:
+                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            if config.eval_steps and step % config.eval_steps == 0 and not last_update:
                 paused = time.perf_counter()
-                record = {"step": state["step"], **validate(model_to_evaluate())}
+                record = {"step": step, **run.validate(run.model_to_evaluate())}
                 state["history"].append(record)
-                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=state["step"])
-                log(
-                    f"update {state['step']}: "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
-                    + f"; {memory()}"
-                )
-                interval_start += time.perf_counter() - paused  # validation is not training throughput
-
-            if state["step"] % config.save_steps == 0 or last_update:
+                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+                summary = ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
+                run.log(f"update {step}: {summary}; {memory()}")
+                interval.pause(paused)  # validation is not training throughput
+            if step % config.save_steps == 0 or last_update:
                 paused = time.perf_counter()
-                state["train_time_s"] = loop_time()
-                save_checkpoint(accelerator, output_dir, state, config.keep_checkpoints)
-                interval_start += time.perf_counter() - paused  # nor are checkpoints
+                state["train_time_s"] = clock.local()
+                save_checkpoint(accelerator, run.output_dir, state, config.keep_checkpoints)
+                interval.pause(paused)  # nor are checkpoints
             if last_update:
                 break
         else:
             state["epoch"] += 1
             state["batches_in_epoch"] = 0
     progress.close()
-    log(f"training done; {memory()}")
+    run.log(f"training done; {memory()}")
     if stopped:
-        log(f"--max_train_minutes {config.max_train_minutes}: stopped after update {state['step']}")
+        run.log(f"--max_train_minutes {config.max_train_minutes}: stopped after update {state['step']}")
+    return stopped
 
+
+def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalGeneration, dict[str, Any]]:
+    """Check that every process holds the same weights, average the last checkpoints into the final
+    model (Section 6.1) and validate it; returns the final model and the metrics so far."""
+    accelerator, state, config = run.accelerator, run.state, run.config
     # Data parallelism must leave every process with the same weights; a mismatch is a bug, not noise.
-    final_model = model_to_evaluate()
+    final_model = run.model_to_evaluate()
     final = accelerator.unwrap_model(final_model)
     parameters = torch.cat([p.detach().double().flatten() for p in final.parameters()])
     checksum = torch.stack([parameters.sum(), parameters.square().sum()])
@@ -855,17 +975,16 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     if any(c != checksums[0] for c in checksums):
         raise RuntimeError(f"Processes ended training with different parameters: {checksums}")
 
-    # Average the last checkpoints into the final model (Section 6.1) and evaluate it.
     metrics: dict[str, Any] = {
         "steps": state["step"],
-        "epochs": state["epoch"] + state["batches_in_epoch"] / max(len(train_loader), 1),
+        "epochs": state["epoch"] + state["batches_in_epoch"] / max(len(run.train_loader), 1),
+        "parameter_checksums": checksums,
     }
-    metrics["parameter_checksums"] = checksums
-    averaged = list_checkpoints(output_dir)[-config.average_checkpoints :]
+    averaged = list_checkpoints(run.output_dir)[-config.average_checkpoints :]
     if len(averaged) > 1:
         # The last weights' loss, to compare with the average's (translating with them too would
         # cost as much as validating the average again, for a number nobody decides on).
-        last = validation_loss(final_model, valid_loader, accelerator, model_config.label_smoothing)
+        last = validation_loss(final_model, run.valid_loader, accelerator, final.config.label_smoothing)
         metrics |= {"last_val_loss": last["loss"], "last_val_ppl": last["ppl"]}
         result = final.load_state_dict(average_checkpoints(averaged), strict=False)
         untied = set(result.missing_keys) - set(final.all_tied_weights_keys)
@@ -874,24 +993,32 @@ def train(config: TrainingConfig) -> dict[str, Any]:
                 f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}"
             )
         final.tie_weights()
-    metrics |= validate(final_model)
+    metrics |= run.validate(final_model)
     metrics["averaged_checkpoints"] = [p.name for p in averaged] if len(averaged) > 1 else []
     state["history"].append(
         {"step": state["step"], **{k: metrics[k] for k in ("val_loss", "val_ppl", "val_bleu")}}
     )
-    log("validation: " + ", ".join(f"{k} {metrics[k]:.3f}" for k in ("val_loss", "val_ppl", "val_bleu")))
+    run.log("validation: " + ", ".join(f"{k} {metrics[k]:.3f}" for k in ("val_loss", "val_ppl", "val_bleu")))
+    metrics["train_time_s"] = state["train_time_s"]
+    metrics["machine"] = run.machine
+    metrics["stopped_by"] = "max_train_minutes" if stopped else "max_steps"
+    return final, metrics
 
-    # Final scores on the test split (the validation split when there is none).
+
+def test_scores(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict[str, str]]:
+    """Score the final model on the test split (the validation split when there is none) into `metrics`;
+    returns five sample translations."""
+    config, data = run.config, run.data
     split = "test" if "test" in data else "validation"
     count = min(config.test_samples or len(data[split]), len(data[split]))
     test_split = data[split].select(range(count))
     hypotheses = translate_sharded(
-        accelerator,
+        run.accelerator,
         final,
-        tokenizer,
+        run.tokenizer,
         test_split["source"],
         batch_size=config.eval_batch_size,
-        **generate_kwargs,
+        **config.decoding(),
     )
     scores = score_translations(hypotheses, test_split["target"])
     metrics |= {"split": split} | {
@@ -900,41 +1027,25 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     # Decoding loops: share of outputs with a word 4-gram repeated 3+ times, beside the references' share.
     metrics["test_repetition"] = repetition_rate(hypotheses)
     metrics["reference_repetition"] = repetition_rate(test_split["target"])
+    run.log(f"test translated; {memory()}")
+    if (peak := resident_bytes("VmHWM")) is not None:
+        metrics["peak_resident_mib"] = round(peak / 2**20)
     triples = list(zip(test_split["source"], test_split["target"], hypotheses, strict=True))
-    samples = [
+    return [
         {"source": s, "reference": r, "translation": h}
         for s, r, h in triples[:: max(len(triples) // 5, 1)][:5]
     ]
-    metrics["train_time_s"] = state["train_time_s"]
-    metrics["machine"] = machine
-    log(f"test translated; {memory()}")
-    if (peak := resident_bytes("VmHWM")) is not None:
-        metrics["peak_resident_mib"] = round(peak / 2**20)
-    metrics["stopped_by"] = "max_train_minutes" if stopped else "max_steps"
 
-    if accelerator.is_main_process:
-        # Written aside and renamed into place: a kill leaves the previous folder or the new one.
-        with publish_folder(output_dir) as staging:
-            write_model_folder(
-                config,
-                staging,
-                final,
-                tokenizer,
-                metrics,
-                samples,
-                state,
-                tokenized,
-                accelerator,
-                name=output_dir.name,
-            )
-        if config.push_to_hub:
-            metrics["hub_commit"] = push_model_folder(
-                output_dir, config.hub_model_id or output_dir.name, private=config.hub_private
-            )
-            log(f"uploaded to the Hub: {metrics['hub_commit']}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return {"metrics": metrics, "samples": samples, "history": state["history"]}
+
+def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[str, str]]) -> None:
+    """Write the model folder (main process), then push it to the Hub if asked."""
+    # Written aside and renamed into place: a kill leaves the previous folder or the new one.
+    with publish_folder(run.output_dir) as staging:
+        write_model_folder(run, staging, final, metrics, samples)
+    if run.config.push_to_hub:
+        repo_id = run.config.hub_model_id or run.output_dir.name
+        metrics["hub_commit"] = push_model_folder(run.output_dir, repo_id, private=run.config.hub_private)
+        run.log(f"uploaded to the Hub: {metrics['hub_commit']}")
 
 
 def memory() -> str:
@@ -1002,24 +1113,19 @@ def load_or_train_tokenizer(
 
 
 def write_model_folder(
-    config: TrainingConfig,
+    run: Run,
     output_dir: Path,
     model: VanillaTransformerForConditionalGeneration,
-    tokenizer: Any,
     metrics: dict[str, Any],
     samples: list[dict[str, str]],
-    state: dict[str, Any],
-    tokenized: Any,
-    accelerator: Accelerator,
-    *,
-    name: str,
 ) -> None:
-    """The final folder `name`, written into `output_dir`: weights, config + code, tokenizer, generation
-    config, card, curves, metrics."""
+    """The final folder of `run`, written into `output_dir` (a staging folder): weights, config + code,
+    tokenizer, generation config, card, curves, metrics."""
+    config, tokenizer, tokenized, accelerator = run.config, run.tokenizer, run.tokenized, run.accelerator
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     (output_dir / "metrics.json").write_text(json.dumps({"metrics": metrics, "samples": samples}, indent=1))
-    plot_training_curves(state["history"], output_dir / "training_curves.png")
+    plot_training_curves(run.state["history"], output_dir / "training_curves.png")
     # The dataset's own metadata (the embedded corpus ships its own; Hub datasets carry theirs), or for
     # local files their names.
     info = tokenized["train"].info
@@ -1066,7 +1172,7 @@ def write_model_folder(
     }
     write_model_card(
         output_dir,
-        model_name=name,
+        model_name=run.output_dir.name,
         config=model.config,
         metrics={k: v for k, v in card_metrics.items() if v is not None},
         training=training,
