@@ -2,6 +2,7 @@
 
 echo "In the beginning, God created the heavens and the earth." | python scripts/translate.py --model DIR
 python scripts/translate.py --model DIR --input en.txt --output es.txt --num_beams 4
+python scripts/translate.py --model CT2_DIR --engine ctranslate2 < en.txt   # scripts/export_ctranslate2.py
 """
 
 import argparse
@@ -9,10 +10,18 @@ import sys
 
 from vanilla_transformer.cli import positive_int
 from vanilla_transformer.evaluation import load_model_folder
-from vanilla_transformer.translation import translate_lines
+from vanilla_transformer.translation import translate_lines, translate_stream
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--model", required=True, help="model folder (or Hub id)")
+parser.add_argument(
+    "--model", required=True, help="model folder (or Hub id); a CTranslate2 export with --engine"
+)
+parser.add_argument(
+    "--engine",
+    choices=["transformers", "ctranslate2"],
+    default="transformers",
+    help="generate() of the model folder, or a folder from scripts/export_ctranslate2.py",
+)
 parser.add_argument(
     "--input", type=argparse.FileType("r", encoding="utf-8"), default="-", help="default: stdin"
 )
@@ -35,14 +44,31 @@ options = {
     "max_new_tokens": args.max_new_tokens,
     "no_repeat_ngram_size": args.no_repeat_ngram_size,
 }
-try:
-    model, tokenizer = load_model_folder(args.model, args.device)
-except (OSError, ValueError) as error:
-    parser.error(str(error))
 generate_kwargs = {key: value for key, value in options.items() if value is not None}
-for translation in translate_lines(
-    model, tokenizer, args.input, batch_size=args.batch_size, do_sample=args.do_sample, **generate_kwargs
-):
+if args.engine == "ctranslate2":
+    if args.do_sample or args.max_new_tokens is not None:
+        parser.error("--do_sample and --max_new_tokens are for --engine transformers")
+    from vanilla_transformer.export_ctranslate2 import CTranslate2Translator
+
+    try:
+        translator = CTranslate2Translator(args.model, device=args.device or "cpu")
+    except (OSError, ValueError, ImportError, RuntimeError) as error:
+        parser.error(str(error))
+    generate_kwargs.pop("max_new_tokens", None)
+    lines = translate_stream(
+        lambda texts: translator.translate(texts, batch_size=args.batch_size, **generate_kwargs),
+        args.input,
+        window=args.batch_size * 8,
+    )
+else:
+    try:
+        model, tokenizer = load_model_folder(args.model, args.device)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    lines = translate_lines(
+        model, tokenizer, args.input, batch_size=args.batch_size, do_sample=args.do_sample, **generate_kwargs
+    )
+for translation in lines:
     args.output.write(translation + "\n")
     if args.output is sys.stdout:
         sys.stdout.flush()

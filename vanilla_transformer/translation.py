@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -76,20 +76,32 @@ def translate_lines(
 
     Blank lines stay blank (nothing is generated for them), so outputs align with inputs line by line.
     """
+
+    def translate_many(texts: list[str]) -> list[str]:
+        return translate(model, tokenizer, texts, batch_size=batch_size, **generate_kwargs)
+
+    return translate_stream(translate_many, lines, window=batch_size * 8)
+
+
+def translate_stream(
+    translate_many: Callable[[list[str]], list[str]], lines: Iterable[str], *, window: int = 256
+) -> Iterator[str]:
+    """Yield one translation per line of `lines`, translating `window` lines at a time with
+    `translate_many` (any engine: `translate` above, or a CTranslate2 export's). Blank lines stay blank;
+    a larger window lets the engine sort more lines into fuller batches."""
     chunk: list[str] = []
 
     def flush() -> Iterator[str]:
-        texts = [line for line in chunk if line]
-        translated = iter(translate(model, tokenizer, texts, batch_size=batch_size, **generate_kwargs))
+        translated = iter(translate_many([line for line in chunk if line]))
         for line in chunk:
             yield next(translated) if line else ""
 
     for raw in lines:
         chunk.append(raw.rstrip("\r\n").strip())
-        if len(chunk) == batch_size * 8:  # sort within a larger window for fuller batches
+        if len(chunk) == window:
             yield from flush()
             chunk = []
     yield from flush()
 
 
-__all__ = ["translate", "translate_lines"]
+__all__ = ["translate", "translate_lines", "translate_stream"]

@@ -1,0 +1,276 @@
+"""Export a trained model folder to CTranslate2, OpenNMT's C++ inference engine, and translate with it.
+
+CTranslate2 runs the paper's Transformer (post-LN or pre-LN, ReLU, sinusoidal positions) natively and
+much faster than `generate()` on CPU, in float32 or quantized (int8, float16, ...). Its own converters
+know MarianMTModel, BART, fairseq and OpenNMT checkpoints, not this model, so `export_ctranslate2`
+builds the model description (`ctranslate2.specs.TransformerSpec`) from the folder's configuration,
+weights and tokenizer directly:
+
+- post-LN or pre-LN from `norm_first`; the activation; `scale_embedding`; tied or separate output
+  projection; the final logits bias of converted Marian models;
+- position encodings written as a table in this model's own layout (interleaved sin/cos, or
+  concatenated) up to `max_length` positions: the exported model translates sources of at most that
+  many tokens and stops every output there (this model itself has no maximum length);
+- one vocabulary for source and target, the tokenizer's tokens in id order, and the decoder start and
+  end tokens of the model's configuration.
+
+What CTranslate2 cannot represent exactly (separate source and target vocabularies, an activation or a
+layer-norm epsilon it does not have) is refused with the reason. Float32 exports translate token for
+token like `generate()` (tests/test_export_ctranslate2.py); `CTranslate2Translator` applies the same
+decoding rules: beam size, length penalty, each sentence's own source length + 50.
+
+Needs the optional extra: `pip install -e ".[ctranslate2]"`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .modeling_vanilla_transformer import (
+    DEFAULT_MAX_LENGTH_OFFSET,
+    VanillaTransformerForConditionalGeneration,
+    sinusoidal_position_encoding,
+)
+from .publishing import publish_folder
+
+QUANTIZATIONS = (
+    "int8",
+    "int8_float32",
+    "int8_float16",
+    "int8_bfloat16",
+    "int16",
+    "float16",
+    "bfloat16",
+    "float32",
+)
+# The decoding rules the export carries (CTranslate2's model folder has no generation config of its own).
+SETTINGS_FILE = "vanilla_transformer_decoding.json"
+DEFAULT_MAX_POSITIONS = 1024
+# transformers' activation names -> CTranslate2's (ctranslate2.specs.Activation member names)
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_new": "GELUTanh", "gelu_pytorch_tanh": "GELUTanh"}
+ACTIVATIONS |= {"silu": "SWISH", "swish": "SWISH"}
+
+
+def _ctranslate2() -> Any:
+    try:
+        import ctranslate2
+    except ImportError as error:  # an optional extra
+        raise ImportError(
+            'Exporting to CTranslate2 needs the `ctranslate2` package: pip install -e ".[ctranslate2]"'
+        ) from error
+    return ctranslate2
+
+
+def check_exportable(config: VanillaTransformerConfig) -> None:
+    """Raise a ValueError naming what CTranslate2's Transformer cannot represent exactly."""
+    problems = []
+    if not config.share_encoder_decoder_embeddings or config.decoder_vocab_size != config.vocab_size:
+        problems.append("separate source and target vocabularies (the export writes one vocabulary)")
+    if config.activation_function not in ACTIVATIONS:
+        problems.append(f"the activation {config.activation_function!r} (supported: {sorted(ACTIVATIONS)})")
+    if problems:
+        raise ValueError("This model cannot be exported to CTranslate2 exactly: " + "; ".join(problems) + ".")
+
+
+def _linear(spec: Any, layer: torch.nn.Linear) -> None:
+    spec.weight = layer.weight.detach()
+    if layer.bias is not None:
+        spec.bias = layer.bias.detach()
+
+
+def _layer_norm(spec: Any, norm: torch.nn.LayerNorm) -> None:
+    spec.gamma, spec.beta = norm.weight.detach(), norm.bias.detach()
+
+
+def _attention(spec: Any, attention: Any, self_attention: bool) -> None:
+    """CTranslate2 keeps self-attention's Q, K, V as one fused matrix, cross-attention's K, V as one."""
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    weights = [p.weight.detach() for p in projections]
+    biases = [p.bias.detach() for p in projections]
+    if self_attention:
+        spec.linear[0].weight, spec.linear[0].bias = torch.cat(weights), torch.cat(biases)
+    else:
+        spec.linear[0].weight, spec.linear[0].bias = weights[0], biases[0]
+        spec.linear[1].weight, spec.linear[1].bias = torch.cat(weights[1:]), torch.cat(biases[1:])
+    _linear(spec.linear[-1], attention.out_proj)
+
+
+def _stack(spec: Any, stack: Any, positions: torch.Tensor, decoder: bool) -> None:
+    config = stack.config
+    spec.scale_embeddings = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+    spec.position_encodings.encodings = positions
+    embeddings = spec.embeddings if decoder else spec.embeddings[0]
+    embeddings.weight = stack.embed_tokens.weight.detach()
+    if stack.layer_norm is not None:  # pre-LN: a final LayerNorm after the stack
+        _layer_norm(spec.layer_norm, stack.layer_norm)
+    for layer_spec, layer in zip(spec.layer, stack.layers, strict=True):
+        _attention(layer_spec.self_attention, layer.self_attn, self_attention=True)
+        _layer_norm(layer_spec.self_attention.layer_norm, layer.self_attn_layer_norm)
+        if decoder:
+            _attention(layer_spec.attention, layer.encoder_attn, self_attention=False)
+            _layer_norm(layer_spec.attention.layer_norm, layer.encoder_attn_layer_norm)
+        _linear(layer_spec.ffn.linear_0, layer.fc1)
+        _linear(layer_spec.ffn.linear_1, layer.fc2)
+        _layer_norm(layer_spec.ffn.layer_norm, layer.final_layer_norm)
+
+
+def ctranslate2_spec(
+    model: VanillaTransformerForConditionalGeneration, tokenizer: Any, max_positions: int
+) -> Any:
+    """The `ctranslate2.specs.TransformerSpec` of `model` (weights shared, not copied), with the
+    tokenizer's vocabulary in id order and position encodings for `max_positions` positions."""
+    ctranslate2 = _ctranslate2()
+    config = model.config
+    check_exportable(config)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    if len(tokens) != config.vocab_size:
+        raise ValueError(
+            f"The tokenizer has {len(tokens)} tokens but the model's vocabulary is {config.vocab_size}."
+        )
+    spec = ctranslate2.specs.TransformerSpec.from_config(
+        (config.num_encoder_layers, config.num_decoder_layers),
+        config.num_heads,
+        pre_norm=config.norm_first,
+        activation=getattr(ctranslate2.specs.Activation, ACTIVATIONS[config.activation_function]),
+    )
+    positions = sinusoidal_position_encoding(
+        torch.arange(max_positions), config.d_model, config.position_encoding_layout
+    )
+    _stack(spec.encoder, model.model.encoder, positions, decoder=False)
+    _stack(spec.decoder, model.model.decoder, positions, decoder=True)
+    _linear(spec.decoder.projection, model.lm_head)  # the embedding matrix itself when tied
+    if model.final_logits_bias is not None:
+        spec.decoder.projection.bias = model.final_logits_bias.detach()[0]
+    spec.register_source_vocabulary(list(tokens))
+    spec.register_target_vocabulary(list(tokens))
+    spec.config.bos_token = tokens[config.bos_token_id]
+    spec.config.eos_token = tokens[config.eos_token_id]
+    spec.config.decoder_start_token = tokens[config.decoder_start_token_id]
+    if tokenizer.unk_token is not None:
+        spec.config.unk_token = tokenizer.unk_token
+    spec.config.layer_norm_epsilon = config.layer_norm_eps
+    return spec
+
+
+def export_ctranslate2(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    quantization: str | None = None,
+    max_positions: int = DEFAULT_MAX_POSITIONS,
+) -> Path:
+    """Write the CTranslate2 model of the model folder `model_dir` to `output_dir`, with its tokenizer and
+    decoding settings beside it; the folder appears whole or not at all (an old one is replaced)."""
+    from .evaluation import load_model_folder
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
+    if max_positions < 2:
+        raise ValueError(f"max_positions must be at least 2, got {max_positions}.")
+    model, tokenizer = load_model_folder(str(model_dir), "cpu")
+    model = model.float()
+    spec = ctranslate2_spec(model, tokenizer, max_positions)
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    generation = model.generation_config
+    settings = {
+        "max_positions": max_positions,
+        "quantization": quantization or "float32",
+        # unset fields: transformers' defaults (greedy, length penalty 1)
+        "num_beams": generation.num_beams or 1,
+        "length_penalty": 1.0 if generation.length_penalty is None else generation.length_penalty,
+        "max_length_offset": getattr(generation, "max_length_offset", None) or DEFAULT_MAX_LENGTH_OFFSET,
+        "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
+        "source_model": str(model_dir),
+    }
+    output_dir = Path(output_dir)
+    with publish_folder(output_dir) as staging:
+        spec.save(str(staging))
+        tokenizer.save_pretrained(staging)
+        (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
+    return output_dir
+
+
+class CTranslate2Translator:
+    """Translate with an exported folder the way `translation.translate` does with `generate()`:
+    the folder's tokenizer, beam size and length penalty, each sentence stopped after its own source
+    length + `max_length_offset` new tokens (counting the end token, as `generate` does)."""
+
+    def __init__(
+        self, export_dir: str | Path, *, device: str = "cpu", compute_type: str = "default", **kwargs: Any
+    ):
+        from transformers import AutoTokenizer
+
+        ctranslate2 = _ctranslate2()
+        export_dir = Path(export_dir)
+        settings_file = export_dir / SETTINGS_FILE
+        if not settings_file.is_file():
+            raise ValueError(
+                f"{export_dir} is not a folder written by export_ctranslate2 (no {SETTINGS_FILE})."
+            )
+        self.settings = json.loads(settings_file.read_text())
+        self.tokenizer = AutoTokenizer.from_pretrained(export_dir)
+        self.translator = ctranslate2.Translator(
+            str(export_dir), device=device, compute_type=compute_type, **kwargs
+        )
+
+    def translate(
+        self,
+        sentences: Sequence[str],
+        *,
+        batch_size: int = 32,
+        num_beams: int | None = None,
+        length_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+    ) -> list[str]:
+        """Translations of `sentences`, in order. Sentences of equal token length share batches, so that
+        each keeps the paper's limit of its own length + 50 (CTranslate2 takes one limit per call)."""
+        if isinstance(sentences, str):
+            raise ValueError(
+                "`sentences` must be a sequence of strings, not a single string; wrap it in a list."
+            )
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
+        settings = self.settings
+        sources = [
+            self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(list(sentences))["input_ids"]
+        ]
+        longest = max((len(s) for s in sources), default=0)
+        if longest > settings["max_positions"]:
+            raise ValueError(
+                f"A sentence has {longest} tokens; the exported model's position table holds "
+                f"{settings['max_positions']} (export again with a larger --max_positions)."
+            )
+        options = {
+            "beam_size": num_beams or settings["num_beams"],
+            "length_penalty": settings["length_penalty"] if length_penalty is None else length_penalty,
+            "no_repeat_ngram_size": settings["no_repeat_ngram_size"]
+            if no_repeat_ngram_size is None
+            else no_repeat_ngram_size,
+            "max_input_length": 0,  # no truncation: checked against the position table above
+        }
+        by_length: dict[int, list[int]] = {}
+        for index, tokens in enumerate(sources):
+            by_length.setdefault(len(tokens), []).append(index)
+        outputs: dict[int, str] = {}
+        for length, indices in by_length.items():
+            limit = min(length + settings["max_length_offset"], settings["max_positions"])
+            for start in range(0, len(indices), batch_size):
+                chunk = indices[start : start + batch_size]
+                results = self.translator.translate_batch(
+                    [sources[i] for i in chunk], max_decoding_length=limit, **options
+                )
+                for i, result in zip(chunk, results, strict=True):
+                    ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
+                    outputs[i] = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        return [outputs[i] for i in range(len(sources))]
+
+
+__all__ = ["CTranslate2Translator", "check_exportable", "ctranslate2_spec", "export_ctranslate2"]
