@@ -25,6 +25,12 @@ parser.add_argument("--repeats", type=int, default=5, help="timed runs of each g
 parser.add_argument("--attention_lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
 parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument(
+    "--deploy",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="also time CTranslate2 float32/int8 exports beside both models' generate(), each in its own process",
+)
+parser.add_argument(
     "--compile",
     action=argparse.BooleanOptionalAction,
     default=False,
@@ -44,6 +50,7 @@ results = run(
     attention_lengths=args.attention_lengths,
     memory=args.memory,
     with_compile=args.compile,
+    deploy=args.deploy and args.device == "cpu",
     plot_path=args.plot if args.attention_lengths else None,
 )
 print(format_tables(results))

@@ -1,13 +1,18 @@
 """The benchmark compares like with like: MarianMTModel of the same shape, the same batches."""
 
+import os
+
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import tiny_config
 from tools.benchmark import (
+    ENGINES,
     benchmark_generate,
     build_model,
     corpus_batches,
+    deployment,
     dropout_timing,
     format_tables,
     generate_forward_share,
@@ -94,3 +99,14 @@ def test_dropout_timing_compares_both_implementations():
     timings = dropout_timing((64, 32), repeats=2)
     assert set(timings) == {"F.dropout", "vanilla_transformer dropout"}
     assert all(seconds > 0 for seconds in timings.values())
+
+
+def test_deployment_times_every_engine_and_checks_the_float32_export():
+    """Each engine in its own process on the same weights; CTranslate2 float32 must give our tokens."""
+    pytest.importorskip("ctranslate2")
+    table = deployment(tiny_config(vocab_size=300), repeats=1)
+    assert set(table) == {"greedy batch 1", "beam 4 batch 1", "greedy batch 32", "beam 4 batch 32"}
+    for setting, engines in table.items():
+        assert engines["float32 export identical"], setting
+        assert all(engines[engine]["seconds"] > 0 for engine in ENGINES)
+        assert engines["ctranslate2 int8"]["threads"] in (1, os.cpu_count())

@@ -517,6 +517,118 @@ def plot_attention_scaling(rows: Sequence[dict[str, Any]], path: str | Path) -> 
     return path
 
 
+# Deployment: each engine in its own process --------------------------------------------------------
+# torch's OpenMP threads keep spinning after each call and slow another engine in the same process
+# several-fold, so every engine is timed in a fresh child process, on the same weights and inputs.
+
+ENGINES = ("ours", "marian", "ctranslate2 float32", "ctranslate2 int8")
+DEPLOY_SETTINGS = ((1, 1), (1, 4), (32, 1), (32, 4))  # (batch size, beams)
+
+
+class NumberedVocabulary:
+    """A stand-in tokenizer for exporting random weights: token i is named "<i>"."""
+
+    def __init__(self, size: int):
+        self.size, self.unk_token = size, "<3>"
+
+    def __len__(self) -> int:
+        return self.size
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [f"<{i}>" for i in ids]
+
+
+def prepare_deployment(config: VanillaTransformerConfig, folder: Path) -> None:
+    """The same random weights as this package's model folder and as CTranslate2 float32 and int8 exports."""
+    from vanilla_transformer.export_ctranslate2 import ctranslate2_spec
+
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(config).eval()
+    model.save_pretrained(folder / "ours")
+    for quantization in ("float32", "int8"):
+        spec = ctranslate2_spec(model, NumberedVocabulary(config.vocab_size), max_positions=256)
+        spec.validate()
+        spec.optimize(quantization=quantization)
+        (folder / f"ctranslate2 {quantization}").mkdir()
+        spec.save(str(folder / f"ctranslate2 {quantization}"))
+
+
+def deployment_sources(config: VanillaTransformerConfig) -> dict[str, list[list[int]]]:
+    """Random `GENERATE_LENGTH`-token sources ending with the end token, per "batch beams" setting."""
+    sources = {}
+    for batch_size, beams in DEPLOY_SETTINGS:
+        generator = torch.Generator().manual_seed(0)
+        source = torch.randint(4, config.vocab_size, (batch_size, GENERATE_LENGTH), generator=generator)
+        source[:, -1] = config.eos_token_id
+        sources[f"{batch_size} {beams}"] = source.tolist()
+    return sources
+
+
+def generate_latency(engine: str, folder: str, repeats: int) -> dict[str, Any]:
+    """Median seconds of `generate()` for each setting (exactly `GENERATE_LENGTH` new tokens), with the
+    output ids; this model's saved weights or a MarianMTModel of the same shape (a child process)."""
+    root = Path(folder)
+    config = VanillaTransformerConfig.from_pretrained(root / "ours")
+    if engine == "ours":
+        model = VanillaTransformerForConditionalGeneration.from_pretrained(root / "ours").eval()
+    else:
+        model = build_model("marian", config, "cpu", torch.float32).eval()
+    results: dict[str, Any] = {}
+    for key, rows in json.loads((root / "sources.json").read_text()).items():
+        source, beams = torch.tensor(rows), int(key.split()[1])
+        options = {"num_beams": beams, "do_sample": False, "max_new_tokens": GENERATE_LENGTH}
+        options["min_new_tokens"] = GENERATE_LENGTH
+        with torch.inference_mode():
+            outputs = model.generate(source, **options)[:, 1:].tolist()  # warm-up
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                model.generate(source, **options)
+                times.append(time.perf_counter() - started)
+        results[key] = {"seconds": statistics.median(times), "tokens": outputs}
+    return results
+
+
+def deployment(config: VanillaTransformerConfig, repeats: int) -> dict[str, Any]:
+    """Latency and sentences per second of `generate()` (this model, MarianMTModel) and of CTranslate2
+    float32 and int8 exports of this model's weights, each engine alone in its own process; and whether
+    the float32 export produced exactly this model's tokens."""
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as folder:
+        prepare_deployment(config, Path(folder))
+        (Path(folder) / "sources.json").write_text(json.dumps(deployment_sources(config)))
+        measured = {}
+        for engine in ENGINES:
+            if engine.startswith("ctranslate2"):  # a process without torch
+                command = ["tools/ctranslate2_latency.py", str(Path(folder) / engine)]
+                command += [str(Path(folder) / "sources.json"), str(repeats)]
+            else:
+                command = ["-c", "import json; from tools.benchmark import generate_latency; "]
+                command[1] += f"print(json.dumps(generate_latency({engine!r}, {folder!r}, {repeats})))"
+            result = subprocess.run(
+                [sys.executable, *command], capture_output=True, text=True, check=True, cwd=root
+            )
+            measured[engine] = json.loads(result.stdout.strip().splitlines()[-1])
+    table: dict[str, Any] = {}
+    for batch_size, beams in DEPLOY_SETTINGS:
+        key = f"{batch_size} {beams}"
+        name = f"{'greedy' if beams == 1 else 'beam 4'} batch {batch_size}"
+        table[name] = {
+            engine: {
+                "seconds": m[key]["seconds"],
+                "sentences_per_s": batch_size / m[key]["seconds"],
+                **({"threads": m[key]["threads"]} if "threads" in m[key] else {}),
+            }
+            for engine, m in measured.items()
+        }
+        table[name]["float32 export identical"] = (
+            measured["ctranslate2 float32"][key]["tokens"] == measured["ours"][key]["tokens"]
+        )
+    return table
+
+
 def run(
     presets: Sequence[str] = ("tiny", "base"),
     *,
@@ -529,6 +641,7 @@ def run(
     attention_lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
     memory: bool = True,
     with_compile: bool = False,
+    deploy: bool = True,
     plot_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every measurement, as a dict (what `--json` writes)."""
@@ -587,6 +700,8 @@ def run(
             entry["peak training memory"] = {
                 kind: peak_memory(kind, preset, max_tokens, device, dtype) for kind in MODELS
             }
+        if deploy:
+            entry["deployment"] = deployment(config, repeats)
         results["presets"][preset] = entry
         del models
     policy = linear_kernel()
@@ -686,6 +801,27 @@ def format_tables(results: dict[str, Any]) -> str:
                     f"| {preset} | peak training memory (MiB) | {ours / 2**20:,.0f} | {marian / 2**20:,.0f} "
                     f"| {ours / max(marian, 1):.2f}x |"
                 )
+    for preset, entry in results["presets"].items():
+        if "deployment" not in entry:
+            continue
+        lines += [
+            "",
+            f"Deployment, {preset}: milliseconds per generate()/translate_batch call (sentences per second), "
+            "each engine alone in its own process; CTranslate2 with the faster of 1 thread and one per core",
+            "",
+            "| setting | ours generate() | MarianMTModel generate() | CTranslate2 float32 | CTranslate2 int8 "
+            "| float32 speed-up over Marian | float32 output identical to ours |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for setting, engines in entry["deployment"].items():
+            cells = []
+            for engine in ENGINES:
+                value = engines[engine]
+                threads = f", {value['threads']} thr" if "threads" in value else ""
+                cells.append(f"{value['seconds'] * 1e3:,.1f} ({value['sentences_per_s']:,.1f}/s{threads})")
+            speedup = engines["marian"]["seconds"] / engines["ctranslate2 float32"]["seconds"]
+            identical = "yes" if engines["float32 export identical"] else "NO"
+            lines.append(f"| {setting} | " + " | ".join(cells) + f" | {speedup:.1f}x | {identical} |")
     if "linear_kernel" in results:
         kernel = results["linear_kernel"]
         chosen = [c for c in kernel["onednn_chosen"] if c["onednn"]]
