@@ -653,6 +653,33 @@ def plain_linear(head: nn.Module) -> bool:
     )
 
 
+def loss_without_logits(
+    model: nn.Module,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None,
+    label_smoothed_cross_entropy: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """The model's label-smoothed loss from its final decoder states (B, T, D), computing logits only at
+    labelled positions (on CPU; on an accelerator selecting them would wait for the device) and, when
+    the output projection is a plain linear layer, in chunks without keeping (N, V) logits."""
+    targets = labels.to(hidden_states.device)
+    smoothing = model.config.label_smoothing
+    if reads_are_free(targets):
+        kept = targets != -100
+        hidden_states, targets = hidden_states[kept], targets[kept]  # (N, D), (N,)
+        if plain_linear(model.lm_head):
+            bias = None if model.final_logits_bias is None else model.final_logits_bias[0]
+            weight = model.lm_head.weight
+            return projected_label_smoothed_loss(
+                hidden_states, weight, bias, targets, smoothing, num_items_in_batch
+            )
+    logits = model.project(hidden_states)
+    return label_smoothed_cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), smoothing, num_items_in_batch
+    )
+
+
 class LeanGenerationSteps:
     """Two `GenerationMixin` hooks with less work per decoding step; the model class inherits them
     before `GenerationMixin`."""
@@ -757,6 +784,7 @@ __all__ = [
     "linear",
     "linear_kernel",
     "loss_dtype",
+    "loss_without_logits",
     "matmul_attention",
     "merge_heads",
     "per_item",

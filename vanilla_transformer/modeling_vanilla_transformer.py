@@ -57,10 +57,9 @@ from .kernels_vanilla_transformer import (
     dropout,
     identity,
     loss_dtype,
+    loss_without_logits,
     merge_heads,
     per_item,
-    plain_linear,
-    projected_label_smoothed_loss,
     reads_are_free,
     split_heads,
 )
@@ -349,10 +348,11 @@ def may_read(mask: torch.Tensor | None) -> bool:
     return mask is None or reads_are_free(mask)
 
 
-class VanillaTransformerEncoder(nn.Module):
-    """The encoder: embeddings x sqrt(d_model) + positions, dropout, then N encoder layers (Section 3.1)."""
+class VanillaTransformerStack(nn.Module):
+    """What encoder and decoder share: token embeddings x sqrt(d_model) + sinusoidal positions (Sections
+    3.4, 3.5), dropout, N layers, and with pre-LN a final LayerNorm."""
 
-    def __init__(self, config: VanillaTransformerConfig, embed_tokens: nn.Embedding):
+    def __init__(self, config: VanillaTransformerConfig, embed_tokens: nn.Embedding, layers: list[nn.Module]):
         super().__init__()
         self.config = config
         self.embed_tokens = embed_tokens
@@ -361,12 +361,18 @@ class VanillaTransformerEncoder(nn.Module):
             config.d_model, config.position_encoding_layout, sinusoidal_position_encoding
         )
         self.dropout = config.dropout
-        self.layers = nn.ModuleList(
-            VanillaTransformerEncoderLayer(config) for _ in range(config.num_encoder_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.layer_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
         )
+
+
+class VanillaTransformerEncoder(VanillaTransformerStack):
+    """The encoder: embeddings x sqrt(d_model) + positions, dropout, then N encoder layers (Section 3.1)."""
+
+    def __init__(self, config: VanillaTransformerConfig, embed_tokens: nn.Embedding):
+        layers = [VanillaTransformerEncoderLayer(config) for _ in range(config.num_encoder_layers)]
+        super().__init__(config, embed_tokens, layers)
 
     def forward(
         self,
@@ -430,27 +436,17 @@ class VanillaTransformerEncoder(nn.Module):
         )
 
 
-class VanillaTransformerDecoder(nn.Module):
+class VanillaTransformerDecoder(VanillaTransformerStack):
     """The decoder: shifted target embeddings + positions, then N decoder layers (Section 3.1).
 
     Positions continue from the cache length during incremental decoding.
     """
 
     def __init__(self, config: VanillaTransformerConfig, embed_tokens: nn.Embedding):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = embed_tokens
-        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.position_table = PositionTable(
-            config.d_model, config.position_encoding_layout, sinusoidal_position_encoding
-        )
-        self.dropout = config.dropout
-        self.layers = nn.ModuleList(
+        layers = [
             VanillaTransformerDecoderLayer(config, layer_idx=i) for i in range(config.num_decoder_layers)
-        )
-        self.layer_norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
-        )
+        ]
+        super().__init__(config, embed_tokens, layers)
 
     def forward(
         self,
@@ -832,26 +828,10 @@ class VanillaTransformerForConditionalGeneration(
         )
         hidden_states = outputs.last_hidden_state  # (B, T, D)
         loss = logits = None
-        if labels is not None and not return_logits:  # the loss alone, on labelled positions
-            targets = labels.to(hidden_states.device)
-            smoothing = self.config.label_smoothing
-            if reads_are_free(targets):  # on an accelerator, selecting them would wait for the device
-                kept = targets != -100
-                hidden_states, targets = hidden_states[kept], targets[kept]  # (N, D), (N,)
-                if plain_linear(self.lm_head):  # in chunks, no (N, V) logits kept
-                    bias = None if self.final_logits_bias is None else self.final_logits_bias[0]
-                    weight = self.lm_head.weight
-                    loss = projected_label_smoothed_loss(
-                        hidden_states, weight, bias, targets, smoothing, num_items_in_batch
-                    )
-            if loss is None:
-                projected = self.project(hidden_states)
-                loss = label_smoothed_cross_entropy(
-                    projected.reshape(-1, projected.shape[-1]),
-                    targets.reshape(-1),
-                    smoothing,
-                    num_items_in_batch,
-                )
+        if labels is not None and not return_logits:  # the loss alone, see `loss_without_logits`
+            loss = loss_without_logits(
+                self, hidden_states, labels, num_items_in_batch, label_smoothed_cross_entropy
+            )
         else:
             logits = self.project(hidden_states)  # (B, T, V)
             if labels is not None:
