@@ -54,7 +54,6 @@ if args.engine == "ctranslate2":
         translator = CTranslate2Translator(args.model, device=args.device or "cpu")
     except (OSError, ValueError, ImportError, RuntimeError) as error:
         parser.error(str(error))
-    generate_kwargs.pop("max_new_tokens", None)
     lines = translate_stream(
         lambda texts: translator.translate(texts, batch_size=args.batch_size, **generate_kwargs),
         args.input,

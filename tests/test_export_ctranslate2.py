@@ -129,6 +129,9 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         CTranslate2Translator(tmp_path / "ct2").translate(
             ["a sentence that is much longer than eight tokens surely"]
         )
+    assert CTranslate2Translator(tmp_path / "ct2").translate([]) == []
+    with pytest.raises(ValueError, match=r"sentences\[0\] is a int"):
+        CTranslate2Translator(tmp_path / "ct2").translate([3])
     with pytest.raises(ValueError, match="not a folder written by export_ctranslate2"):
         CTranslate2Translator(tmp_path / "model")
 

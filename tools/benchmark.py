@@ -11,11 +11,13 @@ a GPU, CUDA's peak allocation above the allocation before the steps).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -289,8 +291,13 @@ def generation_inputs(
     generator = torch.Generator().manual_seed(0)
     vocab = next(iter(models.values())).config.vocab_size
     source = torch.randint(4, vocab, (batch_size, GENERATE_LENGTH), generator=generator).to(device)
+    return source, generate_options(num_beams)
+
+
+def generate_options(num_beams: int) -> dict[str, Any]:
+    """`generate` options for exactly `GENERATE_LENGTH` new tokens, no sampling."""
     length = {"max_new_tokens": GENERATE_LENGTH, "min_new_tokens": GENERATE_LENGTH}
-    return source, {"num_beams": num_beams, "do_sample": False, **length}
+    return {"num_beams": num_beams, "do_sample": False, **length}
 
 
 def benchmark_generate(
@@ -575,17 +582,11 @@ def generate_latency(engine: str, folder: str, repeats: int) -> dict[str, Any]:
         model = build_model("marian", config, "cpu", torch.float32).eval()
     results: dict[str, Any] = {}
     for key, rows in json.loads((root / "sources.json").read_text()).items():
-        source, beams = torch.tensor(rows), int(key.split()[1])
-        options = {"num_beams": beams, "do_sample": False, "max_new_tokens": GENERATE_LENGTH}
-        options["min_new_tokens"] = GENERATE_LENGTH
+        source, options = torch.tensor(rows), generate_options(int(key.split()[1]))
         with torch.inference_mode():
             outputs = model.generate(source, **options)[:, 1:].tolist()  # warm-up
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                model.generate(source, **options)
-                times.append(time.perf_counter() - started)
-        results[key] = {"seconds": statistics.median(times), "tokens": outputs}
+            seconds = median_time(functools.partial(model.generate, source, **options), "cpu", repeats)
+        results[key] = {"seconds": seconds, "tokens": outputs}
     return results
 
 
@@ -593,8 +594,6 @@ def deployment(config: VanillaTransformerConfig, repeats: int) -> dict[str, Any]
     """Latency and sentences per second of `generate()` (this model, MarianMTModel) and of CTranslate2
     float32 and int8 exports of this model's weights, each engine alone in its own process; and whether
     the float32 export produced exactly this model's tokens."""
-    import tempfile
-
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as folder:
         prepare_deployment(config, Path(folder))

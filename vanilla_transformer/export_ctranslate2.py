@@ -39,6 +39,7 @@ from .modeling_vanilla_transformer import (
     sinusoidal_position_encoding,
 )
 from .publishing import publish_folder
+from .translation import checked_sentences
 
 QUANTIZATIONS = (
     "int8",
@@ -232,15 +233,12 @@ class CTranslate2Translator:
     ) -> list[str]:
         """Translations of `sentences`, in order. Sentences of equal token length share batches, so that
         each keeps the paper's limit of its own length + 50 (CTranslate2 takes one limit per call)."""
-        if isinstance(sentences, str):
-            raise ValueError(
-                "`sentences` must be a sequence of strings, not a single string; wrap it in a list."
-            )
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
+        sentences = checked_sentences(sentences, batch_size)
+        if not sentences:
+            return []
         settings = self.settings
         sources = [
-            self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(list(sentences))["input_ids"]
+            self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(sentences)["input_ids"]
         ]
         longest = max((len(s) for s in sources), default=0)
         if longest > settings["max_positions"]:

@@ -575,7 +575,7 @@ def full_copy(model: Any, like: VanillaTransformerForConditionalGeneration) -> A
 
 # The run ------------------------------------------------------------------------------------------
 # `train` reads like accelerate's examples: `start` (accelerator, data, model, resume), the loop of
-# `update`s with logging, validation and checkpoints, `finalise` (averaging, validation), `test_scores`
+# `update`s with logging, validation and checkpoints, `finalise` (averaging, validation), `score_test_split`
 # and `publish`. `Run` carries what they share.
 
 
@@ -606,8 +606,7 @@ class Run:
         return self.accelerator.distributed_type == DistributedType.FSDP
 
     def log(self, message: str) -> None:
-        if self.accelerator.is_main_process:
-            logger.info(message)
+        log_main(self.accelerator, message)
 
     def model_to_evaluate(self) -> Any:
         """The model as evaluation sees it: the training model, or under FSDP an unsharded copy."""
@@ -634,12 +633,18 @@ class Run:
         return {"val_loss": losses["loss"], "val_ppl": losses["ppl"], "val_bleu": bleu}
 
 
+def log_main(accelerator: Accelerator, message: str) -> None:
+    """Log on the main process only."""
+    if accelerator.is_main_process:
+        logger.info(message)
+
+
 def train(config: TrainingConfig) -> dict[str, Any]:
     """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`)."""
     run = start(config)
     stopped = train_loop(run)
     final, metrics = finalise(run, stopped)
-    samples = test_scores(run, final, metrics)
+    samples = score_test_split(run, final, metrics)
     if run.accelerator.is_main_process:
         publish(run, final, metrics, samples)
     run.accelerator.wait_for_everyone()
@@ -696,7 +701,10 @@ def start(config: TrainingConfig) -> Run:
     machine = describe_machine(measure=accelerator.device.type == "cpu" and accelerator.is_main_process)
     if accelerator.device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(accelerator.device)
-    log = (lambda message: logger.info(message)) if accelerator.is_main_process else (lambda message: None)
+
+    def log(message: str) -> None:
+        log_main(accelerator, message)
+
     log(f"machine: {format_machine(machine)}" + (f", {machine['gpu']}" if "gpu" in machine else ""))
     set_seed(config.seed)
 
@@ -1005,7 +1013,7 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
     return final, metrics
 
 
-def test_scores(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict[str, str]]:
+def score_test_split(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict[str, str]]:
     """Score the final model on the test split (the validation split when there is none) into `metrics`;
     returns five sample translations."""
     config, data = run.config, run.data

@@ -9,6 +9,19 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
+def checked_sentences(sentences: Sequence[str], batch_size: int) -> list[str]:
+    """`sentences` as a list, after the checks every translation engine makes at its boundary."""
+    if isinstance(sentences, str):
+        raise ValueError("`sentences` must be a sequence of strings, not a single string; wrap it in a list.")
+    sentences = list(sentences)
+    for index, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise ValueError(f"sentences[{index}] is a {type(sentence).__name__}, not a str.")
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
+    return sentences
+
+
 def translate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -25,14 +38,7 @@ def translate(
     source length + 50 for this package's models; that length is the longest source in the batch).
     The model runs in eval mode and under `torch.inference_mode()`; its train/eval state is restored.
     """
-    if isinstance(sentences, str):
-        raise ValueError("`sentences` must be a sequence of strings, not a single string; wrap it in a list.")
-    sentences = list(sentences)
-    for index, sentence in enumerate(sentences):
-        if not isinstance(sentence, str):
-            raise ValueError(f"sentences[{index}] is a {type(sentence).__name__}, not a str.")
-    if batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
+    sentences = checked_sentences(sentences, batch_size)
     if not sentences:
         return []
 
@@ -104,4 +110,4 @@ def translate_stream(
     yield from flush()
 
 
-__all__ = ["translate", "translate_lines", "translate_stream"]
+__all__ = ["checked_sentences", "translate", "translate_lines", "translate_stream"]
