@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tests.conftest import tiny_config
 from tools.benchmark import (
     ENGINES,
+    GENERATE_LENGTH,
     benchmark_generate,
     build_model,
     corpus_batches,
@@ -16,6 +17,7 @@ from tools.benchmark import (
     dropout_timing,
     format_tables,
     generate_forward_share,
+    generate_options,
     marian_like,
     step_flops,
     training_loss,
@@ -38,6 +40,22 @@ def test_marian_counterpart_has_the_same_architecture_and_size():
     assert (
         models["marian"].config._attn_implementation == models["ours"].config._attn_implementation == "sdpa"
     )
+
+
+@pytest.mark.parametrize("suppress_end", [False, True])
+def test_both_models_generate_exactly_the_benchmark_length(suppress_end):
+    """Without an end token, or with it forbidden before the length: never shorter, never longer, even
+    for models that would rather end at once (a large bias on the end token's logit)."""
+    config = tiny_config(add_final_logits_bias=True)
+    source = torch.randint(3, 99, (1, 5), generator=torch.Generator().manual_seed(0))
+    for kind in ("ours", "marian"):
+        model = build_model(kind, config, "cpu", torch.float32).eval()
+        with torch.no_grad():
+            model.final_logits_bias[0, config.eos_token_id] = 100.0
+        assert model.generate(source, max_new_tokens=GENERATE_LENGTH).shape[1] < 1 + GENERATE_LENGTH
+        for beams in (1, 2):
+            output = model.generate(source, **generate_options(beams, suppress_end=suppress_end))
+            assert output.shape == (1, 1 + GENERATE_LENGTH)
 
 
 def test_batches_generate_timings_and_tables():

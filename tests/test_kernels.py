@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tests.conftest import assert_same_up_to_rounding, tiny_model
 from vanilla_transformer import kernels_vanilla_transformer as kernels
@@ -181,6 +182,66 @@ def test_model_outputs_agree_between_kernels(policy):
     assert_same_up_to_rounding(results["onednn"][0], results["torch"][0], 6 * 128)
     assert torch.equal(results["onednn"][1], results["torch"][1])
     assert policy[1], "oneDNN was never called"
+
+
+@needs_onednn
+@pytest.mark.skipif(kernels.linear_kernel().reorder is None, reason="no oneDNN weight reordering here")
+def test_reordered_copies_follow_their_weights(policy):
+    """oneDNN's copy of a matrix in its own layout is kept, one per matrix, remade when the matrix is
+    written in place or given new storage or when the row count changes, and freed with the matrix."""
+    state, shapes = policy
+    kernels.set_linear_kernel("onednn")
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
+    layouts = state.layouts
+    before = len(layouts)
+
+    def check(inputs, weight):
+        assert_same_up_to_rounding(kernels.linear(inputs, weight, bias), F.linear(inputs, weight, bias), 24)
+
+    with torch.no_grad():
+        for rows in (1, 8, 8, 3):
+            check(torch.randn(rows, 24, generator=generator), weight)
+        assert len(layouts) == before + 1  # one copy, for the latest row count
+        weight.mul_(-2)  # in place, as an optimiser step or load_state_dict would
+        check(torch.randn(3, 24, generator=generator), weight)
+        weight.data = torch.randn(40, 24, generator=generator)  # new storage, same tensor object
+        check(torch.randn(3, 24, generator=generator), weight)
+    assert len(shapes) == 6
+    del weight
+    assert len(layouts) == before
+    with torch.inference_mode():  # inference tensors have no version counter: used as they are
+        frozen = torch.randn(40, 24)
+        inputs = torch.randn(2, 24)
+        assert_same_up_to_rounding(kernels.linear(inputs, frozen), F.linear(inputs, frozen), 24)
+    assert len(layouts) == before
+
+
+def test_joint_projection_equals_the_separate_layers():
+    """Q, K and V of a decoding step from one product with the matrices stacked: the same as three
+    products, following in-place weight changes; not used with gradients, hooks or mixed biases."""
+    torch.manual_seed(0)
+    layers = (kernels.Linear(24, 24), kernels.Linear(24, 24), kernels.Linear(24, 24))
+    inputs = torch.randn(3, 1, 24)
+    with torch.no_grad():
+        for _ in range(2):
+            joint = kernels.joint_projection(inputs, layers)
+            assert joint is not None and len(joint) == 3
+            for got, layer in zip(joint, layers, strict=True):
+                assert_same_up_to_rounding(got, F.linear(inputs, layer.weight, layer.bias), 24)
+            layers[1].weight.mul_(3)  # the next round must see it
+        bias_free = (kernels.Linear(24, 8, bias=False), nn.Linear(24, 16, bias=False))
+        joint = kernels.joint_projection(inputs, bias_free)
+        assert [t.shape[-1] for t in joint] == [8, 16]
+        torch.testing.assert_close(joint[1], F.linear(inputs, bias_free[1].weight))
+        assert kernels.joint_projection(inputs, (layers[0], bias_free[0])) is None  # mixed biases
+        handle = layers[2].register_forward_hook(lambda *args: None)
+        assert kernels.joint_projection(inputs, layers) is None
+        handle.remove()
+    assert kernels.joint_projection(inputs, layers) is None  # gradients enabled
+    with torch.inference_mode():
+        frozen = (kernels.Linear(24, 24), kernels.Linear(24, 24))
+        assert kernels.joint_projection(inputs, frozen) is None  # inference tensors: nothing to track
 
 
 @pytest.mark.parametrize(

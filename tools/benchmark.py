@@ -294,9 +294,19 @@ def generation_inputs(
     return source, generate_options(num_beams)
 
 
-def generate_options(num_beams: int) -> dict[str, Any]:
-    """`generate` options for exactly `GENERATE_LENGTH` new tokens, no sampling."""
-    length = {"max_new_tokens": GENERATE_LENGTH, "min_new_tokens": GENERATE_LENGTH}
+def generate_options(num_beams: int, *, suppress_end: bool = False) -> dict[str, Any]:
+    """`generate` options for exactly `GENERATE_LENGTH` new tokens, no sampling.
+
+    By default generation has no end token and runs to the length: each step does what a translation's
+    step does (its end-of-sentence check reads one token per row). `suppress_end=True` keeps the end
+    token but forbids it before the length, as CTranslate2's `min_decoding_length` does, for comparing
+    tokens with it; transformers does that with two logits processors (`min_length`, `min_new_tokens`),
+    each copying and masking the (rows x vocabulary) scores at every step, which no translation runs.
+    """
+    if suppress_end:
+        length = {"max_new_tokens": GENERATE_LENGTH, "min_new_tokens": GENERATE_LENGTH}
+    else:
+        length = {"max_new_tokens": GENERATE_LENGTH, "eos_token_id": None}
     return {"num_beams": num_beams, "do_sample": False, **length}
 
 
@@ -582,7 +592,7 @@ def generate_latency(engine: str, folder: str, repeats: int) -> dict[str, Any]:
         model = build_model("marian", config, "cpu", torch.float32).eval()
     results: dict[str, Any] = {}
     for key, rows in json.loads((root / "sources.json").read_text()).items():
-        source, options = torch.tensor(rows), generate_options(int(key.split()[1]))
+        source, options = torch.tensor(rows), generate_options(int(key.split()[1]), suppress_end=True)
         with torch.inference_mode():
             outputs = model.generate(source, **options)[:, 1:].tolist()  # warm-up
             seconds = median_time(functools.partial(model.generate, source, **options), "cpu", repeats)

@@ -35,9 +35,13 @@ nothing else:
   come in hundreds of shapes (1.4 GB of resident memory in a measured training run).
 - Rows are padded to a power of two before they reach oneDNN, so that at most 9 shapes per weight
   matrix ever do (rows are independent: padding changes no result row).
+- oneDNN reads a matrix fastest in its own blocked layout, so a matrix it computes is reordered once
+  into that layout for the row count in use and the copy is kept (`WeightCopies`: one per matrix,
+  dropped when the matrix changes or is freed). Decoding thus holds about one more copy of the weights
+  it runs on oneDNN; training never makes one.
 - The first product of a class (padded rows, weight shape, bias or not) times both kernels on its own
-  inputs and keeps the faster one, which must also give the same result; any exception means torch's
-  kernel. The decisions are kept in `linear_kernel().decisions`.
+  inputs (oneDNN with the reordered matrix) and keeps the faster one, which must also give the same
+  result; any exception means torch's kernel. The decisions are kept in `linear_kernel().decisions`.
 
 `VANILLA_TRANSFORMER_ONEDNN=0` (or `torch`) never uses oneDNN, `=1` (or `onednn`) uses it for every
 eligible product without timing (the test suite runs both), unset or `auto` measures. Only summation
@@ -60,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
+from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -83,6 +88,20 @@ def _find_onednn_linear() -> Callable | None:
         return None
 
 
+def _find_onednn_reorder() -> Callable | None:
+    """oneDNN's weight reordering (`weight, rows -> blocked copy`), if its product with `_linear_pointwise`
+    computes a known result in this torch build."""
+    try:
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        kernel = _find_onednn_linear()
+        if kernel is None:
+            return None
+        probe = kernel(torch.ones(2, 3), reorder(torch.ones(4, 3), 2), torch.ones(4), "none", [], "")
+        return reorder if probe.shape == (2, 4) and bool((probe == 4).all()) else None
+    except Exception:  # any failure means: not available
+        return None
+
+
 def _parse_mode(value: str | None) -> str:
     mode = MODES.get((value or "auto").strip().lower())
     if mode is None:
@@ -93,12 +112,43 @@ def _parse_mode(value: str | None) -> str:
     return mode
 
 
+class WeightCopies:
+    """Tensors derived from weights for inference (a reordered layout, a concatenation), kept while their
+    sources are unchanged: the same storage and version counter (optimiser steps and `load_state_dict`
+    write in place and bump it). At most one copy per first source tensor, held weakly: it goes with the
+    weights. Tensors of `torch.inference_mode` keep no version counter: nothing is kept for them."""
+
+    def __init__(self) -> None:
+        self._copies = WeakTensorKeyDictionary()
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def get(self, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor], tag: object = None):
+        """The kept copy for `sources` (and `tag`), made by `make()` if there is none or it is stale;
+        None when the sources cannot be tracked."""
+        try:
+            fingerprint = (tag, *((t.data_ptr(), t._version) for t in sources))
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+        kept = self._copies.get(sources[0])
+        if kept is not None and kept[0] == fingerprint:
+            return kept[1]
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, itself trackable
+            copy = make()
+        self._copies[sources[0]] = (fingerprint, copy)
+        return copy
+
+
 @dataclass
 class LinearKernel:
     """The kernel policy of this process: its mode and the decisions measured so far."""
 
     mode: str
     onednn: Callable | None
+    reorder: Callable | None = None
+    # oneDNN's blocked copies of the matrices it computes, for the row count in use
+    layouts: WeightCopies = field(default_factory=WeightCopies)
     # (padded rows, weight shape (out, in), has bias) -> whether oneDNN computes that class
     decisions: dict[tuple[int, tuple[int, int], bool], bool] = field(default_factory=dict)
     probe_seconds: float = 0.0
@@ -113,11 +163,22 @@ class LinearKernel:
 
     def _faster_on_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """oneDNN only if faster on this product and equal in result (any error: torch's kernel)."""
+        blocked = self.onednn_weight(weight, rows.shape[0])
         return faster_and_equal(
             lambda: F.linear(rows, weight, bias),
-            lambda: self.onednn(rows, weight, bias, "none", [], ""),
+            lambda: self.onednn(rows, blocked, bias, "none", [], ""),
             terms=weight.shape[1],
         )
+
+    def onednn_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        """`weight` in oneDNN's layout for products of `rows` rows, kept; `weight` itself if that fails."""
+        if self.reorder is None:
+            return weight
+        try:
+            copy = self.layouts.get((weight,), lambda: self.reorder(weight, rows), tag=rows)
+        except Exception:  # fail closed: the plain layout is always right
+            return weight
+        return weight if copy is None else copy
 
 
 def faster_and_equal(
@@ -143,7 +204,11 @@ def faster_and_equal(
         return False
 
 
-_POLICY = LinearKernel(mode=_parse_mode(os.environ.get(ENVIRONMENT_VARIABLE)), onednn=_find_onednn_linear())
+_POLICY = LinearKernel(
+    mode=_parse_mode(os.environ.get(ENVIRONMENT_VARIABLE)),
+    onednn=_find_onednn_linear(),
+    reorder=_find_onednn_reorder(),
+)
 
 
 def linear_kernel() -> LinearKernel:
@@ -219,7 +284,7 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, width)))
     if decision is None and not policy.decide(flat, weight, bias):
         return F.linear(inputs, weight, bias)
-    output = policy.onednn(flat, weight, bias, "none", [], "")[:rows]  # (M, out)
+    output = policy.onednn(flat, policy.onednn_weight(weight, padded_rows), bias, "none", [], "")[:rows]
     return output.view(*inputs.shape[:-1], weight.shape[0])
 
 
@@ -228,6 +293,47 @@ class Linear(nn.Linear):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return linear(inputs, self.weight, self.bias)
+
+
+def bare_linear(layer: nn.Module) -> bool:
+    """Whether `layer` is a linear layer with nothing wrapped around it, so that its weight may be read
+    directly (hooks, adapters, offloading or ZeRO-3 sharding need its forward to run)."""
+    return (
+        type(layer) in (Linear, nn.Linear)
+        and not layer._forward_hooks
+        and not layer._forward_pre_hooks
+        and not hasattr(layer, "_hf_hook")
+    )
+
+
+_CONCATENATIONS = WeightCopies()
+
+
+def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...] | None:
+    """`tuple(layer(inputs) for layer in layers)` as one product with the layers' matrices stacked (kept
+    in `WeightCopies`), for inference: one read of a longer matrix costs less than several of short
+    ones (a decoding step's self-attention projections at batch 1 read their weights from memory).
+    None where that does not apply: gradients, compilation, layers with biases of mixed presence or
+    wrapped by hooks or adapters, untrackable (inference-mode) weights."""
+    if (
+        torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or not all(bare_linear(layer) for layer in layers)
+        or len({layer.bias is None for layer in layers}) != 1
+    ):
+        return None
+    weights = tuple(layer.weight for layer in layers)
+    biases = () if layers[0].bias is None else tuple(layer.bias for layer in layers)
+    weight = _CONCATENATIONS.get((*weights, *biases), lambda: torch.cat(weights), tag="weight")
+    if weight is None:
+        return None
+    bias = None
+    if biases:
+        bias = _CONCATENATIONS.get((*biases, *weights), lambda: torch.cat(biases), tag="bias")
+        if bias is None:
+            return None
+    return linear(inputs, weight, bias).split([w.shape[0] for w in weights], dim=-1)
 
 
 # Attention of a decoding step ---------------------------------------------------------------------
@@ -641,16 +747,8 @@ def check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: in
 
 
 def plain_linear(head: nn.Module) -> bool:
-    """Whether `head` is a bias-free linear layer with nothing wrapped around it, so that the chunked loss
-    may read its weight directly (hooks, adapters, offloading or ZeRO-3 sharding need its forward to
-    run)."""
-    return (
-        type(head) in (Linear, nn.Linear)
-        and head.bias is None
-        and not head._forward_hooks
-        and not head._forward_pre_hooks
-        and not hasattr(head, "_hf_hook")
-    )
+    """Whether `head` is a bias-free `bare_linear` layer, whose weight the chunked loss may read."""
+    return bare_linear(head) and head.bias is None
 
 
 def loss_without_logits(

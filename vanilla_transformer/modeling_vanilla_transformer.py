@@ -56,6 +56,7 @@ from .kernels_vanilla_transformer import (
     decoding_attention,
     dropout,
     identity,
+    joint_projection,
     loss_dtype,
     loss_without_logits,
     merge_heads,
@@ -157,7 +158,12 @@ class VanillaTransformerAttention(nn.Module):
         """
         is_cross_attention = key_value_states is not None
         packing = kwargs.get("packing")
-        query = split_heads(self.q_proj(hidden_states), self.head_dim, packing)  # (B, H, T, Dh)
+        # A decoding step's self-attention: Q, K and V from one product with the three matrices stacked.
+        joint = None
+        if cache is not None and not is_cross_attention and packing is None:
+            joint = joint_projection(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
+        projected = self.q_proj(hidden_states) if joint is None else joint[0]
+        query = split_heads(projected, self.head_dim, packing)  # (B, H, T, Dh)
 
         layer_cache, reuse = None, False
         if cache is not None:
@@ -171,8 +177,9 @@ class VanillaTransformerAttention(nn.Module):
         else:
             source = key_value_states if is_cross_attention else hidden_states
             source_packing = kwargs.get("encoder_packing") if is_cross_attention else packing
-            key = split_heads(self.k_proj(source), self.head_dim, source_packing)  # (B, H, S, Dh)
-            value = split_heads(self.v_proj(source), self.head_dim, source_packing)
+            keys, values = (self.k_proj(source), self.v_proj(source)) if joint is None else joint[1:]
+            key = split_heads(keys, self.head_dim, source_packing)  # (B, H, S, Dh)
+            value = split_heads(values, self.head_dim, source_packing)
             if layer_cache is not None:
                 key, value = layer_cache.update(key, value, self.layer_idx)  # (B, H, P+T, Dh)
                 if is_cross_attention:
