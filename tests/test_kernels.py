@@ -126,7 +126,7 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
     with torch.inference_mode():
         for _ in range(3):
             kernels.linear(torch.randn(3, 8), weight)  # class: 4 padded rows, 16 x 8, no bias
-    assert state.decisions == {(4, (16, 8), False): False}
+    assert state.decisions == {(4, (16, 8), False, False): False}
     assert len(slow_calls) == 1 + kernels.PROBE_ROUNDS  # the probe only: then torch's kernel
     assert state.probe_seconds > 0
 
@@ -146,7 +146,7 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
     with torch.inference_mode():
         kernels.linear(torch.randn(5, 8), weight)
         kernels.linear(torch.randn(6, 8), weight)  # same class: decided already
-    assert state.decisions[(8, (16, 8), False)] is True
+    assert state.decisions[(8, (16, 8), False, False)] is True
     assert len(shapes) == 2 + 1 + kernels.PROBE_ROUNDS
 
 
@@ -164,7 +164,7 @@ def test_probe_fails_closed(policy, monkeypatch, failure):
     weight, inputs = torch.randn(16, 8), torch.randn(2, 8)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(inputs, weight), F.linear(inputs, weight))
-    assert state.decisions == {(2, (16, 8), False): False}
+    assert state.decisions == {(2, (16, 8), False, False): False}
 
 
 @needs_onednn
@@ -187,8 +187,9 @@ def test_model_outputs_agree_between_kernels(policy):
 @needs_onednn
 @pytest.mark.skipif(kernels.linear_kernel().reorder is None, reason="no oneDNN weight reordering here")
 def test_reordered_copies_follow_their_weights(policy):
-    """oneDNN's copy of a matrix in its own layout is kept, one per matrix, remade when the matrix is
-    written in place or given new storage or when the row count changes, and freed with the matrix."""
+    """oneDNN's copy of a matrix in its own layout is kept for matrices that run at every decoding step
+    (and only for them), one per matrix, remade when the matrix is written in place or given new storage
+    or when the row count changes, and freed with the matrix."""
     state, shapes = policy
     kernels.set_linear_kernel("onednn")
     generator = torch.Generator().manual_seed(0)
@@ -197,9 +198,12 @@ def test_reordered_copies_follow_their_weights(policy):
     before = len(layouts)
 
     def check(inputs, weight):
-        assert_same_up_to_rounding(kernels.linear(inputs, weight, bias), F.linear(inputs, weight, bias), 24)
+        got = kernels.linear(inputs, weight, bias, per_step=True)
+        assert_same_up_to_rounding(got, F.linear(inputs, weight, bias), 24)
 
     with torch.no_grad():
+        kernels.linear(torch.randn(4, 24, generator=generator), weight, bias)  # not per step: no copy
+        assert len(layouts) == before
         for rows in (1, 8, 8, 3):
             check(torch.randn(rows, 24, generator=generator), weight)
         assert len(layouts) == before + 1  # one copy, for the latest row count
@@ -207,13 +211,14 @@ def test_reordered_copies_follow_their_weights(policy):
         check(torch.randn(3, 24, generator=generator), weight)
         weight.data = torch.randn(40, 24, generator=generator)  # new storage, same tensor object
         check(torch.randn(3, 24, generator=generator), weight)
-    assert len(shapes) == 6
+    assert len(shapes) == 7
     del weight
     assert len(layouts) == before
     with torch.inference_mode():  # inference tensors have no version counter: used as they are
         frozen = torch.randn(40, 24)
         inputs = torch.randn(2, 24)
-        assert_same_up_to_rounding(kernels.linear(inputs, frozen), F.linear(inputs, frozen), 24)
+        got = kernels.linear(inputs, frozen, per_step=True)
+        assert_same_up_to_rounding(got, F.linear(inputs, frozen), 24)
     assert len(layouts) == before
 
 

@@ -29,7 +29,7 @@ from transformers import CompileConfig, DataCollatorForSeq2Seq, MarianConfig, Ma
 from vanilla_transformer.batching import TokenBatchSampler
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.corpus import load_default_corpus
-from vanilla_transformer.kernels_vanilla_transformer import attention_kernel, linear_kernel
+from vanilla_transformer.kernels_vanilla_transformer import LinearKernel, attention_kernel, linear_kernel
 from vanilla_transformer.machine import describe_machine, format_machine, reset_peak_resident, resident_bytes
 from vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
@@ -638,6 +638,19 @@ def deployment(config: VanillaTransformerConfig, repeats: int) -> dict[str, Any]
     return table
 
 
+def linear_kernel_report(policy: LinearKernel) -> dict[str, Any]:
+    """The linear kernel policy's mode and measured decisions, as JSON."""
+    return {
+        "mode": policy.mode,
+        "onednn_available": policy.onednn is not None,
+        "onednn_chosen": [
+            {"rows": rows, "out": out, "in": width, "bias": bias, "kept_layout": kept, "onednn": chosen}
+            for (rows, (out, width), bias, kept), chosen in sorted(policy.decisions.items())
+        ],
+        "probe_seconds": policy.probe_seconds,
+    }
+
+
 def run(
     presets: Sequence[str] = ("tiny", "base"),
     *,
@@ -646,7 +659,7 @@ def run(
     max_tokens: int = 4096,
     batches: int = 4,
     rounds: int = 2,
-    repeats: int = 5,
+    repeats: int = 9,
     attention_lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
     memory: bool = True,
     with_compile: bool = False,
@@ -713,16 +726,7 @@ def run(
             entry["deployment"] = deployment(config, repeats)
         results["presets"][preset] = entry
         del models
-    policy = linear_kernel()
-    results["linear_kernel"] = {
-        "mode": policy.mode,
-        "onednn_available": policy.onednn is not None,
-        "onednn_chosen": [
-            {"rows": rows, "out": shape[0], "in": shape[1], "bias": bias, "onednn": chosen}
-            for (rows, shape, bias), chosen in sorted(policy.decisions.items())
-        ],
-        "probe_seconds": policy.probe_seconds,
-    }
+    results["linear_kernel"] = linear_kernel_report(linear_kernel())
     attention = attention_kernel()
     results["decode_attention"] = {
         "mode": attention.mode,
@@ -841,7 +845,10 @@ def format_tables(results: dict[str, Any]) -> str:
                 "",
                 f"linear kernel mode {kernel['mode']}: oneDNN measured faster for {len(chosen)} of "
                 f"{len(kernel['onednn_chosen'])} decoding product classes "
-                + "".join(f"\n  {c['rows']} rows x ({c['out']} x {c['in']})" for c in chosen)
+                + "".join(
+                    f"\n  {c['rows']} rows x ({c['out']} x {c['in']}){', kept layout' * c['kept_layout']}"
+                    for c in chosen
+                )
                 + f"\n  ({kernel['probe_seconds'] * 1e3:.0f} ms spent measuring)",
             ]
     if "decode_attention" in results:

@@ -35,13 +35,14 @@ nothing else:
   come in hundreds of shapes (1.4 GB of resident memory in a measured training run).
 - Rows are padded to a power of two before they reach oneDNN, so that at most 9 shapes per weight
   matrix ever do (rows are independent: padding changes no result row).
-- oneDNN reads a matrix fastest in its own blocked layout, so a matrix it computes is reordered once
-  into that layout for the row count in use and the copy is kept (`WeightCopies`: one per matrix,
-  dropped when the matrix changes or is freed). Decoding thus holds about one more copy of the weights
-  it runs on oneDNN; training never makes one.
-- The first product of a class (padded rows, weight shape, bias or not) times both kernels on its own
-  inputs (oneDNN with the reordered matrix) and keeps the faster one, which must also give the same
-  result; any exception means torch's kernel. The decisions are kept in `linear_kernel().decisions`.
+- oneDNN reads a matrix fastest in its own blocked layout. A matrix that runs at every decoding step
+  (the decoder's, the output projection: `Linear(..., per_step=True)`) is reordered once into that
+  layout for the row count in use and the copy is kept (`WeightCopies`: one per matrix, dropped when
+  the matrix changes or is freed), so decoding holds one more copy of those matrices; the others (the
+  encoder's, used once per input) are reordered by oneDNN at each call, and training never is.
+- The first product of a class (padded rows, weight shape, bias or not, kept layout or not) times both
+  kernels on its own inputs and keeps the faster one, which must also give the same result; any
+  exception means torch's kernel. The decisions are kept in `linear_kernel().decisions`.
 
 `VANILLA_TRANSFORMER_ONEDNN=0` (or `torch`) never uses oneDNN, `=1` (or `onednn`) uses it for every
 eligible product without timing (the test suite runs both), unset or `auto` measures. Only summation
@@ -149,21 +150,25 @@ class LinearKernel:
     reorder: Callable | None = None
     # oneDNN's blocked copies of the matrices it computes, for the row count in use
     layouts: WeightCopies = field(default_factory=WeightCopies)
-    # (padded rows, weight shape (out, in), has bias) -> whether oneDNN computes that class
-    decisions: dict[tuple[int, tuple[int, int], bool], bool] = field(default_factory=dict)
+    # (padded rows, weight shape (out, in), has bias, kept layout) -> whether oneDNN computes that class
+    decisions: dict[tuple[int, tuple[int, int], bool, bool], bool] = field(default_factory=dict)
     probe_seconds: float = 0.0
 
-    def decide(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def decide(
+        self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
+    ) -> bool:
         """Measure and remember whether the class of `rows` (M, in) x this weight runs on oneDNN."""
         started = time.perf_counter()
-        decision = self._faster_on_onednn(rows, weight, bias)
-        self.decisions[(rows.shape[0], weight.shape, bias is not None)] = decision
+        decision = self._faster_on_onednn(rows, weight, bias, per_step)
+        self.decisions[(rows.shape[0], weight.shape, bias is not None, per_step)] = decision
         self.probe_seconds += time.perf_counter() - started
         return decision
 
-    def _faster_on_onednn(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def _faster_on_onednn(
+        self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
+    ) -> bool:
         """oneDNN only if faster on this product and equal in result (any error: torch's kernel)."""
-        blocked = self.onednn_weight(weight, rows.shape[0])
+        blocked = self.onednn_weight(weight, rows.shape[0]) if per_step else weight
         return faster_and_equal(
             lambda: F.linear(rows, weight, bias),
             lambda: self.onednn(rows, blocked, bias, "none", [], ""),
@@ -254,8 +259,11 @@ def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     )
 
 
-def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`: on oneDNN where `LinearKernel` chose it (few rows, no autograd), else torch's kernel."""
+def linear(
+    inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, per_step: bool = False
+) -> torch.Tensor:
+    """`F.linear`: on oneDNN where `LinearKernel` chose it (few rows, no autograd), else torch's kernel.
+    `per_step`: the weight runs at every decoding step, so oneDNN keeps it in its own layout."""
     policy = _POLICY
     if (
         policy.onednn is None
@@ -275,24 +283,30 @@ def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     decision = (
         True
         if policy.mode == "onednn"
-        else policy.decisions.get((padded_rows, weight.shape, bias is not None))
+        else policy.decisions.get((padded_rows, weight.shape, bias is not None, per_step))
     )
     if decision is False or not _eligible(inputs, weight, bias):
         return F.linear(inputs, weight, bias)
     flat = inputs.reshape(rows, width)
     if padded_rows != rows:
         flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, width)))
-    if decision is None and not policy.decide(flat, weight, bias):
+    if decision is None and not policy.decide(flat, weight, bias, per_step):
         return F.linear(inputs, weight, bias)
-    output = policy.onednn(flat, policy.onednn_weight(weight, padded_rows), bias, "none", [], "")[:rows]
+    blocked = policy.onednn_weight(weight, padded_rows) if per_step else weight
+    output = policy.onednn(flat, blocked, bias, "none", [], "")[:rows]  # (M, out)
     return output.view(*inputs.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same checkpoints) whose product goes through `linear`."""
+    """`nn.Linear` (same parameters, same checkpoints) whose product goes through `linear`; `per_step`
+    marks a layer that runs at every decoding step."""
+
+    def __init__(self, *args: Any, per_step: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.per_step = per_step
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return linear(inputs, self.weight, self.bias)
+        return linear(inputs, self.weight, self.bias, self.per_step)
 
 
 def bare_linear(layer: nn.Module) -> bool:
@@ -333,7 +347,7 @@ def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tup
         bias = _CONCATENATIONS.get((*biases, *weights), lambda: torch.cat(biases), tag="bias")
         if bias is None:
             return None
-    return linear(inputs, weight, bias).split([w.shape[0] for w in weights], dim=-1)
+    return linear(inputs, weight, bias, per_step=True).split([w.shape[0] for w in weights], dim=-1)
 
 
 # Attention of a decoding step ---------------------------------------------------------------------

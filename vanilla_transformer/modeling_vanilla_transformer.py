@@ -277,6 +277,10 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.encoder_attn = VanillaTransformerAttention(config, layer_idx=layer_idx)
         self.encoder_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        # These run at every decoding step (Q, K, V too, as one product): see `Linear`.
+        for layer in (self.self_attn.out_proj, self.encoder_attn.q_proj, self.encoder_attn.out_proj):
+            layer.per_step = True
+        self.fc1.per_step = self.fc2.per_step = True
 
     def forward(
         self,
@@ -736,7 +740,7 @@ class VanillaTransformerForConditionalGeneration(
         self.model = VanillaTransformerModel(config)
         if not config.share_encoder_decoder_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
-        self.lm_head = Linear(config.d_model, config.decoder_vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.decoder_vocab_size, bias=False, per_step=True)
         # Not in the paper; Marian checkpoints carry one (see `convert_from_marian`).
         self.final_logits_bias = (
             nn.Parameter(torch.zeros(1, config.decoder_vocab_size)) if config.add_final_logits_bias else None
