@@ -168,16 +168,17 @@ class LinearKernel:
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
     ) -> bool:
         """oneDNN only if faster on this product and equal in result (any error: torch's kernel)."""
-        blocked = self.onednn_weight(weight, rows.shape[0]) if per_step else weight
+        blocked = self.onednn_weight(weight, rows.shape[0], per_step)
         return faster_and_equal(
             lambda: F.linear(rows, weight, bias),
             lambda: self.onednn(rows, blocked, bias, "none", [], ""),
             terms=weight.shape[1],
         )
 
-    def onednn_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
-        """`weight` in oneDNN's layout for products of `rows` rows, kept; `weight` itself if that fails."""
-        if self.reorder is None:
+    def onednn_weight(self, weight: torch.Tensor, rows: int, per_step: bool) -> torch.Tensor:
+        """`weight` in oneDNN's layout for products of `rows` rows, kept, if it runs at every decoding
+        step; `weight` itself otherwise or if that fails."""
+        if self.reorder is None or not per_step:
             return weight
         try:
             copy = self.layouts.get((weight,), lambda: self.reorder(weight, rows), tag=rows)
@@ -292,7 +293,7 @@ def linear(
         flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, width)))
     if decision is None and not policy.decide(flat, weight, bias, per_step):
         return F.linear(inputs, weight, bias)
-    blocked = policy.onednn_weight(weight, padded_rows) if per_step else weight
+    blocked = policy.onednn_weight(weight, padded_rows, per_step)
     output = policy.onednn(flat, blocked, bias, "none", [], "")[:rows]  # (M, out)
     return output.view(*inputs.shape[:-1], weight.shape[0])
 
