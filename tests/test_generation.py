@@ -193,6 +193,47 @@ def test_generation_step_inputs_match_generation_mixins(source):
     assert torch.equal(lean, model.generate(source, num_beams=2, max_new_tokens=7))
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoding_steps_without_module_calls_equal_the_module_path(source, norm_first, monkeypatch):
+    """Cached steps run `decoding_step` (plain method calls); with a hook registered for every module
+    they take the module path instead. Same logits, same beams and tokens, with a padded source."""
+    from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
+
+    model = tiny_model("sdpa", norm_first=norm_first)
+    mask = torch.ones_like(source)
+    mask[0, 5:] = 0
+    steps = []
+    step = VanillaTransformerDecoderLayer.decoding_step
+    monkeypatch.setattr(
+        VanillaTransformerDecoderLayer, "decoding_step", lambda *a: steps.append(1) or step(*a)
+    )
+    options = {"attention_mask": mask, "num_beams": 3, "max_new_tokens": 9, "min_new_tokens": 9}
+    options |= {"output_scores": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        lean = model.generate(source, **options)
+        assert len(steps) == 8 * model.config.num_decoder_layers  # every step after the first
+        steps.clear()
+        with torch.nn.modules.module.register_module_forward_hook(lambda *args: None):
+            plain = model.generate(source, **options)
+    assert not steps
+    assert torch.equal(lean.sequences, plain.sequences)
+    assert_same_up_to_rounding(torch.stack(lean.scores), torch.stack(plain.scores), TINY_TERMS)
+
+
+def test_hooks_on_decoder_modules_run_at_every_step(source):
+    """A hook on a module that `decoding_step` would not call (a layer, an attention) sends every step
+    through the modules, so the hook sees all of them."""
+    model = tiny_model("sdpa")
+    calls = {"layer": 0, "attention": 0}
+    layer = model.model.decoder.layers[1]
+    layer.register_forward_hook(lambda *args: calls.__setitem__("layer", calls["layer"] + 1))
+    layer.encoder_attn.register_forward_pre_hook(
+        lambda *args: calls.__setitem__("attention", calls["attention"] + 1)
+    )
+    model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6)
+    assert calls == {"layer": 6, "attention": 6}
+
+
 def test_static_cache_generates_the_same_tokens(source):
     model = tiny_model("sdpa")
     dynamic = model.generate(source, num_beams=1, max_new_tokens=7)

@@ -310,15 +310,32 @@ class Linear(nn.Linear):
         return linear(inputs, self.weight, self.bias, self.per_step)
 
 
+def unwrapped(module: nn.Module, *classes: type) -> bool:
+    """Whether `module` is exactly one of `classes` with nothing wrapped around its forward (hooks, an
+    instance's own `forward` as accelerate's offloading sets, a subclass such as an adapter's), so that a
+    caller may do its forward's work without calling it."""
+    return (
+        type(module) in classes
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and "forward" not in module.__dict__
+        and not hasattr(module, "_hf_hook")
+    )
+
+
 def bare_linear(layer: nn.Module) -> bool:
     """Whether `layer` is a linear layer with nothing wrapped around it, so that its weight may be read
     directly (hooks, adapters, offloading or ZeRO-3 sharding need its forward to run)."""
-    return (
-        type(layer) in (Linear, nn.Linear)
-        and not layer._forward_hooks
-        and not layer._forward_pre_hooks
-        and not hasattr(layer, "_hf_hook")
-    )
+    return unwrapped(layer, Linear, nn.Linear)
+
+
+# Fails closed (as if there were one) where this private function of torch is missing.
+_any_global_hook: Callable[[], object] = getattr(nn.modules.module, "_has_any_global_hook", lambda: True)
+
+
+def global_module_hooks() -> bool:
+    """Whether hooks for every module are registered (`nn.modules.module.register_module_forward_hook`)."""
+    return bool(_any_global_hook())
 
 
 _CONCATENATIONS = WeightCopies()

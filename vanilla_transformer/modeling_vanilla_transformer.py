@@ -55,6 +55,7 @@ from .kernels_vanilla_transformer import (
     check_token_ids,
     decoding_attention,
     dropout,
+    global_module_hooks,
     identity,
     joint_projection,
     loss_dtype,
@@ -63,6 +64,7 @@ from .kernels_vanilla_transformer import (
     per_item,
     reads_are_free,
     split_heads,
+    unwrapped,
 )
 
 if TYPE_CHECKING:
@@ -185,6 +187,18 @@ class VanillaTransformerAttention(nn.Module):
                 if is_cross_attention:
                     cache.is_updated[self.layer_idx] = True
 
+        return self._attend(query, key, value, attention_mask, packing)
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        packing: TokenPacking | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of every head, concatenated and projected by W^O: (B, H, T, Dh) queries ->
+        (B, T, D) (or (N, D) packed), and the attention weights where the attention function gives them."""
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -200,6 +214,28 @@ class VanillaTransformerAttention(nn.Module):
             scaling=self.scaling,
         )
         return self.out_proj(merge_heads(output, packing)), weights  # (B, T, D)
+
+    def decoding_step(
+        self,
+        hidden_states: torch.Tensor,
+        cache: EncoderDecoderCache,
+        cross_attention: bool,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` for one cached decoding step, (B, 1, D) -> (B, 1, D): self-attention appends this
+        step's key and value to the cache; cross-attention reads those that the first step cached."""
+        if cross_attention:
+            query = split_heads(self.q_proj(hidden_states), self.head_dim)
+            cached = cache.cross_attention_cache.layers[self.layer_idx]
+            key, value = cached.keys, cached.values  # (B, H, S, Dh)
+        else:
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            projected = joint_projection(hidden_states, projections)
+            if projected is None:
+                projected = [projection(hidden_states) for projection in projections]
+            query, key, value = (split_heads(states, self.head_dim) for states in projected)
+            key, value = cache.self_attention_cache.update(key, value, self.layer_idx)  # (B, H, P+1, Dh)
+        return self._attend(query, key, value, attention_mask)[0]
 
 
 class VanillaTransformerLayer(GradientCheckpointingLayer):
@@ -315,6 +351,19 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.encoder_attn_layer_norm)
         return self._feed_forward(hidden_states), self_weights, cross_weights
+
+    def decoding_step(
+        self, hidden_states: torch.Tensor, cross_mask: torch.Tensor | None, cache: EncoderDecoderCache
+    ) -> torch.Tensor:
+        """`forward` for one cached decoding step, (B, 1, D) -> (B, 1, D), as plain method calls (see
+        `VanillaTransformerDecoder.decoding_step`)."""
+        for attention, norm, cross, mask in (
+            (self.self_attn, self.self_attn_layer_norm, False, None),
+            (self.encoder_attn, self.encoder_attn_layer_norm, True, cross_mask),
+        ):
+            output = attention.decoding_step(self._sublayer_input(hidden_states, norm), cache, cross, mask)
+            hidden_states = self._sublayer_output(hidden_states, output, norm)
+        return self._feed_forward(hidden_states)
 
 
 class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
@@ -532,13 +581,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                 cache=cache.self_attention_cache if cache is not None else None,
                 allow_is_causal_skip=may_read(attention_mask),
             )
-        cross_mask = create_bidirectional_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=encoder_attention_mask,
-            encoder_hidden_states=encoder_hidden_states,
-            allow_is_bidirectional_skip=may_read(encoder_attention_mask),
-        )
+        cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
 
         padded = packing.unpack if packing is not None else identity
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
@@ -570,6 +613,58 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             attentions=all_self_attentions,
             cross_attentions=all_cross_attentions,
         )
+
+    def _cross_mask(
+        self, inputs_embeds: torch.Tensor, encoder_hidden_states: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The encoder-decoder attention mask as the attention function takes it (None: no padding)."""
+        return create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=mask,
+            encoder_hidden_states=encoder_hidden_states,
+            allow_is_bidirectional_skip=may_read(mask),
+        )
+
+    def decoding_step(
+        self,
+        input_ids: torch.LongTensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None,
+        cache: EncoderDecoderCache,
+    ) -> torch.Tensor | None:
+        """`forward` for one step of cached decoding, (B, 1) new token ids -> (B, 1, D) hidden states.
+
+        The same computation, with the layers' and attentions' work done by plain method calls, without
+        their module calls and output objects: at batch 1 a step's matrices are small enough that this
+        Python overhead is a large part of its time. None where it does not apply, and then `forward`
+        is what to call: in training, for compilable (static) caches, at the first step (it fills the
+        cross-attention cache), or where a module on the way is wrapped (hooks, offloading, adapters,
+        subclasses), whose own forward must run.
+        """
+        layers = self.layers
+        if (
+            self.training
+            or type(cache) is not EncoderDecoderCache
+            or cache.is_compileable
+            or not all(cache.is_updated.get(index, False) for index in range(len(layers)))
+            or global_module_hooks()
+            or not all(unwrapped(layer, VanillaTransformerDecoderLayer) for layer in layers)
+            or not all(
+                unwrapped(attention, VanillaTransformerAttention)
+                for layer in layers
+                for attention in (layer.self_attn, layer.encoder_attn)
+            )
+        ):
+            return None
+        inputs_embeds = self.embed_tokens(input_ids)  # (B, 1, D)
+        hidden_states = inputs_embeds * self.embed_scale + self.position_table(
+            cache.get_seq_length(), 1, inputs_embeds.device, inputs_embeds.dtype
+        )
+        cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+        for layer in layers:
+            hidden_states = layer.decoding_step(hidden_states, cross_mask, cache)
+        return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
 
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
@@ -809,6 +904,23 @@ class VanillaTransformerForConditionalGeneration(
             `Seq2SeqLMOutput` with `logits` (B, T, V) (None where skipped), `loss`, `cache` and
             optional attentions.
         """
+        if (
+            cache is not None
+            and use_cache
+            and labels is None
+            and decoder_attention_mask is None
+            and decoder_inputs_embeds is None
+        ):
+            step = self._decoding_step(
+                decoder_input_ids,
+                encoder_outputs,
+                attention_mask,
+                cache,
+                output_attentions,
+                output_hidden_states,
+            )
+            if step is not None:
+                return step
         if return_logits is None:
             return_logits = labels is None or not self.training
         target_lengths = None
@@ -863,6 +975,39 @@ class VanillaTransformerForConditionalGeneration(
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
+        )
+
+    def _decoding_step(
+        self,
+        decoder_input_ids: torch.LongTensor | None,
+        encoder_outputs: BaseModelOutput | tuple | None,
+        attention_mask: torch.Tensor | None,
+        cache: EncoderDecoderCache,
+        output_attentions: bool | None,
+        output_hidden_states: bool | None,
+    ) -> Seq2SeqLMOutput | None:
+        """`forward` for a step of cached decoding (what `generate` calls after its first step): one new
+        token per row, the encoder output given, no outputs asked for but the logits and the cache. The
+        decoder runs `VanillaTransformerDecoder.decoding_step`; None where that or this does not apply."""
+        config = self.config
+        if (
+            encoder_outputs is None
+            or decoder_input_ids is None
+            or decoder_input_ids.shape[1] != 1
+            or (config.output_attentions if output_attentions is None else output_attentions)
+            or (config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+            or not unwrapped(self.model, VanillaTransformerModel)
+            or not unwrapped(self.model.decoder, VanillaTransformerDecoder)
+        ):
+            return None
+        encoder_hidden_states = encoder_outputs[0]
+        hidden_states = self.model.decoder.decoding_step(
+            decoder_input_ids, encoder_hidden_states, attention_mask, cache
+        )
+        if hidden_states is None:
+            return None
+        return Seq2SeqLMOutput(
+            logits=self.project(hidden_states), cache=cache, encoder_last_hidden_state=encoder_hidden_states
         )
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
