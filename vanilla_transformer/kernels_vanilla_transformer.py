@@ -73,8 +73,12 @@ ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"
 MODES = {"auto": "auto", "0": "torch", "torch": "torch", "1": "onednn", "onednn": "onednn"}
 # Decoding regime: batch x beams rows per step. Larger products run on torch's kernel.
 MAX_ROWS = 256
-# A probe times each kernel this many times after one untimed call, alternating between them.
+# A probe times each kernel at least this many times after one untimed call, alternating between them,
+# and for products of a few microseconds more times, until one kernel has taken PROBE_SECONDS in all
+# (or PROBE_MAX_ROUNDS): a median of five such short calls is mostly timer and machine noise.
 PROBE_ROUNDS = 5
+PROBE_SECONDS = 0.002
+PROBE_MAX_ROUNDS = 200
 
 
 def _find_onednn_linear() -> Callable | None:
@@ -167,11 +171,13 @@ class LinearKernel:
     def _faster_on_onednn(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
     ) -> bool:
-        """oneDNN only if faster on this product and equal in result (any error: torch's kernel)."""
-        blocked = self.onednn_weight(weight, rows.shape[0], per_step)
+        """oneDNN only if faster on this product and equal in result (any error: torch's kernel). Timed as
+        `linear` calls it, looking up the kept layout each time: at one row that lookup is not free."""
         return faster_and_equal(
             lambda: F.linear(rows, weight, bias),
-            lambda: self.onednn(rows, blocked, bias, "none", [], ""),
+            lambda: self.onednn(
+                rows, self.onednn_weight(weight, rows.shape[0], per_step), bias, "none", [], ""
+            ),
             terms=weight.shape[1],
         )
 
@@ -191,8 +197,8 @@ def faster_and_equal(
     plain: Callable[[], torch.Tensor], candidate: Callable[[], torch.Tensor], terms: int
 ) -> bool:
     """Whether `candidate` gives `plain`'s result (to float32 rounding of `terms`-term sums, relative to
-    max(|result|, 1)) and is faster: medians of `PROBE_ROUNDS` timed calls each, alternating, after one
-    untimed call. Fails closed: any exception means False."""
+    max(|result|, 1)) and is faster: medians of timed calls, alternating, after one untimed call (see
+    `PROBE_ROUNDS`). Fails closed: any exception means False."""
     try:
         expected, got = plain(), candidate()
         scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1.0)
@@ -200,11 +206,15 @@ def faster_and_equal(
         if got.shape != expected.shape or not bool(((got - expected).abs() <= tolerance).all()):
             return False
         times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(PROBE_ROUNDS):
+        rounds = 0
+        while rounds < PROBE_ROUNDS or (
+            rounds < PROBE_MAX_ROUNDS and max(sum(times[False]), sum(times[True])) < PROBE_SECONDS
+        ):
             for choice, kernel in ((False, plain), (True, candidate)):
                 started = time.perf_counter()
                 kernel()
                 times[choice].append(time.perf_counter() - started)
+            rounds += 1
         return statistics.median(times[True]) < statistics.median(times[False])
     except Exception:
         return False
