@@ -187,18 +187,6 @@ class VanillaTransformerAttention(nn.Module):
                 if is_cross_attention:
                     cache.is_updated[self.layer_idx] = True
 
-        return self._attend(query, key, value, attention_mask, packing)
-
-    def _attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        packing: TokenPacking | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of every head, concatenated and projected by W^O: (B, H, T, Dh) queries ->
-        (B, T, D) (or (N, D) packed), and the attention weights where the attention function gives them."""
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -214,28 +202,6 @@ class VanillaTransformerAttention(nn.Module):
             scaling=self.scaling,
         )
         return self.out_proj(merge_heads(output, packing)), weights  # (B, T, D)
-
-    def decoding_step(
-        self,
-        hidden_states: torch.Tensor,
-        cache: EncoderDecoderCache,
-        cross_attention: bool,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`forward` for one cached decoding step, (B, 1, D) -> (B, 1, D): self-attention appends this
-        step's key and value to the cache; cross-attention reads those that the first step cached."""
-        if cross_attention:
-            query = split_heads(self.q_proj(hidden_states), self.head_dim)
-            cached = cache.cross_attention_cache.layers[self.layer_idx]
-            key, value = cached.keys, cached.values  # (B, H, S, Dh)
-        else:
-            projections = (self.q_proj, self.k_proj, self.v_proj)
-            projected = joint_projection(hidden_states, projections)
-            if projected is None:
-                projected = [projection(hidden_states) for projection in projections]
-            query, key, value = (split_heads(states, self.head_dim) for states in projected)
-            key, value = cache.self_attention_cache.update(key, value, self.layer_idx)  # (B, H, P+1, Dh)
-        return self._attend(query, key, value, attention_mask)[0]
 
 
 class VanillaTransformerLayer(GradientCheckpointingLayer):
@@ -351,19 +317,6 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.encoder_attn_layer_norm)
         return self._feed_forward(hidden_states), self_weights, cross_weights
-
-    def decoding_step(
-        self, hidden_states: torch.Tensor, cross_mask: torch.Tensor | None, cache: EncoderDecoderCache
-    ) -> torch.Tensor:
-        """`forward` for one cached decoding step, (B, 1, D) -> (B, 1, D), as plain method calls (see
-        `VanillaTransformerDecoder.decoding_step`)."""
-        for attention, norm, cross, mask in (
-            (self.self_attn, self.self_attn_layer_norm, False, None),
-            (self.encoder_attn, self.encoder_attn_layer_norm, True, cross_mask),
-        ):
-            output = attention.decoding_step(self._sublayer_input(hidden_states, norm), cache, cross, mask)
-            hidden_states = self._sublayer_output(hidden_states, output, norm)
-        return self._feed_forward(hidden_states)
 
 
 class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
@@ -635,12 +588,13 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
     ) -> torch.Tensor | None:
         """`forward` for one step of cached decoding, (B, 1) new token ids -> (B, 1, D) hidden states.
 
-        The same computation, with the layers' and attentions' work done by plain method calls, without
-        their module calls and output objects: at batch 1 a step's matrices are small enough that this
-        Python overhead is a large part of its time. None where it does not apply, and then `forward`
-        is what to call: in training, for compilable (static) caches, at the first step (it fills the
-        cross-attention cache), or where a module on the way is wrapped (hooks, offloading, adapters,
-        subclasses), whose own forward must run.
+        The same computation without what `forward` does besides it at every step (input checks, mask
+        and packing decisions, output objects) and with each layer's `forward` called directly instead
+        of through its module call: at batch 1 a step's matrices are small enough that this Python
+        overhead is a large part of its time. None where it does not apply, and then `forward` is what
+        to call: in training, for compilable (static) caches, at the first step (it fills the
+        cross-attention cache), or where a layer is wrapped (hooks, offloading, subclasses), whose
+        module call must run.
         """
         layers = self.layers
         if (
@@ -650,11 +604,6 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             or not all(cache.is_updated.get(index, False) for index in range(len(layers)))
             or global_module_hooks()
             or not all(unwrapped(layer, VanillaTransformerDecoderLayer) for layer in layers)
-            or not all(
-                unwrapped(attention, VanillaTransformerAttention)
-                for layer in layers
-                for attention in (layer.self_attn, layer.encoder_attn)
-            )
         ):
             return None
         inputs_embeds = self.embed_tokens(input_ids)  # (B, 1, D)
@@ -663,7 +612,9 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         )
         cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
         for layer in layers:
-            hidden_states = layer.decoding_step(hidden_states, cross_mask, cache)
+            hidden_states = layer.forward(
+                hidden_states, None, encoder_hidden_states, cross_mask, cache=cache, use_cache=True
+            )[0]
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
 
