@@ -193,42 +193,72 @@ def test_generation_step_inputs_match_generation_mixins(source):
     assert torch.equal(lean, model.generate(source, num_beams=2, max_new_tokens=7))
 
 
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_decoding_steps_without_module_calls_equal_the_module_path(source, norm_first, monkeypatch):
-    """Cached steps run the decoder's `decoding_step` (layers' forwards called directly); with a hook
-    registered for every module they take the module path instead. Same logits, same beams and tokens,
-    with a padded source."""
-    from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoder
-
-    model = tiny_model("sdpa", norm_first=norm_first)
-    mask = torch.ones_like(source)
-    mask[0, 5:] = 0
+def count_returns(monkeypatch, cls: type, method: str) -> list[int]:
+    """Patches `cls.method` to count the calls that returned something (not None); returns the counts."""
     steps = []
-    step = VanillaTransformerDecoder.decoding_step
+    original = getattr(cls, method)
 
     def counted(*args):
-        hidden_states = step(*args)
-        if hidden_states is not None:
+        result = original(*args)
+        if result is not None:
             steps.append(1)
-        return hidden_states
+        return result
 
-    monkeypatch.setattr(VanillaTransformerDecoder, "decoding_step", counted)
+    monkeypatch.setattr(cls, method, counted)
+    return steps
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"norm_first": True}, {"activation_function": "gelu"}],
+    ids=["post-LN", "pre-LN", "gelu"],
+)
+def test_decoding_steps_without_module_calls_equal_the_module_path(source, overrides, monkeypatch):
+    """Cached steps run the decoder's `decoding_step` and each layer's (no module calls below the
+    decoder); with a hook registered for every module they take the module path instead. Same logits,
+    same beams and tokens, with a padded source."""
+    from vanilla_transformer.modeling_vanilla_transformer import (
+        VanillaTransformerDecoder,
+        VanillaTransformerDecoderLayer,
+    )
+
+    model = tiny_model("sdpa", **overrides)
+    mask = torch.ones_like(source)
+    mask[0, 5:] = 0
+    decoder_steps = count_returns(monkeypatch, VanillaTransformerDecoder, "decoding_step")
+    layer_steps = count_returns(monkeypatch, VanillaTransformerDecoderLayer, "decoding_step")
     options = {"attention_mask": mask, "num_beams": 3, "max_new_tokens": 9, "min_new_tokens": 9}
     options |= {"output_scores": True, "return_dict_in_generate": True}
     with torch.no_grad():
         lean = model.generate(source, **options)
-        assert len(steps) == 8  # every step after the first
-        steps.clear()
+        assert (len(decoder_steps), len(layer_steps)) == (8, 16)  # every step after the first, 2 layers
+        decoder_steps.clear(), layer_steps.clear()
         with torch.nn.modules.module.register_module_forward_hook(lambda *args: None):
             plain = model.generate(source, **options)
-    assert not steps
+    assert not decoder_steps and not layer_steps
     assert torch.equal(lean.sequences, plain.sequences)
-    assert_same_up_to_rounding(torch.stack(lean.scores), torch.stack(plain.scores), TINY_TERMS)
+    lean_scores, plain_scores = torch.stack(lean.scores), torch.stack(plain.scores)
+    finite = plain_scores.isfinite()  # min_new_tokens gives the end token -inf
+    assert torch.equal(lean_scores.isfinite(), finite)
+    assert_same_up_to_rounding(lean_scores[finite], plain_scores[finite], TINY_TERMS)
+
+
+def test_layer_steps_only_for_sdpa(source, monkeypatch):
+    """A layer's `decoding_step` computes attention as SDPA does: with eager attention layers run
+    `forward` (the decoder still skips its own bookkeeping)."""
+    from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
+
+    layer_steps = count_returns(monkeypatch, VanillaTransformerDecoderLayer, "decoding_step")
+    model = tiny_model("eager")
+    with torch.no_grad():
+        model.generate(source, num_beams=2, max_new_tokens=5, min_new_tokens=5)
+    assert not layer_steps
 
 
 def test_hooks_on_decoder_modules_run_at_every_step(source):
-    """A hook on a layer (whose module call `decoding_step` skips) sends every step through the modules,
-    and an attention's hook (called as a module either way) runs at every step too."""
+    """A hook on a layer (whose module call `decoding_step` skips) sends every step through the modules;
+    hooks on an attention, a linear layer or a layer norm (which a layer's `decoding_step` does not call)
+    send that layer's steps through its `forward`. Each runs at every step."""
     model = tiny_model("sdpa")
     calls = {"layer": 0, "attention": 0}
     layer = model.model.decoder.layers[1]
@@ -238,6 +268,41 @@ def test_hooks_on_decoder_modules_run_at_every_step(source):
     )
     model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6)
     assert calls == {"layer": 6, "attention": 6}
+
+    model = tiny_model("sdpa")
+    first, second = model.model.decoder.layers
+    hooked = {"fc2": first.fc2, "norm": second.final_layer_norm, "query": second.encoder_attn.q_proj}
+    calls = dict.fromkeys(hooked, 0)
+    for name, module in hooked.items():
+        module.register_forward_hook(lambda *args, name=name: calls.__setitem__(name, calls[name] + 1))
+    model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6)
+    # Layer norm and feed-forward run at every position of the first step (one call) and then once a step;
+    # the encoder-decoder attention's query projection likewise.
+    assert calls == {"fc2": 6, "norm": 6, "query": 6}
+
+
+def test_adapted_linear_layers_run_their_forward_at_every_step(source):
+    """An adapter that replaces a linear layer (a subclass, as PEFT's LoRA layers are) is called at every
+    step, and generation equals a hand-written decoding loop that calls the modules."""
+    from vanilla_transformer.kernels_vanilla_transformer import Linear
+
+    class Shifted(Linear):
+        calls = 0
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            Shifted.calls += 1
+            return super().forward(inputs) + 0.5
+
+    model = tiny_model("sdpa")
+    layer = model.model.decoder.layers[0]
+    adapted = Shifted(layer.fc1.in_features, layer.fc1.out_features)
+    adapted.load_state_dict(layer.fc1.state_dict())
+    layer.fc1 = adapted
+    tokens = model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6, use_cache=True)
+    assert Shifted.calls == 6
+    Shifted.calls = 0
+    uncached = model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6, use_cache=False)
+    assert torch.equal(tokens, uncached)
 
 
 def test_static_cache_generates_the_same_tokens(source):

@@ -324,12 +324,13 @@ def unwrapped(module: nn.Module, *classes: type) -> bool:
     """Whether `module` is exactly one of `classes` with nothing wrapped around its forward (hooks, an
     instance's own `forward` as accelerate's offloading sets, a subclass such as an adapter's), so that a
     caller may do its forward's work without calling it."""
+    attributes = module.__dict__  # accelerate sets `_hf_hook` and `forward` there
     return (
         type(module) in classes
         and not module._forward_hooks
         and not module._forward_pre_hooks
-        and "forward" not in module.__dict__
-        and not hasattr(module, "_hf_hook")
+        and "forward" not in attributes
+        and "_hf_hook" not in attributes
     )
 
 
@@ -337,6 +338,18 @@ def bare_linear(layer: nn.Module) -> bool:
     """Whether `layer` is a linear layer with nothing wrapped around it, so that its weight may be read
     directly (hooks, adapters, offloading or ZeRO-3 sharding need its forward to run)."""
     return unwrapped(layer, Linear, nn.Linear)
+
+
+def linear_of(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
+    """`layer(inputs)` for a `bare_linear` layer, without the module call."""
+    if type(layer) is Linear:
+        return linear(inputs, layer.weight, layer.bias, layer.per_step)
+    return F.linear(inputs, layer.weight, layer.bias)
+
+
+def layer_norm_of(norm: nn.LayerNorm, inputs: torch.Tensor) -> torch.Tensor:
+    """`norm(inputs)` for an unwrapped `nn.LayerNorm`, without the module call."""
+    return F.layer_norm(inputs, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 # Fails closed (as if there were one) where this private function of torch is missing.
@@ -472,8 +485,9 @@ def decoding_attention(
     scaling: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention function, except that a single-query step on CPU is computed as
-    matrix products where `AttentionKernel` measured that faster. Returns (B, T, H, Dh), None."""
+    """transformers' SDPA attention function, except that a single-query step on CPU calls whichever of
+    torch's SDPA and two matrix products `AttentionKernel` measured faster, directly. Returns (B, T, H,
+    Dh), None."""
     policy = _ATTENTION
     mask = attention_mask
     if (
@@ -500,9 +514,9 @@ def decoding_attention(
     decision = True if policy.mode == "matmul" else policy.decisions.get(class_)
     if decision is None:
         decision = policy.decide(class_, query, key, value, mask, scaling)
-    if not decision:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    return matmul_attention(query, key, value, mask, scaling).transpose(1, 2), None
+    # What was timed: one query per row needs neither transformers' causal nor grouped-head handling.
+    attention = matmul_attention if decision else _sdpa
+    return attention(query, key, value, mask, scaling).transpose(1, 2), None
 
 
 # Dropout, token packing, the position table and the chunked loss ---------------------------------

@@ -51,6 +51,7 @@ from .kernels_vanilla_transformer import (
     PositionTable,
     RemoteCodeFolder,
     TokenPacking,
+    bare_linear,
     check_mask,
     check_token_ids,
     decoding_attention,
@@ -58,6 +59,8 @@ from .kernels_vanilla_transformer import (
     global_module_hooks,
     identity,
     joint_projection,
+    layer_norm_of,
+    linear_of,
     loss_dtype,
     loss_without_logits,
     merge_heads,
@@ -267,6 +270,11 @@ class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
         return self._feed_forward(hidden_states), weights
 
 
+# A decoder layer's sub-layer modules, by name, as its `decoding_step` reads them.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+_LAYER_NORMS = ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
+
+
 class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
     """Decoder layer: masked self-attention, encoder-decoder attention, feed-forward (Section 3.1).
 
@@ -317,6 +325,75 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         )
         hidden_states = self._sublayer_output(residual, hidden_states, self.encoder_attn_layer_norm)
         return self._feed_forward(hidden_states), self_weights, cross_weights
+
+    def decoding_step(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None,
+        cache: EncoderDecoderCache,
+    ) -> torch.Tensor | None:
+        """`forward` for a step of cached decoding once the cross-attention cache is filled, (B, 1, D) ->
+        (B, 1, D), reading the sub-layers' weights instead of calling their modules and the attention's
+        general `forward`: the same products, kernels and order, without 13 module calls and their
+        Python, which at batch 1 cost about as much as the tiny model's products. None (call `forward`)
+        where a sub-layer's module must run: hooks, adapters, offloading (`unwrapped`), training mode.
+        `encoder_attention_mask` is the cross-attention mask as `decoding_attention` takes it."""
+        # Submodules are read from `_modules`: `nn.Module` attribute lookups would cost more than the checks.
+        modules = self._modules
+        self_attn, encoder_attn = modules["self_attn"], modules["encoder_attn"]
+        q_proj, k_proj, v_proj, out_proj = (self_attn._modules[name] for name in _PROJECTIONS)
+        cross_q_proj, cross_out_proj = encoder_attn._modules["q_proj"], encoder_attn._modules["out_proj"]
+        fc1, fc2 = modules["fc1"], modules["fc2"]
+        self_norm, cross_norm, ffn_norm = (modules[name] for name in _LAYER_NORMS)
+        if (
+            self.training
+            or self_attn.training
+            or encoder_attn.training
+            or not unwrapped(self_attn, VanillaTransformerAttention)
+            or not unwrapped(encoder_attn, VanillaTransformerAttention)
+            or not all(bare_linear(layer) for layer in (q_proj, k_proj, v_proj, out_proj, fc1, fc2))
+            or not (bare_linear(cross_q_proj) and bare_linear(cross_out_proj))
+            or not all(unwrapped(norm, nn.LayerNorm) for norm in (self_norm, cross_norm, ffn_norm))
+        ):
+            return None
+        batch_size, norm_first = hidden_states.shape[0], self.norm_first
+
+        def heads(states: torch.Tensor) -> torch.Tensor:  # (B, 1, D) -> (B, H, 1, Dh)
+            return states.view(batch_size, 1, -1, self_attn.head_dim).transpose(1, 2)
+
+        def attend(attention: nn.Module, query, key, value, mask, projection: nn.Module) -> torch.Tensor:
+            output = decoding_attention(attention, query, key, value, mask, scaling=attention.scaling)[0]
+            return linear_of(projection, output.reshape(batch_size, 1, -1))  # (B, 1, D)
+
+        def sublayer_input(states: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+            return layer_norm_of(norm, states) if norm_first else states
+
+        def sublayer_output(residual: torch.Tensor, output: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+            return residual + output if norm_first else layer_norm_of(norm, residual + output)
+
+        # Masked self-attention: this step's query over the cached keys and values and its own.
+        inputs = sublayer_input(hidden_states, self_norm)
+        projected = joint_projection(inputs, (q_proj, k_proj, v_proj))
+        if projected is None:
+            projected = tuple(linear_of(layer, inputs) for layer in (q_proj, k_proj, v_proj))
+        query, key, value = (heads(states) for states in projected)
+        key, value = cache.self_attention_cache.update(key, value, self_attn.layer_idx)
+        output = attend(self_attn, query, key, value, None, out_proj)
+        hidden_states = sublayer_output(hidden_states, output, self_norm)
+
+        # Encoder-decoder attention over the cached projections of the encoder output.
+        query = heads(linear_of(cross_q_proj, sublayer_input(hidden_states, cross_norm)))
+        cached = cache.cross_attention_cache.layers[encoder_attn.layer_idx]
+        output = attend(
+            encoder_attn, query, cached.keys, cached.values, encoder_attention_mask, cross_out_proj
+        )
+        hidden_states = sublayer_output(hidden_states, output, cross_norm)
+
+        # Feed-forward network, as `_feed_forward` computes it.
+        inner = linear_of(fc1, sublayer_input(hidden_states, ffn_norm))
+        activation = self.activation_fn
+        inner = F.relu(inner, inplace=True) if isinstance(activation, nn.ReLU) else activation(inner)
+        return sublayer_output(hidden_states, linear_of(fc2, inner), ffn_norm)
 
 
 class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
@@ -589,12 +666,12 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         """`forward` for one step of cached decoding, (B, 1) new token ids -> (B, 1, D) hidden states.
 
         The same computation without what `forward` does besides it at every step (input checks, mask
-        and packing decisions, output objects) and with each layer's `forward` called directly instead
-        of through its module call: at batch 1 a step's matrices are small enough that this Python
-        overhead is a large part of its time. None where it does not apply, and then `forward` is what
-        to call: in training, for compilable (static) caches, at the first step (it fills the
-        cross-attention cache), or where a layer is wrapped (hooks, offloading, subclasses), whose
-        module call must run.
+        and packing decisions, output objects) and without the layers' module calls: each layer runs its
+        `decoding_step` (no module calls inside either) or, where that does not apply, its `forward`. At
+        batch 1 a step's matrices are small enough that this Python overhead is a large part of its time.
+        None where it does not apply, and then `forward` is what to call: in training, for compilable
+        (static) caches, at the first step (it fills the cross-attention cache), or where a layer is
+        wrapped (hooks, offloading, subclasses), whose module call must run.
         """
         layers = self.layers
         if (
@@ -611,10 +688,18 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             cache.get_seq_length(), 1, inputs_embeds.device, inputs_embeds.dtype
         )
         cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+        # A layer's `decoding_step` computes attention as the SDPA implementation's `forward` does.
+        sdpa = (
+            ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+            is sdpa_attention_forward
+        )
         for layer in layers:
-            hidden_states = layer.forward(
-                hidden_states, None, encoder_hidden_states, cross_mask, cache=cache, use_cache=True
-            )[0]
+            stepped = layer.decoding_step(hidden_states, cross_mask, cache) if sdpa else None
+            if stepped is None:
+                stepped = layer.forward(
+                    hidden_states, None, encoder_hidden_states, cross_mask, cache=cache, use_cache=True
+                )[0]
+            hidden_states = stepped
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
 
