@@ -198,8 +198,8 @@ def count_returns(monkeypatch, cls: type, method: str) -> list[int]:
     steps = []
     original = getattr(cls, method)
 
-    def counted(*args):
-        result = original(*args)
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
         if result is not None:
             steps.append(1)
         return result
@@ -208,21 +208,35 @@ def count_returns(monkeypatch, cls: type, method: str) -> list[int]:
     return steps
 
 
+def perturbed(model):
+    """`model` with every parameter moved off its initial value (layer norms start as the identity and
+    biases at zero, which would hide a norm or bias left out of a computation)."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"norm_first": True}, {"activation_function": "gelu"}],
     ids=["post-LN", "pre-LN", "gelu"],
 )
 def test_decoding_steps_without_module_calls_equal_the_module_path(source, overrides, monkeypatch):
-    """Cached steps run the decoder's `decoding_step` and each layer's (no module calls below the
-    decoder); with a hook registered for every module they take the module path instead. Same logits,
-    same beams and tokens, with a padded source."""
+    """Cached steps run the decoder's `decoding_step` and each layer's (no sub-layer module calls);
+    with a hook registered for every module they take the module path instead. Same logits, same beams
+    and tokens, with a padded source, trained-like parameters and one projection a plain `nn.Linear`."""
     from vanilla_transformer.modeling_vanilla_transformer import (
         VanillaTransformerDecoder,
         VanillaTransformerDecoderLayer,
     )
 
-    model = tiny_model("sdpa", **overrides)
+    model = perturbed(tiny_model("sdpa", **overrides))
+    layer = model.model.decoder.layers[1]
+    plain_linear = torch.nn.Linear(layer.fc2.in_features, layer.fc2.out_features)
+    plain_linear.load_state_dict(layer.fc2.state_dict())
+    layer.fc2 = plain_linear
     mask = torch.ones_like(source)
     mask[0, 5:] = 0
     decoder_steps = count_returns(monkeypatch, VanillaTransformerDecoder, "decoding_step")
@@ -232,7 +246,8 @@ def test_decoding_steps_without_module_calls_equal_the_module_path(source, overr
     with torch.no_grad():
         lean = model.generate(source, **options)
         assert (len(decoder_steps), len(layer_steps)) == (8, 16)  # every step after the first, 2 layers
-        decoder_steps.clear(), layer_steps.clear()
+        decoder_steps.clear()
+        layer_steps.clear()
         with torch.nn.modules.module.register_module_forward_hook(lambda *args: None):
             plain = model.generate(source, **options)
     assert not decoder_steps and not layer_steps
@@ -243,22 +258,52 @@ def test_decoding_steps_without_module_calls_equal_the_module_path(source, overr
     assert_same_up_to_rounding(lean_scores[finite], plain_scores[finite], TINY_TERMS)
 
 
-def test_layer_steps_only_for_sdpa(source, monkeypatch):
-    """A layer's `decoding_step` computes attention as SDPA does: with eager attention layers run
-    `forward` (the decoder still skips its own bookkeeping)."""
+def test_a_cached_step_with_gradients_equals_the_full_forward(source, monkeypatch):
+    """Called directly with gradients on, a cached step takes the layers' `decoding_step` with separate
+    Q, K, V products (the stacked copy is for inference only); its logits equal the last position of an
+    uncached forward pass and its gradients reach the sub-layers' weights."""
     from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
 
+    model = perturbed(tiny_model("sdpa"))
+    layer_steps = count_returns(monkeypatch, VanillaTransformerDecoderLayer, "decoding_step")
+    target = torch.randint(3, 99, (source.shape[0], 4), generator=torch.Generator().manual_seed(2))
+    encoder_outputs = model.get_encoder()(source)
+    first = model(encoder_outputs=encoder_outputs, decoder_input_ids=target[:, :3], use_cache=True)
+    step = model(
+        encoder_outputs=encoder_outputs, decoder_input_ids=target[:, 3:], cache=first.cache, use_cache=True
+    )
+    assert len(layer_steps) == 2
+    full = model(encoder_outputs=encoder_outputs, decoder_input_ids=target).logits[:, -1:]
+    assert_same_up_to_rounding(step.logits, full.detach(), TINY_TERMS)
+    step.logits.square().sum().backward()
+    for layer in model.model.decoder.layers:
+        for module in (layer.self_attn.v_proj, layer.encoder_attn.q_proj, layer.fc1, layer.final_layer_norm):
+            assert module.weight.grad is not None and module.weight.grad.abs().sum() > 0
+
+
+def test_layer_steps_only_for_sdpa(source, monkeypatch):
+    """A layer's `decoding_step` computes attention as SDPA does: with eager attention layers run
+    `forward`, while the decoder still skips its own bookkeeping."""
+    from vanilla_transformer.modeling_vanilla_transformer import (
+        VanillaTransformerDecoder,
+        VanillaTransformerDecoderLayer,
+    )
+
+    decoder_steps = count_returns(monkeypatch, VanillaTransformerDecoder, "decoding_step")
     layer_steps = count_returns(monkeypatch, VanillaTransformerDecoderLayer, "decoding_step")
     model = tiny_model("eager")
     with torch.no_grad():
         model.generate(source, num_beams=2, max_new_tokens=5, min_new_tokens=5)
-    assert not layer_steps
+    assert (len(decoder_steps), len(layer_steps)) == (4, 0)
 
 
 def test_hooks_on_decoder_modules_run_at_every_step(source):
     """A hook on a layer (whose module call `decoding_step` skips) sends every step through the modules;
-    hooks on an attention, a linear layer or a layer norm (which a layer's `decoding_step` does not call)
-    send that layer's steps through its `forward`. Each runs at every step."""
+    hooks on an attention, a linear layer or a layer norm (which a layer's `decoding_step` does not call),
+    and accelerate's hooks (offloading, device placement), send that layer's steps through its
+    `forward`. Each runs at every step."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
     model = tiny_model("sdpa")
     calls = {"layer": 0, "attention": 0}
     layer = model.model.decoder.layers[1]
@@ -269,21 +314,28 @@ def test_hooks_on_decoder_modules_run_at_every_step(source):
     model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6)
     assert calls == {"layer": 6, "attention": 6}
 
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls["accelerate"] += 1
+            return args, kwargs
+
     model = tiny_model("sdpa")
     first, second = model.model.decoder.layers
     hooked = {"fc2": first.fc2, "norm": second.final_layer_norm, "query": second.encoder_attn.q_proj}
-    calls = dict.fromkeys(hooked, 0)
+    calls = dict.fromkeys([*hooked, "accelerate"], 0)
     for name, module in hooked.items():
         module.register_forward_hook(lambda *args, name=name: calls.__setitem__(name, calls[name] + 1))
+    add_hook_to_module(first.self_attn_layer_norm, Counting())
     model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6)
     # Layer norm and feed-forward run at every position of the first step (one call) and then once a step;
     # the encoder-decoder attention's query projection likewise.
-    assert calls == {"fc2": 6, "norm": 6, "query": 6}
+    assert calls == {"fc2": 6, "norm": 6, "query": 6, "accelerate": 6}
 
 
-def test_adapted_linear_layers_run_their_forward_at_every_step(source):
+def test_wrapped_sublayers_run_their_forward_at_every_step(source):
     """An adapter that replaces a linear layer (a subclass, as PEFT's LoRA layers are) is called at every
-    step, and generation equals a hand-written decoding loop that calls the modules."""
+    step, and so is a wrapper around an attention (`torch.compile`'s, which holds the attention under
+    another name); generation equals decoding without a cache."""
     from vanilla_transformer.kernels_vanilla_transformer import Linear
 
     class Shifted(Linear):
@@ -293,14 +345,25 @@ def test_adapted_linear_layers_run_their_forward_at_every_step(source):
             Shifted.calls += 1
             return super().forward(inputs) + 0.5
 
+    class Wrapper(torch.nn.Module):
+        calls = 0
+
+        def __init__(self, wrapped: torch.nn.Module):
+            super().__init__()
+            self.wrapped = wrapped
+
+        def forward(self, *args, **kwargs):
+            Wrapper.calls += 1
+            return self.wrapped(*args, **kwargs)
+
     model = tiny_model("sdpa")
-    layer = model.model.decoder.layers[0]
-    adapted = Shifted(layer.fc1.in_features, layer.fc1.out_features)
-    adapted.load_state_dict(layer.fc1.state_dict())
-    layer.fc1 = adapted
+    first, second = model.model.decoder.layers
+    adapted = Shifted(first.fc1.in_features, first.fc1.out_features)
+    adapted.load_state_dict(first.fc1.state_dict())
+    first.fc1 = adapted
+    second.self_attn = Wrapper(second.self_attn)
     tokens = model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6, use_cache=True)
-    assert Shifted.calls == 6
-    Shifted.calls = 0
+    assert (Shifted.calls, Wrapper.calls) == (6, 6)
     uncached = model.generate(source, num_beams=1, max_new_tokens=6, min_new_tokens=6, use_cache=False)
     assert torch.equal(tokens, uncached)
 

@@ -321,14 +321,16 @@ class Linear(nn.Linear):
 
 
 def unwrapped(module: nn.Module, *classes: type) -> bool:
-    """Whether `module` is exactly one of `classes` with nothing wrapped around its forward (hooks, an
-    instance's own `forward` as accelerate's offloading sets, a subclass such as an adapter's), so that a
-    caller may do its forward's work without calling it."""
+    """Whether `module` is exactly one of `classes` with nothing wrapped around its forward (forward or
+    backward hooks, an instance's own `forward` as accelerate's offloading sets, a subclass such as an
+    adapter's), so that a caller may do its forward's work without calling it."""
     attributes = module.__dict__  # accelerate sets `_hf_hook` and `forward` there
     return (
         type(module) in classes
         and not module._forward_hooks
         and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
         and "forward" not in attributes
         and "_hf_hook" not in attributes
     )

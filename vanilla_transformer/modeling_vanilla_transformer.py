@@ -334,31 +334,36 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
     ) -> torch.Tensor | None:
         """`forward` for a step of cached decoding once the cross-attention cache is filled, (B, 1, D) ->
         (B, 1, D), reading the sub-layers' weights instead of calling their modules and the attention's
-        general `forward`: the same products, kernels and order, without 13 module calls and their
-        Python, which at batch 1 cost about as much as the tiny model's products. None (call `forward`)
-        where a sub-layer's module must run: hooks, adapters, offloading (`unwrapped`), training mode.
-        `encoder_attention_mask` is the cross-attention mask as `decoding_attention` takes it."""
+        general `forward`: the same products, kernels and order, without 10 sub-layer module calls and
+        their Python, which at batch 1 cost about as much as the tiny model's products. For the
+        decoder's `decoding_step`, which checks the rest (SDPA attention, a dynamic cache, no global
+        hooks). None (call `forward`) where a sub-layer's module must run: hooks, adapters, offloading,
+        wrappers (`unwrapped`), or training mode. `encoder_attention_mask` is the cross-attention mask
+        as `decoding_attention` takes it."""
         # Submodules are read from `_modules`: `nn.Module` attribute lookups would cost more than the checks.
         modules = self._modules
         self_attn, encoder_attn = modules["self_attn"], modules["encoder_attn"]
-        q_proj, k_proj, v_proj, out_proj = (self_attn._modules[name] for name in _PROJECTIONS)
-        cross_q_proj, cross_out_proj = encoder_attn._modules["q_proj"], encoder_attn._modules["out_proj"]
-        fc1, fc2 = modules["fc1"], modules["fc2"]
-        self_norm, cross_norm, ffn_norm = (modules[name] for name in _LAYER_NORMS)
         if (
             self.training
             or self_attn.training
             or encoder_attn.training
             or not unwrapped(self_attn, VanillaTransformerAttention)
             or not unwrapped(encoder_attn, VanillaTransformerAttention)
-            or not all(bare_linear(layer) for layer in (q_proj, k_proj, v_proj, out_proj, fc1, fc2))
+        ):
+            return None
+        q_proj, k_proj, v_proj, out_proj = (self_attn._modules[name] for name in _PROJECTIONS)
+        cross_q_proj, cross_out_proj = encoder_attn._modules["q_proj"], encoder_attn._modules["out_proj"]
+        fc1, fc2 = modules["fc1"], modules["fc2"]
+        self_norm, cross_norm, ffn_norm = (modules[name] for name in _LAYER_NORMS)
+        if (
+            not all(bare_linear(layer) for layer in (q_proj, k_proj, v_proj, out_proj, fc1, fc2))
             or not (bare_linear(cross_q_proj) and bare_linear(cross_out_proj))
             or not all(unwrapped(norm, nn.LayerNorm) for norm in (self_norm, cross_norm, ffn_norm))
         ):
             return None
         batch_size, norm_first = hidden_states.shape[0], self.norm_first
 
-        def heads(states: torch.Tensor) -> torch.Tensor:  # (B, 1, D) -> (B, H, 1, Dh)
+        def heads(states: torch.Tensor) -> torch.Tensor:  # (B, 1, D) -> (B, H, 1, Dh); both attentions
             return states.view(batch_size, 1, -1, self_attn.head_dim).transpose(1, 2)
 
         def attend(attention: nn.Module, query, key, value, mask, projection: nn.Module) -> torch.Tensor:
@@ -667,8 +672,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
 
         The same computation without what `forward` does besides it at every step (input checks, mask
         and packing decisions, output objects) and without the layers' module calls: each layer runs its
-        `decoding_step` (no module calls inside either) or, where that does not apply, its `forward`. At
-        batch 1 a step's matrices are small enough that this Python overhead is a large part of its time.
+        `decoding_step` (no sub-layer module calls either) or, where that does not apply, its `forward`.
+        At batch 1 a step's matrices are small enough that this Python overhead is a large part of its time.
         None where it does not apply, and then `forward` is what to call: in training, for compilable
         (static) caches, at the first step (it fills the cross-attention cache), or where a layer is
         wrapped (hooks, offloading, subclasses), whose module call must run.
