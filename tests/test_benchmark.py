@@ -142,3 +142,33 @@ def test_deployment_times_every_engine_and_checks_the_float32_export():
         assert engines["float32 export identical"], setting
         assert all(engines[engine]["seconds"] > 0 for engine in ENGINES)
         assert engines["ctranslate2 int8"]["threads"] in (1, os.cpu_count())
+
+
+def test_decoding_steps_comparison_times_both_variants(monkeypatch):
+    """`tools.decoding_steps_ab` times `generate()` with the layers' `decoding_step` and with their
+    `forward` (the patched variant really takes no layer step) and reports identical tokens."""
+    from tools.decoding_steps_ab import CELLS, compare
+    from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
+
+    steps = {"taken": 0, "declined": 0}
+    original = VanillaTransformerDecoderLayer.decoding_step
+
+    def counted(*args):
+        result = original(*args)
+        steps["taken" if result is not None else "declined"] += 1
+        return result
+
+    monkeypatch.setattr(VanillaTransformerDecoderLayer, "decoding_step", counted)
+    rows = compare(tiny_config(), repeats=1)
+    assert [row["cell"] for row in rows] == [
+        "greedy batch 1",
+        "beam 4 batch 1",
+        "greedy batch 32",
+        "beam 4 batch 32",
+    ]
+    assert len(rows) == len(CELLS)
+    for row in rows:
+        assert row["same tokens"] and row["layer forward"] > 0 and row["decoding_step"] > 0
+        assert row["ratio"] == pytest.approx(row["decoding_step"] / row["layer forward"])
+    # 31 cached steps x 2 layers per call: 2 calls per cell with the layers' steps, 2 without
+    assert steps == {"taken": len(CELLS) * 2 * 31 * 2, "declined": 0}
