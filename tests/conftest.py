@@ -93,3 +93,18 @@ def assert_same_up_to_rounding(
 def gradient_scale(grads: dict[str, torch.Tensor]) -> float:
     """The largest gradient entry of a model: the magnitude rounding errors in its backward scale with."""
     return max(float(g.abs().max()) for g in grads.values())
+
+
+def count_returns(monkeypatch, cls: type, method: str) -> list[int]:
+    """Patches `cls.method` to count the calls that returned something (not None); returns the counts."""
+    steps = []
+    original = getattr(cls, method)
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if result is not None:
+            steps.append(1)
+        return result
+
+    monkeypatch.setattr(cls, method, counted)
+    return steps

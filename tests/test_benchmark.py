@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.conftest import tiny_config
+from tests.conftest import count_returns, tiny_config
 from tools.benchmark import (
     ENGINES,
     GENERATE_LENGTH,
@@ -150,15 +150,7 @@ def test_decoding_steps_comparison_times_both_variants(monkeypatch):
     from tools.decoding_steps_ab import CELLS, compare
     from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
 
-    steps = {"taken": 0, "declined": 0}
-    original = VanillaTransformerDecoderLayer.decoding_step
-
-    def counted(*args):
-        result = original(*args)
-        steps["taken" if result is not None else "declined"] += 1
-        return result
-
-    monkeypatch.setattr(VanillaTransformerDecoderLayer, "decoding_step", counted)
+    steps = count_returns(monkeypatch, VanillaTransformerDecoderLayer, "decoding_step")
     rows = compare(tiny_config(), repeats=1)
     assert [row["cell"] for row in rows] == [
         "greedy batch 1",
@@ -171,4 +163,4 @@ def test_decoding_steps_comparison_times_both_variants(monkeypatch):
         assert row["same tokens"] and row["layer forward"] > 0 and row["decoding_step"] > 0
         assert row["ratio"] == pytest.approx(row["decoding_step"] / row["layer forward"])
     # 31 cached steps x 2 layers per call: 2 calls per cell with the layers' steps, 2 without
-    assert steps == {"taken": len(CELLS) * 2 * 31 * 2, "declined": 0}
+    assert len(steps) == len(CELLS) * 2 * 31 * 2

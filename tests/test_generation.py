@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.conftest import BOS, EOS, TINY_TERMS, assert_same_up_to_rounding, tiny_model
+from tests.conftest import BOS, EOS, TINY_TERMS, assert_same_up_to_rounding, count_returns, tiny_model
 
 # Both linear-layer kernels: torch's, and oneDNN's for every product that may take it.
 pytestmark = pytest.mark.usefixtures("each_linear_kernel")
@@ -191,21 +191,6 @@ def test_generation_step_inputs_match_generation_mixins(source):
     lean = model.generate(source, num_beams=2, max_new_tokens=7)
     model.prepare_inputs_for_generation = GenerationMixin.prepare_inputs_for_generation.__get__(model)
     assert torch.equal(lean, model.generate(source, num_beams=2, max_new_tokens=7))
-
-
-def count_returns(monkeypatch, cls: type, method: str) -> list[int]:
-    """Patches `cls.method` to count the calls that returned something (not None); returns the counts."""
-    steps = []
-    original = getattr(cls, method)
-
-    def counted(*args, **kwargs):
-        result = original(*args, **kwargs)
-        if result is not None:
-            steps.append(1)
-        return result
-
-    monkeypatch.setattr(cls, method, counted)
-    return steps
 
 
 def perturbed(model):

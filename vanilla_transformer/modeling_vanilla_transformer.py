@@ -361,14 +361,11 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
             or not all(unwrapped(norm, nn.LayerNorm) for norm in (self_norm, cross_norm, ffn_norm))
         ):
             return None
-        batch_size, norm_first = hidden_states.shape[0], self.norm_first
-
-        def heads(states: torch.Tensor) -> torch.Tensor:  # (B, 1, D) -> (B, H, 1, Dh); both attentions
-            return states.view(batch_size, 1, -1, self_attn.head_dim).transpose(1, 2)
+        norm_first, head_dim = self.norm_first, self_attn.head_dim  # both attentions' head width
 
         def attend(attention: nn.Module, query, key, value, mask, projection: nn.Module) -> torch.Tensor:
             output = decoding_attention(attention, query, key, value, mask, scaling=attention.scaling)[0]
-            return linear_of(projection, output.reshape(batch_size, 1, -1))  # (B, 1, D)
+            return linear_of(projection, merge_heads(output))  # (B, 1, D)
 
         def sublayer_input(states: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
             return layer_norm_of(norm, states) if norm_first else states
@@ -381,13 +378,13 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         projected = joint_projection(inputs, (q_proj, k_proj, v_proj))
         if projected is None:
             projected = tuple(linear_of(layer, inputs) for layer in (q_proj, k_proj, v_proj))
-        query, key, value = (heads(states) for states in projected)
+        query, key, value = (split_heads(states, head_dim) for states in projected)  # (B, H, 1, Dh)
         key, value = cache.self_attention_cache.update(key, value, self_attn.layer_idx)
         output = attend(self_attn, query, key, value, None, out_proj)
         hidden_states = sublayer_output(hidden_states, output, self_norm)
 
         # Encoder-decoder attention over the cached projections of the encoder output.
-        query = heads(linear_of(cross_q_proj, sublayer_input(hidden_states, cross_norm)))
+        query = split_heads(linear_of(cross_q_proj, sublayer_input(hidden_states, cross_norm)), head_dim)
         cached = cache.cross_attention_cache.layers[encoder_attn.layer_idx]
         output = attend(
             encoder_attn, query, cached.keys, cached.values, encoder_attention_mask, cross_out_proj
