@@ -249,6 +249,32 @@ def test_training_mode_with_dropout_is_seeded_and_differentiable():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def autograd_nodes(output: torch.Tensor) -> set[str]:
+    """Names of the backward functions in `output`'s graph."""
+    seen, pending = set(), [output.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            pending.extend(parent for parent, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_training_graph_has_no_in_place_operation_on_a_view(padded):
+    """An in-place operation on a view (the feed-forward network's ReLU on a linear layer's output for
+    (B, L, D) inputs) makes autograd copy the whole base tensor's gradient in backward (`CopySlices`),
+    three (tokens x d_ff) copies per layer. Neither unpadded batches (no packing: (B, L, D) states)
+    nor packed ones have any."""
+    batch = ragged_batch()
+    if not padded:
+        batch = {key: value[:1] for key, value in batch.items()}  # one full-length row: nothing to pack
+    model = tiny_model("sdpa", dropout=0.1).train()
+    nodes = autograd_nodes(model(**batch, return_logits=False).loss)
+    assert "AddmmBackward0" in nodes and "ReluBackward0" in nodes
+    assert not nodes & {"CopySlices", "AsStridedBackward0"}
+
+
 def test_training_mode_with_labels_skips_the_logits_and_keeps_loss_and_gradients():
     """What `Trainer` runs, model(input_ids, attention_mask, labels).loss in training mode, takes the
     fast path; logits are returned on request and always in eval mode."""

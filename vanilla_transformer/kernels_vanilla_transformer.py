@@ -599,7 +599,8 @@ class TokenPacking:
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, ...) -> (B, L, ...), zeros at skipped positions."""
         padded = packed.new_zeros(self.batch_size * self.length, *packed.shape[1:])
-        return padded.index_copy(0, self.index, packed).view(self.batch_size, self.length, *packed.shape[1:])
+        padded.index_copy_(0, self.index, packed)  # in place: a fresh tensor needs no copy of itself
+        return padded.view(self.batch_size, self.length, *packed.shape[1:])
 
 
 class PackedTokens(TypedDict, total=False):

@@ -236,13 +236,17 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
     def _feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """FFN(x) = max(0, x W1 + b1) W2 + b2 (Section 3.3), as a residual sub-layer."""
         residual = hidden_states
-        hidden_states = self.fc1(self._sublayer_input(hidden_states, self.final_layer_norm))  # (..., F)
+        # On (tokens, D) rows: a linear layer's output for (B, L, D) inputs is a view of a 2-D product,
+        # and an in-place ReLU on a view makes autograd copy the (tokens x d_ff) gradient three times.
+        rows = self._sublayer_input(hidden_states, self.final_layer_norm).reshape(-1, residual.shape[-1])
+        hidden_states = self.fc1(rows)  # (tokens, F)
         if isinstance(self.activation_fn, nn.ReLU):  # in place: saves a (tokens x d_ff) tensor
             hidden_states = F.relu(hidden_states, inplace=True)
         else:
             hidden_states = self.activation_fn(hidden_states)
-        hidden_states = dropout(hidden_states, self.activation_dropout, self.training)  # (..., F)
-        return self._sublayer_output(residual, self.fc2(hidden_states), self.final_layer_norm)
+        hidden_states = dropout(hidden_states, self.activation_dropout, self.training)  # (tokens, F)
+        output = self.fc2(hidden_states).view(residual.shape)
+        return self._sublayer_output(residual, output, self.final_layer_norm)
 
 
 class VanillaTransformerEncoderLayer(VanillaTransformerLayer):
