@@ -789,8 +789,14 @@ def build_model(
     model = VanillaTransformerForConditionalGeneration(model_config)
     model.generation_config.update(**config.decoding())
     peak_lr = paper_peak_lr(model_config.d_model, config.warmup_steps, config.lr_scale)
+    # torch's fused Adam (one pass over each parameter's state instead of a dozen element-wise ops): the
+    # same update, rounded differently; a quarter of the per-tensor loop's time for the tiny model on CPU.
     optimizer = torch.optim.Adam(
-        model.parameters(), lr=peak_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon
+        model.parameters(),
+        lr=peak_lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        fused=True,
     )
     return model, optimizer, peak_lr
 
