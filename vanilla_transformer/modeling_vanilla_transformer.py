@@ -245,7 +245,7 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         else:
             hidden_states = self.activation_fn(hidden_states)
         hidden_states = dropout(hidden_states, self.activation_dropout, self.training)  # (tokens, F)
-        output = self.fc2(hidden_states).view(residual.shape)
+        output = self.fc2(hidden_states).reshape(residual.shape)
         return self._sublayer_output(residual, output, self.final_layer_norm)
 
 
