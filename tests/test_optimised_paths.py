@@ -260,16 +260,17 @@ def autograd_nodes(output: torch.Tensor) -> set[str]:
     return {type(node).__name__ for node in seen}
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_training_graph_has_no_in_place_operation_on_a_view(padded):
+def test_training_graph_has_no_in_place_operation_on_a_view(padded, norm_first):
     """An in-place operation on a view (the feed-forward network's ReLU on a linear layer's output for
     (B, L, D) inputs) makes autograd copy the whole base tensor's gradient in backward (`CopySlices`),
-    three (tokens x d_ff) copies per layer. Neither unpadded batches (no packing: (B, L, D) states)
-    nor packed ones have any."""
+    three (tokens x d_ff) copies per layer. Unpadded batches (no packing: (B, L, D) states) are the case
+    that had them; packed (N, D) states guard against the same in the packing path."""
     batch = ragged_batch()
     if not padded:
         batch = {key: value[:1] for key, value in batch.items()}  # one full-length row: nothing to pack
-    model = tiny_model("sdpa", dropout=0.1).train()
+    model = tiny_model("sdpa", dropout=0.1, norm_first=norm_first).train()
     nodes = autograd_nodes(model(**batch, return_logits=False).loss)
     assert "AddmmBackward0" in nodes and "ReluBackward0" in nodes
     assert not nodes & {"CopySlices", "AsStridedBackward0"}

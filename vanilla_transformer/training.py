@@ -791,6 +791,8 @@ def build_model(
     peak_lr = paper_peak_lr(model_config.d_model, config.warmup_steps, config.lr_scale)
     # torch's fused Adam (one pass over each parameter's state instead of a dozen element-wise ops): the
     # same update, rounded differently; a quarter of the per-tensor loop's time for the tiny model on CPU.
+    # A checkpoint from the per-tensor loop brings its own setting back on resume: that run continues as
+    # it started, with the same rounding as if it had not stopped.
     optimizer = torch.optim.Adam(
         model.parameters(),
         lr=peak_lr,
