@@ -59,12 +59,16 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-@pytest.fixture(params=["torch", "onednn"])
+@pytest.fixture(params=["torch", "onednn", "mkl"])
 def each_linear_kernel(request):
-    """Run a test with torch's kernel and with oneDNN's for every eligible product (where this torch
-    has oneDNN), whatever the measured choice on this machine would be."""
-    if request.param == "onednn" and kernels.linear_kernel().onednn is None:
+    """Run a test with torch's kernel, with oneDNN's for every eligible product and with packed MKL for
+    every eligible decoding-step product (where this torch has them), whatever the measured choice on
+    this machine would be."""
+    policy = kernels.linear_kernel()
+    if request.param == "onednn" and policy.onednn is None:
         pytest.skip("this torch build has no oneDNN linear kernel")
+    if request.param == "mkl" and policy.mkl is None:
+        pytest.skip("this torch build has no MKL packed product")
     previous = kernels.set_linear_kernel(request.param)
     yield request.param
     kernels.set_linear_kernel(previous)

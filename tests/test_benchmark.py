@@ -96,13 +96,21 @@ def test_batches_generate_timings_and_tables():
 
 def test_kernel_report_lists_the_measured_choices():
     policy = LinearKernel(mode="auto", onednn=None)
-    policy.decisions = {(32, (8000, 192), False, True): True, (1, (192, 192), True, False): False}
+    policy.decisions = {
+        (32, (8000, 192), False, True): "onednn",
+        (1, (192, 192), True, False): "torch",
+        (4, (768, 192), True, True): "mkl",
+    }
     policy.probe_seconds = 0.012
     results = {"device": "cpu", "dtype": "float32", "threads": 2, "torch": torch.__version__, "presets": {}}
     results["matmul_peak_flops"] = 1e11
     table = format_tables({**results, "linear_kernel": linear_kernel_report(policy)})
-    assert "oneDNN measured faster for 1 of 2 decoding product classes" in table
-    assert "32 rows x (8000 x 192), kept layout" in table
+    assert (
+        "of 3 decoding product classes, 1 measured fastest on oneDNN, 1 on packed MKL, 1 on torch's" in table
+    )
+    assert "32 rows x (8000 x 192), kept layout: oneDNN" in table
+    assert "4 rows x (768 x 192), kept layout: packed MKL" in table
+    assert "1 rows x (192 x 192)" not in table
     assert "(12 ms spent measuring)" in table
 
 
@@ -142,6 +150,36 @@ def test_deployment_times_every_engine_and_checks_the_float32_export():
         assert engines["float32 export identical"], setting
         assert all(engines[engine]["seconds"] > 0 for engine in ENGINES)
         assert engines["ctranslate2 int8"]["threads"] in (1, os.cpu_count())
+
+
+def test_linear_kernel_comparison_withholds_packed_mkl_from_one_variant(monkeypatch):
+    """`--compare linear_kernel`: the baseline's policy has no packed MKL to choose, each variant keeps
+    its own decisions, and the process's policy is as before afterwards."""
+    from tools.decoding_steps_ab import compare, variants
+    from vanilla_transformer import kernels_vanilla_transformer as kernels
+
+    policy = kernels.linear_kernel()
+    previous = kernels.set_linear_kernel("auto")
+    seen = []
+    original_decide = kernels.LinearKernel.decide
+
+    def decide(self, *args):
+        seen.append(self.mkl is not None)
+        return original_decide(self, *args)
+
+    monkeypatch.setattr(kernels.LinearKernel, "decide", decide)
+    mkl = policy.mkl
+    policy.decisions[(1, (3, 3), False, False)] = "torch"  # a decision of the process, not of a variant
+    try:
+        rows = compare(tiny_config(d_model=64, d_ff=128), repeats=1, comparison="linear_kernel")
+        assert policy.mkl is mkl and policy.decisions == {(1, (3, 3), False, False): "torch"}
+    finally:
+        kernels.set_linear_kernel(previous)
+    assert all(row["same tokens"] and row["ratio"] > 0 for row in rows)
+    assert list(variants("linear_kernel")) == ["without packed MKL", "with packed MKL"]
+    if mkl is not None:
+        # every class is decided once per variant (kept between calls), with and without MKL to choose
+        assert seen.count(True) == seen.count(False) > 0
 
 
 def test_decoding_steps_comparison_times_both_variants(monkeypatch):

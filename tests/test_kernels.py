@@ -1,4 +1,5 @@
-"""The linear-layer kernel policy: oneDNN only where measured faster, never in training, bounded shapes.
+"""The linear-layer kernel policy: oneDNN or packed MKL only where measured faster, never in training,
+bounded shapes.
 
 References: `F.linear` (torch's own kernel) for every result; counting wrappers show which kernel ran.
 """
@@ -14,39 +15,49 @@ from tests.conftest import assert_same_up_to_rounding, tiny_model
 from vanilla_transformer import kernels_vanilla_transformer as kernels
 
 ONEDNN = kernels.linear_kernel().onednn
+MKL = kernels.linear_kernel().mkl
 needs_onednn = pytest.mark.skipif(ONEDNN is None, reason="this torch build has no oneDNN linear kernel")
+needs_mkl = pytest.mark.skipif(MKL is None, reason="this torch build has no MKL packed product")
 
 
 @pytest.fixture
 def policy(monkeypatch):
-    """The process's policy with its decisions and mode restored afterwards; calls to oneDNN counted."""
+    """The process's policy with its decisions and mode restored afterwards; calls to oneDNN counted
+    (and, in `policy.mkl_shapes`, calls to packed MKL)."""
     state = kernels.linear_kernel()
     previous = kernels.set_linear_kernel("auto")
-    shapes = []
+    shapes, mkl_shapes = [], []
 
     def counting(inputs, *args):
         shapes.append(tuple(inputs.shape))
         return ONEDNN(inputs, *args)
 
+    def counting_mkl(inputs, *args):
+        mkl_shapes.append(tuple(inputs.shape))
+        return MKL(inputs, *args)
+
     monkeypatch.setattr(state, "onednn", counting)
-    yield state, shapes
+    if MKL is not None:
+        monkeypatch.setattr(state, "mkl", counting_mkl)
+    yield state, shapes, mkl_shapes
     kernels.set_linear_kernel(previous)
 
 
 @needs_onednn
-@pytest.mark.parametrize("mode", ["torch", "onednn", "auto"])
+@pytest.mark.parametrize("mode", ["torch", "onednn", "mkl", "auto"])
 def test_linear_equals_f_linear_in_every_mode(policy, mode):
     kernels.set_linear_kernel(mode)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 48, generator=generator)
     bias = torch.randn(96, generator=generator)
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference mode: copies of the weight may be kept
         for rows in (1, 3, 4, 37, 256, 257, 600):
             inputs = torch.randn(48, rows, generator=generator).t()  # not contiguous
-            for b in (bias, None):
-                got = kernels.linear(inputs, weight, b)
+            for b, per_step in ((bias, False), (None, False), (bias, True), (None, True)):
+                got = kernels.linear(inputs, weight, b, per_step)
                 assert got.shape == (rows, 96)
                 assert_same_up_to_rounding(got, F.linear(inputs, weight, b), 48)
+    with torch.inference_mode():
         batched = torch.randn(2, 5, 48, generator=generator)
         assert_same_up_to_rounding(kernels.linear(batched, weight, bias), F.linear(batched, weight, bias), 48)
         assert kernels.linear(torch.zeros(0, 48), weight, bias).shape == (0, 96)
@@ -56,7 +67,7 @@ def test_linear_equals_f_linear_in_every_mode(policy, mode):
 def test_unusual_biases_and_derivatives_stay_exact(policy):
     """A strided or broadcast bias, forward-mode derivatives and torch.func transforms: oneDNN's op
     would give wrong numbers or drop the derivative, so these run on torch's kernel."""
-    _, shapes = policy
+    _, shapes, _ = policy
     kernels.set_linear_kernel("onednn")
     generator = torch.Generator().manual_seed(0)
     weight, inputs = torch.randn(16, 8, generator=generator), torch.randn(5, 8, generator=generator)
@@ -85,7 +96,7 @@ def test_unusual_biases_and_derivatives_stay_exact(policy):
 @needs_onednn
 def test_training_products_run_on_torch_kernels(policy):
     """oneDNN keeps state per shape; training batches have hundreds of shapes: never there."""
-    _, shapes = policy
+    _, shapes, _ = policy
     kernels.set_linear_kernel("onednn")
     weight = torch.randn(32, 16, requires_grad=True)
     inputs = torch.randn(8, 16, requires_grad=True)
@@ -100,7 +111,7 @@ def test_training_products_run_on_torch_kernels(policy):
 
 @needs_onednn
 def test_rows_reach_onednn_in_at_most_nine_shapes_per_matrix(policy):
-    _, shapes = policy
+    _, shapes, _ = policy
     kernels.set_linear_kernel("onednn")
     weight = torch.randn(24, 8)
     with torch.inference_mode():
@@ -113,7 +124,7 @@ def test_rows_reach_onednn_in_at_most_nine_shapes_per_matrix(policy):
 
 @needs_onednn
 def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypatch):
-    state, shapes = policy
+    state, shapes, _ = policy
     weight = torch.randn(16, 8)
     slow_calls = []
 
@@ -126,7 +137,7 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
     with torch.inference_mode():
         for _ in range(3):
             kernels.linear(torch.randn(3, 8), weight)  # class: 4 padded rows, 16 x 8, no bias
-    assert state.decisions == {(4, (16, 8), False, False): False}
+    assert state.decisions == {(4, (16, 8), False, False): "torch"}
     assert len(slow_calls) == 1 + kernels.PROBE_ROUNDS  # the probe only: then torch's kernel
     assert state.probe_seconds > 0
 
@@ -146,14 +157,14 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
     with torch.inference_mode():
         kernels.linear(torch.randn(5, 8), weight)
         kernels.linear(torch.randn(6, 8), weight)  # same class: decided already
-    assert state.decisions[(8, (16, 8), False, False)] is True
+    assert state.decisions[(8, (16, 8), False, False)] == "onednn"
     assert len(shapes) == 2 + 1 + kernels.PROBE_ROUNDS
 
 
 @needs_onednn
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
 def test_probe_fails_closed(policy, monkeypatch, failure):
-    state, _ = policy
+    state, _, _ = policy
 
     def broken(inputs, weight, *args):
         if failure == "raises":
@@ -164,7 +175,7 @@ def test_probe_fails_closed(policy, monkeypatch, failure):
     weight, inputs = torch.randn(16, 8), torch.randn(2, 8)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(inputs, weight), F.linear(inputs, weight))
-    assert state.decisions == {(2, (16, 8), False, False): False}
+    assert state.decisions == {(2, (16, 8), False, False): "torch"}
 
 
 @needs_onednn
@@ -173,15 +184,17 @@ def test_model_outputs_agree_between_kernels(policy):
     model = tiny_model("sdpa", d_model=64, d_ff=128)
     source = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(0))
     results = {}
-    for mode in ("torch", "onednn"):
+    for mode in ("torch", "onednn", "mkl"):
         kernels.set_linear_kernel(mode)
         with torch.inference_mode():
             logits = model(input_ids=source, decoder_input_ids=source[:, :5]).logits
             tokens = model.generate(source, num_beams=2, max_new_tokens=6)
         results[mode] = logits, tokens
-    assert_same_up_to_rounding(results["onednn"][0], results["torch"][0], 6 * 128)
-    assert torch.equal(results["onednn"][1], results["torch"][1])
+    for mode in ("onednn", "mkl"):
+        assert_same_up_to_rounding(results[mode][0], results["torch"][0], 6 * 128)
+        assert torch.equal(results[mode][1], results["torch"][1])
     assert policy[1], "oneDNN was never called"
+    assert policy[2] or MKL is None, "packed MKL was never called"
 
 
 @needs_onednn
@@ -190,7 +203,7 @@ def test_reordered_copies_follow_their_weights(policy):
     """oneDNN's copy of a matrix in its own layout is kept for matrices that run at every decoding step
     (and only for them), one per matrix, remade when the matrix is written in place or given new storage
     or when the row count changes, and freed with the matrix."""
-    state, shapes = policy
+    state, shapes, _ = policy
     kernels.set_linear_kernel("onednn")
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
@@ -258,6 +271,7 @@ def test_joint_projection_equals_the_separate_layers():
         ("torch", "torch"),
         ("1", "onednn"),
         (" ONEDNN ", "onednn"),
+        ("mkl", "mkl"),
     ],
 )
 def test_environment_variable(value, mode):
@@ -265,8 +279,105 @@ def test_environment_variable(value, mode):
 
 
 def test_environment_variable_with_a_bad_value_says_what_is_allowed():
-    with pytest.raises(ValueError, match=r"VANILLA_TRANSFORMER_ONEDNN='yes' .* 0 or torch"):
+    with pytest.raises(ValueError, match=r"VANILLA_TRANSFORMER_LINEAR='yes' .* 0 or torch .* mkl"):
         kernels._parse_mode("yes")
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "mode"),
+    [
+        (None, None, "auto"),
+        ("mkl", None, "mkl"),
+        (None, "0", "torch"),
+        (None, "1", "onednn"),
+        ("auto", "0", "auto"),
+    ],
+)
+def test_the_older_variable_is_read_when_the_new_one_is_unset(monkeypatch, new, old, mode):
+    for name, value in ((kernels.LINEAR_VARIABLE, new), (kernels.ENVIRONMENT_VARIABLE, old)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert kernels._mode_from_environment() == mode
+    monkeypatch.setenv(kernels.ENVIRONMENT_VARIABLE, "mkl?")
+    monkeypatch.delenv(kernels.LINEAR_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=r"VANILLA_TRANSFORMER_ONEDNN='mkl\?'"):
+        kernels._mode_from_environment()
+
+
+@needs_mkl
+def test_probe_keeps_packed_mkl_only_for_per_step_products_where_fastest(policy, monkeypatch):
+    """With torch's and oneDNN's kernels slowed down, a per-step product's class goes to packed MKL,
+    whose packed copy is kept and oneDNN's dropped; a product that is not per step never runs packed
+    (its packing would be paid at every call)."""
+    state, onednn_shapes, mkl_shapes = policy
+    original, counting_onednn = F.linear, state.onednn
+
+    def slow(kernel):
+        def run(*args):
+            time.sleep(0.002)
+            return kernel(*args)
+
+        return run
+
+    monkeypatch.setattr(kernels.F, "linear", slow(original))
+    monkeypatch.setattr(state, "onednn", slow(counting_onednn))
+    weight, bias = torch.randn(16, 8), torch.randn(16)
+    packed, layouts = len(state.packed), len(state.layouts)
+    with torch.no_grad():
+        for rows in (3, 4):  # one class: 4 padded rows
+            got = kernels.linear(torch.ones(rows, 8), weight, bias, per_step=True)
+            torch.testing.assert_close(got, original(torch.ones(rows, 8), weight, bias))
+        assert state.decisions[(4, (16, 8), True, True)] == "mkl"
+        assert len(state.packed) == packed + 1 and len(state.layouts) == layouts
+        calls = len(mkl_shapes)
+        kernels.linear(torch.ones(2, 8), weight, bias)  # not per step
+        assert state.decisions[(2, (16, 8), True, False)] in ("torch", "onednn")
+        assert len(mkl_shapes) == calls
+    assert {shape[0] for shape in mkl_shapes} == {4}
+    assert onednn_shapes  # it was timed
+
+
+@needs_mkl
+def test_packed_copies_follow_their_weights(policy):
+    """A packed copy is made for per-step products only, remade when its matrix is written in place,
+    given new storage or used with another row count, and freed with the matrix; inference tensors
+    (no version counter to follow) and products with gradients run on torch's kernel."""
+    state, _, mkl_shapes = policy
+    kernels.set_linear_kernel("mkl")
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
+    before = len(state.packed)
+
+    def check(rows, weight, per_step=True):
+        inputs = torch.randn(rows, 24, generator=generator)
+        got = kernels.linear(inputs, weight, bias, per_step=per_step)
+        assert_same_up_to_rounding(got, F.linear(inputs, weight, bias), 24)
+
+    with torch.no_grad():
+        check(4, weight, per_step=False)
+        assert len(state.packed) == before and mkl_shapes == []
+        for rows in (1, 8, 8, 3):
+            check(rows, weight)
+        assert len(state.packed) == before + 1
+        weight.mul_(-2)
+        check(3, weight)
+        weight.data = torch.randn(40, 24, generator=generator)
+        check(3, weight)
+    assert [shape[0] for shape in mkl_shapes] == [1, 8, 8, 4, 4, 4]
+    trained = torch.randn(40, 24, requires_grad=True)
+    output = kernels.linear(torch.randn(2, 24), trained, per_step=True)
+    output.sum().backward()
+    assert trained.grad is not None and len(mkl_shapes) == 6
+    del weight
+    assert len(state.packed) == before
+    with torch.inference_mode():
+        frozen, inputs = torch.randn(40, 24), torch.randn(2, 24)
+        assert_same_up_to_rounding(
+            kernels.linear(inputs, frozen, per_step=True), F.linear(inputs, frozen), 24
+        )
+    assert len(mkl_shapes) == 6 and len(state.packed) == before
 
 
 # Attention of a decoding step -------------------------------------------------------------------

@@ -644,8 +644,9 @@ def linear_kernel_report(policy: LinearKernel) -> dict[str, Any]:
     return {
         "mode": policy.mode,
         "onednn_available": policy.onednn is not None,
-        "onednn_chosen": [
-            {"rows": rows, "out": out, "in": width, "bias": bias, "kept_layout": kept, "onednn": chosen}
+        "mkl_packed_available": policy.mkl is not None,
+        "classes": [
+            {"rows": rows, "out": out, "in": width, "bias": bias, "kept_layout": kept, "kernel": chosen}
             for (rows, (out, width), bias, kept), chosen in sorted(policy.decisions.items())
         ],
         "probe_seconds": policy.probe_seconds,
@@ -838,17 +839,21 @@ def format_tables(results: dict[str, Any]) -> str:
             lines.append(f"| {setting} | " + " | ".join(cells) + f" | {speedup:.1f}x | {identical} |")
     if "linear_kernel" in results:
         kernel = results["linear_kernel"]
-        chosen = [c for c in kernel["onednn_chosen"] if c["onednn"]]
         if kernel["mode"] != "auto":
             lines += ["", f"linear kernel mode {kernel['mode']} (set, not measured)"]
         else:
+            classes = kernel["classes"]
+            counts = {name: sum(c["kernel"] == name for c in classes) for name in ("onednn", "mkl")}
             lines += [
                 "",
-                f"linear kernel mode {kernel['mode']}: oneDNN measured faster for {len(chosen)} of "
-                f"{len(kernel['onednn_chosen'])} decoding product classes "
+                f"linear kernel mode {kernel['mode']}: of {len(classes)} decoding product classes, "
+                f"{counts['onednn']} measured fastest on oneDNN, {counts['mkl']} on packed MKL, "
+                f"{len(classes) - sum(counts.values())} on torch's kernel"
                 + "".join(
-                    f"\n  {c['rows']} rows x ({c['out']} x {c['in']}){', kept layout' * c['kept_layout']}"
-                    for c in chosen
+                    f"\n  {c['rows']} rows x ({c['out']} x {c['in']}){', kept layout' * c['kept_layout']}: "
+                    + {"onednn": "oneDNN", "mkl": "packed MKL"}[c["kernel"]]
+                    for c in classes
+                    if c["kernel"] != "torch"
                 )
                 + f"\n  ({kernel['probe_seconds'] * 1e3:.0f} ms spent measuring)",
             ]

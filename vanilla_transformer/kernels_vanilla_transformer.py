@@ -20,33 +20,44 @@ tests/test_optimised_paths.py), so the paper can be read in `modeling_vanilla_tr
 
 Linear layers.
 
-torch computes float32 CPU matrix products with its BLAS (MKL on x86-64). It also ships oneDNN, whose
-linear kernel (`torch.ops.mkldnn._linear_pointwise`, a private op that torch.compile uses on CPU) is
-faster for some shapes on some CPUs and slower on others: on one 2-core AMD EPYC with AVX-512 it ran a
-one-row product through an 8000 x 256 matrix in 0.56x of torch's time and a 256 x 256 one in 2.7x;
-on AVX2-only machines it was slower than torch's BLAS even for large products. Nothing about a CPU model
-predicts this, so the choice is measured, once per shape class and process, and only where it costs
-nothing else:
+torch computes float32 CPU matrix products with its BLAS (MKL on x86-64). Two other kernels ship with
+it, each faster for some shapes on some CPUs and slower on others:
+
+- oneDNN's linear kernel (`torch.ops.mkldnn._linear_pointwise`, a private op that torch.compile uses on
+  CPU): on one 2-core AMD EPYC with AVX-512 it ran a one-row product through an 8000 x 256 matrix in
+  0.56x of torch's time and a 256 x 256 one in 2.7x; on AVX2-only machines it was slower than torch's
+  BLAS even for large products.
+- MKL's product with a matrix packed in advance (`torch.ops.mkl._mkl_linear`, what torch.compile's
+  weight freezing uses on CPU): MKL packs the matrix into its internal layout at every plain call, a
+  cost that dominates when there are few rows. On a 2-core Intel Xeon (AVX-512, AMX) 32 rows through
+  the base model's feed-forward matrices (512 x 2048, 2048 x 512) took 0.35x-0.56x of torch's time (three
+  ad-hoc timings), one row through them 1.05x.
+
+Nothing about a CPU model predicts this, so the choice is measured, once per shape class and process,
+and only where it costs nothing else:
 
 - Only products that carry no derivatives (reverse mode, forward mode, torch.func), outside
   compilation and tracing, with at most `MAX_ROWS` rows: decoding steps, which run the same few shapes
   through every weight matrix. Training and long inputs always use torch's kernel: oneDNN
   keeps state for every shape it has seen (about half a MiB each), and token-based training batches
   come in hundreds of shapes (1.4 GB of resident memory in a measured training run).
-- Rows are padded to a power of two before they reach oneDNN, so that at most 9 shapes per weight
-  matrix ever do (rows are independent: padding changes no result row).
-- oneDNN reads a matrix fastest in its own blocked layout. A matrix that runs at every decoding step
-  (the decoder's, the output projection: `Linear(..., per_step=True)`) is reordered once into that
-  layout for the row count in use and the copy is kept (`WeightCopies`: one per matrix, dropped when
-  the matrix changes or is freed), so decoding holds one more copy of those matrices; the others (the
-  encoder's, used once per input) are reordered by oneDNN at each call, and training never is.
-- The first product of a class (padded rows, weight shape, bias or not, kept layout or not) times both
-  kernels on its own inputs and keeps the faster one, which must also give the same result; any
+- Rows are padded to a power of two before they reach another kernel, so that at most 9 shapes per
+  weight matrix ever do (rows are independent: padding changes no result row).
+- Both read a matrix fastest in their own layout. A matrix that runs at every decoding step (the
+  decoder's, the output projection: `Linear(..., per_step=True)`) is converted once into that layout for
+  the row count in use and the copy is kept (`WeightCopies`: one per matrix and kernel, dropped when
+  the matrix changes or is freed, or when the class is decided for another kernel), so decoding holds
+  one more copy of those matrices. The others (the encoder's, used once per input) may run on oneDNN,
+  which then reorders at each call, but never on packed MKL, whose packing would be paid at every call;
+  training runs on neither.
+- The first product of a class (padded rows, weight shape, bias or not, kept layout or not) times the
+  kernels in turns on its own inputs and keeps the fastest, which must also give the same result; any
   exception means torch's kernel. The decisions are kept in `linear_kernel().decisions`.
 
-`VANILLA_TRANSFORMER_ONEDNN=0` (or `torch`) never uses oneDNN, `=1` (or `onednn`) uses it for every
-eligible product without timing (the test suite runs both), unset or `auto` measures. Only summation
-order differs between the kernels.
+`VANILLA_TRANSFORMER_LINEAR=torch` never uses another kernel, `=onednn` uses oneDNN for every eligible
+product and `=mkl` packed MKL for every eligible per-step product, without timing (the test suite runs
+all three); unset or `auto` measures. The older `VANILLA_TRANSFORMER_ONEDNN=0` / `=1` (torch / onednn)
+is read when the new variable is unset. Only summation order differs between the kernels.
 """
 
 from __future__ import annotations
@@ -69,8 +80,16 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"
-MODES = {"auto": "auto", "0": "torch", "torch": "torch", "1": "onednn", "onednn": "onednn"}
+LINEAR_VARIABLE = "VANILLA_TRANSFORMER_LINEAR"
+ENVIRONMENT_VARIABLE = "VANILLA_TRANSFORMER_ONEDNN"  # the older switch: 0 or 1, read when the above is unset
+MODES = {
+    "auto": "auto",
+    "0": "torch",
+    "torch": "torch",
+    "1": "onednn",
+    "onednn": "onednn",
+    "mkl": "mkl",
+}
 # Decoding regime: batch x beams rows per step. Larger products run on torch's kernel.
 MAX_ROWS = 256
 # A probe times each kernel at least this many times after one untimed call, alternating between them,
@@ -107,14 +126,37 @@ def _find_onednn_reorder() -> Callable | None:
         return None
 
 
-def _parse_mode(value: str | None) -> str:
+def _find_mkl_packed() -> tuple[Callable, Callable] | tuple[None, None]:
+    """MKL's product with a packed matrix (`torch.ops.mkl._mkl_linear`) and its packing
+    (`_mkl_reorder_linear_weight`: `weight, rows -> packed copy`), if this torch build has both and
+    they compute a known result; (None, None) otherwise."""
+    try:
+        pack, kernel = torch.ops.mkl._mkl_reorder_linear_weight, torch.ops.mkl._mkl_linear
+        if not torch.backends.mkl.is_available():
+            return None, None
+        weight = torch.ones(4, 3)
+        probe = kernel(torch.ones(2, 3), pack(weight, 2), weight, torch.ones(4), 2)
+        return (kernel, pack) if probe.shape == (2, 4) and bool((probe == 4).all()) else (None, None)
+    except Exception:  # any failure means: not available
+        return None, None
+
+
+def _parse_mode(value: str | None, variable: str = LINEAR_VARIABLE) -> str:
     mode = MODES.get((value or "auto").strip().lower())
     if mode is None:
         raise ValueError(
-            f"{ENVIRONMENT_VARIABLE}={value!r} is not understood: use auto (measure, the default), "
-            "0 or torch (never oneDNN), 1 or onednn (oneDNN for every eligible product)."
+            f"{variable}={value!r} is not understood: use auto (measure, the default), "
+            "0 or torch (torch's kernel only), 1 or onednn (oneDNN for every eligible product), "
+            "mkl (MKL with packed matrices for every product of a decoding step)."
         )
     return mode
+
+
+def _mode_from_environment() -> str:
+    value = os.environ.get(LINEAR_VARIABLE)
+    if value is None:
+        return _parse_mode(os.environ.get(ENVIRONMENT_VARIABLE), ENVIRONMENT_VARIABLE)
+    return _parse_mode(value)
 
 
 class WeightCopies:
@@ -144,6 +186,10 @@ class WeightCopies:
         self._copies[sources[0]] = (fingerprint, copy)
         return copy
 
+    def drop(self, source: torch.Tensor) -> None:
+        """Forget the copy kept for `source`, if any."""
+        self._copies.pop(source, None)
+
 
 @dataclass
 class LinearKernel:
@@ -152,34 +198,49 @@ class LinearKernel:
     mode: str
     onednn: Callable | None
     reorder: Callable | None = None
-    # oneDNN's blocked copies of the matrices it computes, for the row count in use
+    mkl: Callable | None = None
+    pack: Callable | None = None
+    # oneDNN's blocked copies and MKL's packed copies of the matrices they compute, for the row count in use
     layouts: WeightCopies = field(default_factory=WeightCopies)
-    # (padded rows, weight shape (out, in), has bias, kept layout) -> whether oneDNN computes that class
-    decisions: dict[tuple[int, tuple[int, int], bool, bool], bool] = field(default_factory=dict)
+    packed: WeightCopies = field(default_factory=WeightCopies)
+    # (padded rows, weight shape (out, in), has bias, kept layout) -> the kernel that computes that class
+    decisions: dict[tuple[int, tuple[int, int], bool, bool], str] = field(default_factory=dict)
     probe_seconds: float = 0.0
 
     def decide(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
-    ) -> bool:
-        """Measure and remember whether the class of `rows` (M, in) x this weight runs on oneDNN."""
+    ) -> str:
+        """Measure and remember which kernel computes the class of `rows` (M, in) x this weight; the
+        copies made for the kernels not chosen are dropped."""
         started = time.perf_counter()
-        decision = self._faster_on_onednn(rows, weight, bias, per_step)
+        candidates = {}
+        if self.onednn is not None:
+            candidates["onednn"] = lambda: self.compute("onednn", rows, weight, bias, per_step)
+        if self.mkl is not None and per_step:
+            candidates["mkl"] = lambda: self.compute("mkl", rows, weight, bias, per_step)
+        decision = fastest_equal(lambda: F.linear(rows, weight, bias), candidates, terms=weight.shape[1])
         self.decisions[(rows.shape[0], weight.shape, bias is not None, per_step)] = decision
+        if decision != "onednn":
+            self.layouts.drop(weight)
+        if decision != "mkl":
+            self.packed.drop(weight)
         self.probe_seconds += time.perf_counter() - started
         return decision
 
-    def _faster_on_onednn(
-        self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
-    ) -> bool:
-        """oneDNN only if faster on this product and equal in result (any error: torch's kernel). Timed as
-        `linear` calls it, looking up the kept layout each time: at one row that lookup is not free."""
-        return faster_and_equal(
-            lambda: F.linear(rows, weight, bias),
-            lambda: self.onednn(
+    def compute(
+        self, kernel: str, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
+    ) -> torch.Tensor:
+        """`F.linear(rows, weight, bias)` for 2-D `rows` on `kernel`, looking up the kept copy of `weight`
+        each time (as `linear` does: at one row that lookup is not free)."""
+        if kernel == "onednn" and self.onednn is not None:
+            return self.onednn(
                 rows, self.onednn_weight(weight, rows.shape[0], per_step), bias, "none", [], ""
-            ),
-            terms=weight.shape[1],
-        )
+            )
+        if kernel == "mkl" and self.mkl is not None and per_step:
+            packed = self.mkl_weight(weight, rows.shape[0])
+            if packed is not None:
+                return self.mkl(rows, packed, weight, bias, rows.shape[0])
+        return F.linear(rows, weight, bias)
 
     def onednn_weight(self, weight: torch.Tensor, rows: int, per_step: bool) -> torch.Tensor:
         """`weight` in oneDNN's layout for products of `rows` rows, kept, if it runs at every decoding
@@ -192,38 +253,67 @@ class LinearKernel:
             return weight
         return weight if copy is None else copy
 
+    def mkl_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """`weight` packed by MKL for products of `rows` rows, kept; None where it cannot be kept
+        (inference tensors) or packing fails."""
+        try:
+            return self.packed.get((weight,), lambda: self.pack(weight, rows), tag=rows)
+        except Exception:  # fail closed: torch's kernel
+            return None
+
+
+def fastest_equal(
+    plain: Callable[[], torch.Tensor], candidates: dict[str, Callable[[], torch.Tensor]], terms: int
+) -> str:
+    """The fastest of `plain` ("torch") and those `candidates` that give its result (to float32 rounding
+    of `terms`-term sums, relative to max(|result|, 1)): medians of timed calls, in turns, after one
+    untimed call (see `PROBE_ROUNDS`). Fails closed: a candidate that raises is out; "torch" if all are."""
+    kernels = {"torch": plain}
+    try:
+        expected = plain()
+        scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1.0)
+    except Exception:
+        return "torch"
+    tolerance = 16 * torch.finfo(torch.float32).eps * terms**0.5 * scale
+    for name, candidate in candidates.items():
+        try:
+            got = candidate()
+            if got.shape == expected.shape and bool(((got - expected).abs() <= tolerance).all()):
+                kernels[name] = candidate
+        except Exception:
+            continue
+    if len(kernels) == 1:
+        return "torch"
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    rounds = 0
+    try:
+        while rounds < PROBE_ROUNDS or (
+            rounds < PROBE_MAX_ROUNDS and max(sum(t) for t in times.values()) < PROBE_SECONDS
+        ):
+            for name, kernel in kernels.items():
+                started = time.perf_counter()
+                kernel()
+                times[name].append(time.perf_counter() - started)
+            rounds += 1
+    except Exception:
+        return "torch"
+    return min(times, key=lambda name: statistics.median(times[name]))
+
 
 def faster_and_equal(
     plain: Callable[[], torch.Tensor], candidate: Callable[[], torch.Tensor], terms: int
 ) -> bool:
-    """Whether `candidate` gives `plain`'s result (to float32 rounding of `terms`-term sums, relative to
-    max(|result|, 1)) and is faster: medians of timed calls, alternating, after one untimed call (see
-    `PROBE_ROUNDS`). Fails closed: any exception means False."""
-    try:
-        expected, got = plain(), candidate()
-        scale = max(float(expected.abs().max()) if expected.numel() else 0.0, 1.0)
-        tolerance = 16 * torch.finfo(torch.float32).eps * terms**0.5 * scale
-        if got.shape != expected.shape or not bool(((got - expected).abs() <= tolerance).all()):
-            return False
-        times: dict[bool, list[float]] = {False: [], True: []}
-        rounds = 0
-        while rounds < PROBE_ROUNDS or (
-            rounds < PROBE_MAX_ROUNDS and max(sum(times[False]), sum(times[True])) < PROBE_SECONDS
-        ):
-            for choice, kernel in ((False, plain), (True, candidate)):
-                started = time.perf_counter()
-                kernel()
-                times[choice].append(time.perf_counter() - started)
-            rounds += 1
-        return statistics.median(times[True]) < statistics.median(times[False])
-    except Exception:
-        return False
+    """Whether `candidate` gives `plain`'s result and is faster (`fastest_equal` of the two)."""
+    return fastest_equal(plain, {"candidate": candidate}, terms) == "candidate"
 
 
+_MKL, _PACK = _find_mkl_packed()
 _POLICY = LinearKernel(
-    mode=_parse_mode(os.environ.get(ENVIRONMENT_VARIABLE)),
+    mode=_mode_from_environment(),
     onednn=_find_onednn_linear(),
     reorder=_find_onednn_reorder(),
+    mkl=_MKL,
+    pack=_PACK,
 )
 
 
@@ -233,7 +323,8 @@ def linear_kernel() -> LinearKernel:
 
 
 def set_linear_kernel(mode: str) -> str:
-    """Switch the policy ("auto", "torch" or "onednn") forgetting its decisions; returns the old mode."""
+    """Switch the policy ("auto", "torch", "onednn" or "mkl") forgetting its decisions; returns the old
+    mode."""
     previous, _POLICY.mode = _POLICY.mode, _parse_mode(mode)
     _POLICY.decisions.clear()
     return previous
@@ -273,12 +364,13 @@ def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def linear(
     inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, per_step: bool = False
 ) -> torch.Tensor:
-    """`F.linear`: on oneDNN where `LinearKernel` chose it (few rows, no autograd), else torch's kernel.
-    `per_step`: the weight runs at every decoding step, so oneDNN keeps it in its own layout."""
+    """`F.linear`: on oneDNN or MKL with a packed matrix where `LinearKernel` chose it (few rows, no
+    autograd), else torch's kernel. `per_step`: the weight runs at every decoding step, so a copy of it
+    in the kernel's own layout is kept."""
     policy = _POLICY
     if (
-        policy.onednn is None
-        or policy.mode == "torch"
+        policy.mode == "torch"
+        or (policy.onednn is None and policy.mkl is None)
         or torch.compiler.is_compiling()  # first: nothing below needs tracing
         or not inputs.is_cpu
         or inputs.dtype is not torch.float32
@@ -288,23 +380,24 @@ def linear(
     rows = inputs.numel() // width if width else 0
     if not 0 < rows <= MAX_ROWS:
         return F.linear(inputs, weight, bias)
-    padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach oneDNN
-    # A class measured slower on oneDNN goes straight to torch's kernel: decoding steps repeat the same
+    padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach the other kernels
+    # A class measured fastest on torch's kernel goes straight there: decoding steps repeat the same
     # few classes, so this lookup is what most calls cost here.
-    decision = (
-        True
-        if policy.mode == "onednn"
+    kernel = (
+        policy.mode
+        if policy.mode != "auto"
         else policy.decisions.get((padded_rows, weight.shape, bias is not None, per_step))
     )
-    if decision is False or not _eligible(inputs, weight, bias):
+    if kernel == "torch" or (kernel == "mkl" and not per_step) or not _eligible(inputs, weight, bias):
         return F.linear(inputs, weight, bias)
     flat = inputs.reshape(rows, width)
     if padded_rows != rows:
         flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, width)))
-    if decision is None and not policy.decide(flat, weight, bias, per_step):
-        return F.linear(inputs, weight, bias)
-    blocked = policy.onednn_weight(weight, padded_rows, per_step)
-    output = policy.onednn(flat, blocked, bias, "none", [], "")[:rows]  # (M, out)
+    if kernel is None:
+        kernel = policy.decide(flat, weight, bias, per_step)
+        if kernel == "torch":
+            return F.linear(inputs, weight, bias)
+    output = policy.compute(kernel, flat, weight, bias, per_step)[:rows]  # (M, out)
     return output.view(*inputs.shape[:-1], weight.shape[0])
 
 
