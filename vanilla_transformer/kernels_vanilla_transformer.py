@@ -66,6 +66,7 @@ import os
 import shutil
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +77,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
-from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -162,11 +162,16 @@ def _mode_from_environment() -> str:
 class WeightCopies:
     """Tensors derived from weights for inference (a reordered layout, a concatenation), kept while their
     sources are unchanged: the same storage and version counter (optimiser steps and `load_state_dict`
-    write in place and bump it). At most one copy per first source tensor, held weakly: it goes with the
-    weights. Tensors of `torch.inference_mode` keep no version counter: nothing is kept for them."""
+    write in place and bump it). At most one copy per first source tensor, dropped when that tensor is
+    freed. Tensors of `torch.inference_mode` keep no version counter: nothing is kept for them.
+
+    Looked up at every decoding-step product, so by the source's `id` in a plain dict (a weak-keyed
+    dictionary's lookup cost a microsecond more), each entry with a weak reference that tells a
+    reused `id` from its tensor and a finalizer that removes the entry when the tensor goes."""
 
     def __init__(self) -> None:
-        self._copies = WeakTensorKeyDictionary()
+        # id(first source) -> (weak reference to it, fingerprint, copy)
+        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -174,21 +179,30 @@ class WeightCopies:
     def get(self, sources: tuple[torch.Tensor, ...], make: Callable[[], torch.Tensor], tag: object = None):
         """The kept copy for `sources` (and `tag`), made by `make()` if there is none or it is stale;
         None when the sources cannot be tracked."""
+        source = sources[0]
         try:
-            fingerprint = (tag, *((t.data_ptr(), t._version) for t in sources))
+            if len(sources) == 1:
+                fingerprint: tuple = (tag, source.data_ptr(), source._version)
+            else:
+                fingerprint = (tag, *((t.data_ptr(), t._version) for t in sources))
         except RuntimeError:  # inference tensors have no version counter
             return None
-        kept = self._copies.get(sources[0])
-        if kept is not None and kept[0] == fingerprint:
-            return kept[1]
+        key = id(source)
+        kept = self._copies.get(key)
+        if kept is not None and kept[1] == fingerprint and kept[0]() is source:
+            return kept[2]
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, itself trackable
             copy = make()
-        self._copies[sources[0]] = (fingerprint, copy)
+        if kept is None or kept[0]() is not source:
+            weakref.finalize(source, self._copies.pop, key, None)
+        self._copies[key] = (weakref.ref(source), fingerprint, copy)
         return copy
 
     def drop(self, source: torch.Tensor) -> None:
         """Forget the copy kept for `source`, if any."""
-        self._copies.pop(source, None)
+        kept = self._copies.get(id(source))
+        if kept is not None and kept[0]() is source:
+            del self._copies[id(source)]
 
 
 @dataclass
@@ -390,15 +404,17 @@ def linear(
     )
     if kernel == "torch" or (kernel == "mkl" and not per_step) or not _eligible(inputs, weight, bias):
         return F.linear(inputs, weight, bias)
-    flat = inputs.reshape(rows, width)
+    flat = inputs if inputs.dim() == 2 else inputs.reshape(rows, width)
     if padded_rows != rows:
         flat = torch.cat((flat, flat.new_zeros(padded_rows - rows, width)))
     if kernel is None:
         kernel = policy.decide(flat, weight, bias, per_step)
         if kernel == "torch":
             return F.linear(inputs, weight, bias)
-    output = policy.compute(kernel, flat, weight, bias, per_step)[:rows]  # (M, out)
-    return output.view(*inputs.shape[:-1], weight.shape[0])
+    output = policy.compute(kernel, flat, weight, bias, per_step)  # (padded M, out)
+    if padded_rows != rows:
+        output = output[:rows]
+    return output if inputs.dim() == 2 else output.view(*inputs.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
@@ -435,16 +451,22 @@ def bare_linear(layer: nn.Module) -> bool:
     return unwrapped(layer, Linear, nn.Linear)
 
 
+# Parameters below are read from `_parameters`: a module's attribute lookup of a parameter goes through
+# `nn.Module.__getattr__` (0.7 us), and a decoding step reads a few dozen of them.
+
+
 def linear_of(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
     """`layer(inputs)` for a `bare_linear` layer, without the module call."""
+    parameters = layer._parameters
     if type(layer) is Linear:
-        return linear(inputs, layer.weight, layer.bias, layer.per_step)
-    return F.linear(inputs, layer.weight, layer.bias)
+        return linear(inputs, parameters["weight"], parameters["bias"], layer.per_step)
+    return F.linear(inputs, parameters["weight"], parameters["bias"])
 
 
 def layer_norm_of(norm: nn.LayerNorm, inputs: torch.Tensor) -> torch.Tensor:
     """`norm(inputs)` for an unwrapped `nn.LayerNorm`, without the module call."""
-    return F.layer_norm(inputs, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    parameters = norm._parameters
+    return torch.layer_norm(inputs, norm.normalized_shape, parameters["weight"], parameters["bias"], norm.eps)
 
 
 # Fails closed (as if there were one) where this private function of torch is missing.
@@ -470,11 +492,14 @@ def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tup
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
         or not all(bare_linear(layer) for layer in layers)
-        or len({layer.bias is None for layer in layers}) != 1
     ):
         return None
-    weights = tuple(layer.weight for layer in layers)
-    biases = () if layers[0].bias is None else tuple(layer.bias for layer in layers)
+    weights = tuple(layer._parameters["weight"] for layer in layers)
+    biases = tuple(layer._parameters["bias"] for layer in layers)
+    if any(bias is None for bias in biases):
+        if not all(bias is None for bias in biases):
+            return None
+        biases = ()
     weight = _CONCATENATIONS.get((*weights, *biases), lambda: torch.cat(weights), tag="weight")
     if weight is None:
         return None
@@ -483,7 +508,7 @@ def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tup
         bias = _CONCATENATIONS.get((*biases, *weights), lambda: torch.cat(biases), tag="bias")
         if bias is None:
             return None
-    return linear(inputs, weight, bias, per_step=True).split([w.shape[0] for w in weights], dim=-1)
+    return linear(inputs, weight, bias, per_step=True).split_with_sizes([w.shape[0] for w in weights], dim=-1)
 
 
 # Attention of a decoding step ---------------------------------------------------------------------
