@@ -25,6 +25,12 @@ parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, default=4)
 parser.add_argument("--length_penalty", type=float, default=0.6)
 parser.add_argument(
+    "--length_penalty_form",
+    choices=["power", "gnmt"],
+    default="power",
+    help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha",
+)
+parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
@@ -51,6 +57,7 @@ try:
         data_options=data_options,
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
+        length_penalty_form=args.length_penalty_form,
         **({"no_repeat_ngram_size": args.no_repeat_ngram_size} if args.no_repeat_ngram_size else {}),
     )
 except (ValueError, FileNotFoundError) as error:

@@ -31,6 +31,11 @@ parser.add_argument(
 parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
+parser.add_argument(
+    "--length_penalty_form",
+    choices=["power", "gnmt"],
+    help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha (default: the model's)",
+)
 parser.add_argument("--max_new_tokens", type=positive_int, help="default: source length + 50")
 parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
@@ -41,6 +46,7 @@ args = parser.parse_args()
 options = {
     "num_beams": args.num_beams,
     "length_penalty": args.length_penalty,
+    "length_penalty_form": args.length_penalty_form,
     "max_new_tokens": args.max_new_tokens,
     "no_repeat_ngram_size": args.no_repeat_ngram_size,
 }
@@ -48,6 +54,10 @@ generate_kwargs = {key: value for key, value in options.items() if value is not 
 if args.engine == "ctranslate2":
     if args.do_sample or args.max_new_tokens is not None:
         parser.error("--do_sample and --max_new_tokens are for --engine transformers")
+    if generate_kwargs.pop("length_penalty_form", "power") != "power":
+        parser.error(
+            "CTranslate2 divides by |Y|^alpha only: --length_penalty_form gnmt is for --engine transformers"
+        )
     from vanilla_transformer.export_ctranslate2 import CTranslate2Translator
 
     try:

@@ -121,6 +121,39 @@ def test_beam_search_sampling_and_multiple_returns(source):
     assert (drawn[live] >= twentieth[live]).all()
 
 
+@pytest.mark.parametrize("form", ["power", "gnmt"])
+def test_length_penalty_forms_rank_beams_by_their_formula(source, form):
+    """The returned beam scores are each sequence's log-probability (rescored by a plain forward) over
+    |Y|^0.6 (transformers' form) or the paper's ((5 + |Y|) / 6)^0.6, |Y| counting the end token; the
+    form comes from the call or from the generation config."""
+    model = tiny_model(add_final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias[0, EOS] = 2.0  # so that some beams end early, others run to the limit
+    options = {"num_beams": 4, "num_return_sequences": 2, "max_new_tokens": 9, "length_penalty": 0.6}
+    if form == "gnmt":
+        model.generation_config.length_penalty_form = "gnmt"
+    beams = model.generate(source, output_scores=True, return_dict_in_generate=True, **options)
+    repeated = source.repeat_interleave(2, dim=0)
+    log_probs = teacher_forced_log_probs(model, repeated, beams.sequences)
+    ended = torch.cumsum(beams.sequences[:, 1:] == EOS, dim=1)
+    scored = (ended == 0) | ((ended == 1) & (beams.sequences[:, 1:] == EOS))
+    length = scored.sum(-1).double()
+    assert len(set(length.tolist())) > 1, "sequences of several lengths"
+    normalisers = {"power": length**0.6, "gnmt": ((5 + length) / 6) ** 0.6}
+    total = (log_probs.double() * scored).sum(-1)
+    expected = (total / normalisers[form]).float()
+    other = (total / normalisers["gnmt" if form == "power" else "power"]).float()
+    assert_same_up_to_rounding(beams.sequences_scores, expected, TINY_TERMS)
+    assert not torch.allclose(beams.sequences_scores, other, rtol=1e-3)
+    model.generation_config.length_penalty_form = "power"
+    by_keyword = model.generate(
+        source, output_scores=True, return_dict_in_generate=True, length_penalty_form=form, **options
+    )
+    torch.testing.assert_close(by_keyword.sequences_scores, beams.sequences_scores)
+    with pytest.raises(ValueError, match="length_penalty_form must be one of"):
+        model.generate(source, length_penalty_form="wu", **options)
+
+
 def test_default_generation_config_is_the_papers():
     config = tiny_model().generation_config
     assert config.num_beams == 4 and config.early_stopping is True

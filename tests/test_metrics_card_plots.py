@@ -282,6 +282,10 @@ def test_model_card_states_the_recipe_and_the_repetition_share():
     assert "No 3-token sequence may appear twice in an output (n-gram blocking" in " ".join(
         str(blocked).split()
     )
+    assert "length penalty 1.0 in transformers' form (a beam's log-probability over length^1.0)" in text
+    paper_form = metrics | {"length_penalty": 0.6, "length_penalty_form": "gnmt"}
+    gnmt = " ".join(str(build_model_card(**card_kwargs(metrics=paper_form))).split())
+    assert "0.6 in the paper's form (a beam's log-probability over ((5 + length) / 6)^0.6)" in gnmt
 
 
 def test_template_renders_with_optional_values_missing():

@@ -106,6 +106,15 @@ def test_bad_schedule_is_rejected():
         TrainingConfig(lr_schedule="cosine")
 
 
+def test_length_penalty_form_goes_to_the_decoding_settings():
+    assert TrainingConfig().decoding()["length_penalty_form"] == "power"  # transformers' and CTranslate2's
+    paper = TrainingConfig(length_penalty_form="gnmt").decoding()
+    assert paper["length_penalty_form"] == "gnmt" and paper["length_penalty"] == 0.6
+    assert "length_penalty_form" not in TrainingConfig(num_beams=1).decoding()  # no beams, no penalty
+    with pytest.raises(ValueError, match="--length_penalty_form must be one of"):
+        TrainingConfig(length_penalty_form="wu")
+
+
 def test_repetition_counts_outputs_with_a_4gram_seen_three_times():
     looping = "der Vorschau der Vorschau der Vorschau der Vorschau"  # "der Vorschau der Vorschau" x3
     assert repeats_ngram(looping)

@@ -17,7 +17,10 @@ weights and tokenizer directly:
 What CTranslate2 cannot represent exactly (separate source and target vocabularies, an activation or a
 layer-norm epsilon it does not have) is refused with the reason. Float32 exports translate token for
 token like `generate()` (tests/test_export_ctranslate2.py); `CTranslate2Translator` applies the same
-decoding rules: beam size, length penalty, each sentence's own source length + 50.
+decoding rules: beam size, length penalty, each sentence's own source length + 50. CTranslate2 divides
+a beam's log-probability by |Y|^alpha, transformers' form; a model whose generation config asks for the
+paper's ((5 + |Y|) / 6)^alpha (`length_penalty_form="gnmt"`) is exported with a warning that beam
+search there may end differently.
 
 Needs the optional extra: `pip install -e ".[ctranslate2]"`.
 """
@@ -25,6 +28,7 @@ Needs the optional extra: `pip install -e ".[ctranslate2]"`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +44,8 @@ from .modeling_vanilla_transformer import (
 )
 from .publishing import publish_folder
 from .translation import checked_sentences
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = (
     "int8",
@@ -181,6 +187,11 @@ def export_ctranslate2(
     spec.validate()
     spec.optimize(quantization=quantization)
     generation = model.generation_config
+    if getattr(generation, "length_penalty_form", None) == "gnmt":
+        logger.warning(
+            "The model's beam search uses the paper's length penalty ((5 + |Y|) / 6)^alpha; CTranslate2 "
+            "divides by |Y|^alpha, so the export may pick other beams for some sentences."
+        )
     settings = {
         "max_positions": max_positions,
         "quantization": quantization or "float32",

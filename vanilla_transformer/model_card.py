@@ -19,7 +19,12 @@ TEMPLATE_NAME = "model_card_template.md"
 TAGS = ["translation", "transformer", "vanilla-transformer", "seq2seq"]
 REQUIRED_METRICS = ("bleu", "chrf", "bleu_signature")
 # Decoding defaults of the paper (Section 6.1) and of the model's generation config.
-DEFAULT_DECODING = {"num_beams": 4, "length_penalty": 1.0, "max_length_offset": 50}
+DEFAULT_DECODING = {
+    "num_beams": 4,
+    "length_penalty": 1.0,
+    "length_penalty_form": "power",
+    "max_length_offset": 50,
+}
 LANGUAGE_NAMES = {
     "ar": "Arabic",
     "de": "German",
@@ -224,7 +229,7 @@ def build_model_card(
 
     `metrics` needs "bleu", "chrf" and "bleu_signature", scored on the split named by "split" (default
     "test"); "chrf_signature", "val_loss", "test_loss" and the decoding settings "num_beams",
-    "length_penalty", "max_length_offset", "no_repeat_ngram_size" are optional.
+    "length_penalty", "length_penalty_form", "max_length_offset", "no_repeat_ngram_size" are optional.
     `training` and `dataset` keys are all optional (see the template). `base_template` is the path of a
     Jinja2 template (default: the packaged `model_card_template.md`). The YAML metadata carries a
     model-index with test BLEU and chrF; the card is re-parsed to check it.

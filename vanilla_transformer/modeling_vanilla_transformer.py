@@ -1077,14 +1077,29 @@ class VanillaTransformerForConditionalGeneration(
         generation_config: GenerationConfig | None = None,
         **kwargs: Any,
     ) -> Any:
-        """`GenerationMixin.generate` with the paper's output-length rule (Section 6.1).
+        """`GenerationMixin.generate` with the paper's output-length rule (Section 6.1), and its length
+        penalty on request.
 
         When neither `max_length` nor `max_new_tokens` is set (in the call or the generation config),
         each sentence gets at most its own source length (its attention-mask count) + `max_length_offset`
         new tokens, instead of transformers' silent 20-token default. The offset comes from the
         generation config in use, else from the model's (50), so a fresh `GenerationConfig` keeps the rule.
+
+        `length_penalty_form` (a keyword or a generation-config field, default "power"): "power" ranks
+        finished beams as transformers does, by log P(Y) / |Y|^length_penalty; "gnmt" by the paper's
+        log P(Y) / ((5 + |Y|) / 6)^length_penalty (`GNMTLengthPenalty`).
         """
         config = generation_config if generation_config is not None else self.generation_config
+        form = kwargs.pop("length_penalty_form", None)
+        if form is None:
+            form = getattr(config, "length_penalty_form", None)
+        if form is None:
+            form = getattr(self.generation_config, "length_penalty_form", None) or "power"
+        if form not in LENGTH_PENALTY_FORMS:
+            raise ValueError(f"length_penalty_form must be one of {LENGTH_PENALTY_FORMS}, got {form!r}.")
+        if form == "gnmt":
+            alpha = kwargs.get("length_penalty")
+            kwargs["length_penalty"] = GNMTLengthPenalty(config.length_penalty if alpha is None else alpha)
         unset = all(
             kwargs.get(k) is None and getattr(config, k, None) is None
             for k in ("max_length", "max_new_tokens")
@@ -1108,6 +1123,25 @@ class VanillaTransformerForConditionalGeneration(
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
 
+LENGTH_PENALTY_FORMS = ("power", "gnmt")
+
+
+class GNMTLengthPenalty(float):
+    """The paper's length penalty (Section 6.1, from Wu et al. 2016's GNMT): beam search ranks finished
+    hypotheses by log P(Y) / lp(Y) with lp(Y) = ((5 + |Y|) / 6)^alpha, |Y| counting the end token.
+
+    transformers' beam search divides by |Y|^length_penalty instead, computed as `length **
+    length_penalty` with a Python int `length`: with a `length_penalty` of this type (whose value is
+    alpha) that power is lp(Y). tests/test_generation.py checks the scores beam search returns against
+    the formula, so a transformers that computed the power otherwise would fail there, not silently."""
+
+    def __rpow__(self, length: int) -> float:
+        return ((5 + length) / 6) ** float(self)
+
+    def __repr__(self) -> str:
+        return f"GNMTLengthPenalty({float(self)})"
+
+
 class SourceLengthLimit(StoppingCriteria):
     """Stops each sentence after its own limit of new tokens (its source length + 50 in the paper).
 
@@ -1125,6 +1159,7 @@ class SourceLengthLimit(StoppingCriteria):
 
 
 __all__ = [
+    "GNMTLengthPenalty",
     "VanillaTransformerForConditionalGeneration",
     "VanillaTransformerModel",
     "VanillaTransformerPreTrainedModel",

@@ -46,7 +46,7 @@ from .hub import check_repo_id, push_model_folder, resolve_token
 from .machine import describe_machine, format_machine, resident_bytes
 from .metrics import repetition_rate, score_translations
 from .model_card import write_model_card
-from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
+from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import finish_interrupted_publish, publish_folder
@@ -200,6 +200,13 @@ class TrainingConfig:
     )
     num_beams: int = field(default=4, metadata={"help": "beam size for BLEU"})
     length_penalty: float = field(default=0.6, metadata={"help": "length penalty for BLEU"})
+    length_penalty_form: str = field(
+        default="power",
+        metadata={
+            "help": "power: divide a beam's log-probability by |Y|^length_penalty (transformers, fairseq, "
+            "CTranslate2); gnmt: by the paper's ((5 + |Y|) / 6)^length_penalty"
+        },
+    )
     no_repeat_ngram_size: int = field(
         default=0,
         metadata={"help": "forbid repeating any token n-gram when decoding (not in the paper; 0: off)"},
@@ -222,7 +229,7 @@ class TrainingConfig:
         if self.num_beams == 1:
             return {"num_beams": 1, "early_stopping": False, "length_penalty": 1.0, **blocking}
         beams = {"num_beams": self.num_beams, "early_stopping": True, "length_penalty": self.length_penalty}
-        return beams | blocking
+        return beams | {"length_penalty_form": self.length_penalty_form} | blocking
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -238,6 +245,11 @@ class TrainingConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
         # The generation config the model folder will carry must be valid (checked before any work).
+        if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
+            raise ValueError(
+                f"--length_penalty_form must be one of {LENGTH_PENALTY_FORMS}, "
+                f"got {self.length_penalty_form!r}."
+            )
         GenerationConfig(**self.decoding()).validate(strict=True)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}.")
