@@ -27,8 +27,7 @@ parser.add_argument("--length_penalty", type=float, default=0.6)
 parser.add_argument(
     "--length_penalty_form",
     choices=["power", "gnmt"],
-    default="power",
-    help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha",
+    help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha (default: the model's)",
 )
 parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
@@ -57,7 +56,7 @@ try:
         data_options=data_options,
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
-        length_penalty_form=args.length_penalty_form,
+        **({"length_penalty_form": args.length_penalty_form} if args.length_penalty_form else {}),
         **({"no_repeat_ngram_size": args.no_repeat_ngram_size} if args.no_repeat_ngram_size else {}),
     )
 except (ValueError, FileNotFoundError) as error:

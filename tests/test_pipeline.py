@@ -50,6 +50,12 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
     batched = translator(SENTENCES, batch_size=2, num_beams=3, max_new_tokens=6)
     expected = [translate(model, tokenizer, [s], num_beams=3, max_new_tokens=6)[0] for s in SENTENCES]
     assert batched == [{"translation_text": text} for text in expected]
+    # Options given at construction hold for every call, unless a call changes them.
+    fixed = TranslationPipeline(model=model, tokenizer=tokenizer, num_beams=1, max_new_tokens=3)
+    assert fixed(SENTENCES[0]) == [
+        {"translation_text": translate(model, tokenizer, SENTENCES[:1], num_beams=1, max_new_tokens=3)[0]}
+    ]
+    assert fixed(SENTENCES[0], max_new_tokens=8) == single
     with pytest.raises(ValueError, match="string or a list of strings"):
         translator(42)
     with pytest.raises(ValueError, match="empty string"):

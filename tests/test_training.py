@@ -108,6 +108,8 @@ def test_training_writes_a_complete_model_folder(trained):
     model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     assert model.generation_config.num_beams == 4 and model.generation_config.length_penalty == 0.6
+    saved = json.loads((output_dir / "generation_config.json").read_text())
+    assert saved["length_penalty_form"] == "power"  # written, so that the folder decodes as it was scored
     averaged = average_checkpoints(list_checkpoints(output_dir))
     assert (model.model.shared.weight == averaged["model.shared.weight"]).all()
     outputs = translate(model, tokenizer, ["In the beginning.", "Jesus wept."], num_beams=2)

@@ -162,7 +162,8 @@ def _mode_from_environment() -> str:
 class WeightCopies:
     """Tensors derived from weights for inference (a reordered layout, a concatenation), kept while their
     sources are unchanged: the same storage and version counter (optimiser steps and `load_state_dict`
-    write in place and bump it). At most one copy per first source tensor, dropped when that tensor is
+    write in place and bump it; writes through `weight.data`, which has a version counter of its own,
+    are not seen). At most one copy per first source tensor, dropped when that tensor is
     freed. Tensors of `torch.inference_mode` keep no version counter: nothing is kept for them.
 
     Looked up at every decoding-step product, so by the source's `id` in a plain dict (a weak-keyed
@@ -172,6 +173,11 @@ class WeightCopies:
     def __init__(self) -> None:
         # id(first source) -> (weak reference to it, fingerprint, copy)
         self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+        self._watched: set[int] = set()  # ids of live sources with a finalizer registered
+
+    def _forget(self, key: int) -> None:
+        self._copies.pop(key, None)
+        self._watched.discard(key)
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -193,16 +199,18 @@ class WeightCopies:
             return kept[2]
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, itself trackable
             copy = make()
-        if kept is None or kept[0]() is not source:
-            weakref.finalize(source, self._copies.pop, key, None)
+        if key not in self._watched:  # a freed source's finalizer has run before its id can be reused
+            self._watched.add(key)
+            weakref.finalize(source, self._forget, key)
         self._copies[key] = (weakref.ref(source), fingerprint, copy)
         return copy
 
     def drop(self, source: torch.Tensor) -> None:
         """Forget the copy kept for `source`, if any."""
-        kept = self._copies.get(id(source))
+        key = id(source)
+        kept = self._copies.get(key)
         if kept is not None and kept[0]() is source:
-            del self._copies[id(source)]
+            self._copies.pop(key, None)  # another thread may have dropped it meanwhile
 
 
 @dataclass

@@ -1097,9 +1097,12 @@ class VanillaTransformerForConditionalGeneration(
             form = getattr(self.generation_config, "length_penalty_form", None) or "power"
         if form not in LENGTH_PENALTY_FORMS:
             raise ValueError(f"length_penalty_form must be one of {LENGTH_PENALTY_FORMS}, got {form!r}.")
-        if form == "gnmt":
-            alpha = kwargs.get("length_penalty")
-            kwargs["length_penalty"] = GNMTLengthPenalty(config.length_penalty if alpha is None else alpha)
+        beams = kwargs.get("num_beams") or config.num_beams or self.generation_config.num_beams or 1
+        if form == "gnmt" and beams > 1:  # greedy search has no length penalty to change
+            given = (kwargs.get("length_penalty"), config.length_penalty)
+            given += (self.generation_config.length_penalty,)
+            alpha = next((value for value in given if value is not None), 1.0)  # transformers' default: 1.0
+            kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
         unset = all(
             kwargs.get(k) is None and getattr(config, k, None) is None
             for k in ("max_length", "max_new_tokens")

@@ -33,7 +33,10 @@ class TranslationPipeline(Pipeline):
         postprocess_params = {}
         if clean_up_tokenization_spaces is not None:
             postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
-        return {}, {"generate_kwargs": generate_kwargs}, postprocess_params
+        # `Pipeline` replaces the construction's forward parameters with a call's: merge the options so
+        # that those given at construction stay unless the call changes them.
+        given = getattr(self, "_forward_params", {}).get("generate_kwargs", {})
+        return {}, {"generate_kwargs": {**given, **generate_kwargs}}, postprocess_params
 
     def __call__(self, inputs: str | list[str], **kwargs: Any) -> list:
         """A sentence gives `[{"translation_text": ...}]`; a list gives one such dict per sentence."""

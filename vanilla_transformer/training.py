@@ -799,7 +799,7 @@ def build_model(
     }
     model_config = VanillaTransformerConfig.from_preset(config.preset, **overrides)
     model = VanillaTransformerForConditionalGeneration(model_config)
-    model.generation_config.update(**config.decoding())
+    model.generation_config.update(allow_custom_entries=True, **config.decoding())  # length_penalty_form too
     peak_lr = paper_peak_lr(model_config.d_model, config.warmup_steps, config.lr_scale)
     # torch's fused Adam (one pass over each parameter's state instead of a dozen element-wise ops): the
     # same update, rounded differently; a quarter of the per-tensor loop's time for the tiny model on CPU.
