@@ -10,6 +10,7 @@ import sys
 
 from vanilla_transformer.cli import positive_int
 from vanilla_transformer.evaluation import load_model_folder
+from vanilla_transformer.modeling_vanilla_transformer import LENGTH_PENALTY_FORMS
 from vanilla_transformer.translation import translate_lines, translate_stream
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -33,7 +34,7 @@ parser.add_argument("--num_beams", type=positive_int, help="default: the model's
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
 parser.add_argument(
     "--length_penalty_form",
-    choices=["power", "gnmt"],
+    choices=LENGTH_PENALTY_FORMS,
     help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha (default: the model's)",
 )
 parser.add_argument("--max_new_tokens", type=positive_int, help="default: source length + 50")
