@@ -86,12 +86,18 @@ def test_batches_generate_timings_and_tables():
             "torch": torch.__version__,
             "matmul_peak_flops": 1e9,
             "presets": {
-                "tiny": {"generate beam 2 batch 2": timings, "generate beam 2 share in forward": shares}
+                "tiny": {
+                    "generate beam 2 batch 2": timings,
+                    "generate beam 2 batch 2 share in forward": shares,
+                }
             },
         }
     )
     assert "| tiny | generate beam 2 batch 2 (s) |" in table
-    assert "| tiny | generate beam 2: share of time in model forward |" in table
+    assert "| tiny | generate beam 2 batch 2: share of time in model forward |" in table
+    forward = {kind: timings[kind] * shares[kind] for kind in timings}
+    row = "| tiny | generate beam 2 batch 2: time in model forward (s, median x share) |"
+    assert f"{row} {forward['ours']:.3f} | {forward['marian']:.3f} |" in table
 
 
 def test_kernel_report_lists_the_measured_choices():
