@@ -9,9 +9,8 @@
 import argparse
 from pathlib import Path
 
-from vanilla_transformer.cli import positive_int
+from vanilla_transformer.cli import add_length_penalty_form, positive_int
 from vanilla_transformer.evaluation import evaluate_model
-from vanilla_transformer.modeling_vanilla_transformer import LENGTH_PENALTY_FORMS
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id)")
@@ -25,11 +24,7 @@ parser.add_argument("--max_samples", type=positive_int, help="score only the fir
 parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, default=4)
 parser.add_argument("--length_penalty", type=float, default=0.6)
-parser.add_argument(
-    "--length_penalty_form",
-    choices=LENGTH_PENALTY_FORMS,
-    help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha (default: the model's)",
-)
+add_length_penalty_form(parser)
 parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
 )

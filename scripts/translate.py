@@ -8,9 +8,8 @@ python scripts/translate.py --model CT2_DIR --engine ctranslate2 < en.txt   # sc
 import argparse
 import sys
 
-from vanilla_transformer.cli import positive_int
+from vanilla_transformer.cli import add_length_penalty_form, positive_int
 from vanilla_transformer.evaluation import load_model_folder
-from vanilla_transformer.modeling_vanilla_transformer import LENGTH_PENALTY_FORMS
 from vanilla_transformer.translation import translate_lines, translate_stream
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,11 +31,7 @@ parser.add_argument(
 parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
-parser.add_argument(
-    "--length_penalty_form",
-    choices=LENGTH_PENALTY_FORMS,
-    help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha (default: the model's)",
-)
+add_length_penalty_form(parser)
 parser.add_argument("--max_new_tokens", type=positive_int, help="default: source length + 50")
 parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"

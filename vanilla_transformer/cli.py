@@ -44,6 +44,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_length_penalty_form(parser: argparse.ArgumentParser) -> None:
+    """`--length_penalty_form power|gnmt` for the scripts that decode; unset means the model's own."""
+    from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS
+
+    parser.add_argument(
+        "--length_penalty_form",
+        choices=LENGTH_PENALTY_FORMS,
+        help="power: |Y|^alpha (transformers); gnmt: the paper's ((5 + |Y|) / 6)^alpha "
+        "(default: the model's)",
+    )
+
+
 def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None = None) -> T:
     """Parse flags into `cls`; a ValueError from its validation exits with the usage, like a bad flag."""
     parser = dataclass_parser(cls, description)
@@ -55,4 +67,4 @@ def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None =
         raise  # unreachable: parser.error exits
 
 
-__all__ = ["dataclass_parser", "parse_dataclass", "positive_int"]
+__all__ = ["add_length_penalty_form", "dataclass_parser", "parse_dataclass", "positive_int"]
