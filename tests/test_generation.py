@@ -154,22 +154,27 @@ def test_length_penalty_forms_rank_beams_by_their_formula(source, form):
         model.generate(source, length_penalty_form="wu", **options)
 
 
-def test_paper_length_penalty_without_a_given_alpha_uses_transformers_default(source, caplog):
-    """A fresh model's generation config sets no length penalty: "gnmt" then takes transformers' 1.0, in
-    the paper's form; greedy search, which has no length penalty, is left as it is (no warning)."""
+def test_paper_length_penalty_form_takes_the_alpha_in_force(source, caplog):
+    """ "gnmt" applies the alpha of the call, else of the generation config in use, else the model's (the
+    paper's 0.6), else transformers' 1.0; greedy search, which has no length penalty, is left as it is
+    (no warning)."""
     from transformers import GenerationConfig
 
     model = tiny_model(add_final_logits_bias=True)
     with torch.no_grad():
         model.final_logits_bias[0, EOS] = 2.0
-    assert model.generation_config.length_penalty is None
     options = {"max_new_tokens": 9, "output_scores": True, "return_dict_in_generate": True}
-    implicit = model.generate(source, length_penalty_form="gnmt", **options)
-    explicit = model.generate(source, length_penalty_form="gnmt", length_penalty=1.0, **options)
-    torch.testing.assert_close(implicit.sequences_scores, explicit.sequences_scores)
+
+    def scores(**kwargs: object) -> torch.Tensor:
+        return model.generate(source, length_penalty_form="gnmt", **options, **kwargs).sequences_scores
+
+    torch.testing.assert_close(scores(), scores(length_penalty=0.6))  # the model's default
     given = GenerationConfig(num_beams=4, early_stopping=True, length_penalty_form="gnmt", max_new_tokens=9)
     passed = model.generate(source, generation_config=given, output_scores=True, return_dict_in_generate=True)
-    torch.testing.assert_close(passed.sequences_scores, explicit.sequences_scores)
+    torch.testing.assert_close(passed.sequences_scores, scores(length_penalty=0.6))
+    model.generation_config.length_penalty = None
+    torch.testing.assert_close(scores(), scores(length_penalty=1.0))
+    assert not torch.allclose(scores(length_penalty=1.0), scores(length_penalty=0.6))  # alpha matters here
     caplog.clear()
     with caplog.at_level("WARNING"):
         greedy = model.generate(source, num_beams=1, length_penalty_form="gnmt", max_new_tokens=9)
@@ -179,7 +184,7 @@ def test_paper_length_penalty_without_a_given_alpha_uses_transformers_default(so
 
 def test_default_generation_config_is_the_papers():
     config = tiny_model().generation_config
-    assert config.num_beams == 4 and config.early_stopping is True
+    assert config.num_beams == 4 and config.early_stopping is True and config.length_penalty == 0.6
     assert config.decoder_start_token_id == BOS and config.eos_token_id == EOS
 
 

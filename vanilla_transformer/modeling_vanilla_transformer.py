@@ -883,9 +883,11 @@ class VanillaTransformerForConditionalGeneration(
             nn.Parameter(torch.zeros(1, config.decoder_vocab_size)) if config.add_final_logits_bias else None
         )
         self.post_init()
-        # Paper Section 6.1: beam size 4, stop when all beams are finished.
+        # Paper Section 6.1: beam size 4, length penalty alpha 0.6 (in transformers' |Y|^alpha form; the
+        # paper's is `length_penalty_form="gnmt"`), stop when all beams are finished.
         self.generation_config = GenerationConfig(
             num_beams=4,
+            length_penalty=0.6,
             early_stopping=True,
             max_length_offset=DEFAULT_MAX_LENGTH_OFFSET,
             bos_token_id=config.bos_token_id,
