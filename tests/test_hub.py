@@ -225,6 +225,11 @@ def test_push_and_load_by_repo_id_without_the_package(model_folder, local_hub, t
     uploaded = set(git(mirrors / "models" / REPO_ID, "ls-files").splitlines())
     assert {"model.safetensors", "config.json", "README.md", "pipeline_vanilla_transformer.py"} <= uploaded
     assert not any(name.startswith("checkpoints/") for name in uploaded)
+    # The card's examples load the repo, not the name it was written under; the local card is unchanged.
+    card = git(mirrors / "models" / REPO_ID, "show", "HEAD:README.md")
+    assert f'repo = "{REPO_ID}"' in card and f'model="{REPO_ID}"' in card and f"--model {REPO_ID} " in card
+    assert '"transformer-tiny-en-es"' not in card and "--model transformer-tiny-en-es " not in card
+    assert 'repo = "transformer-tiny-en-es"' in (model_folder / "README.md").read_text()
 
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 

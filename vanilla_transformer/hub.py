@@ -73,6 +73,22 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     return card
 
 
+def card_for_repo(text: str, repo_id: str) -> str:
+    """A model card's text with its usage examples loading `repo_id`.
+
+    The training script renders the card before the folder has a Hub name, so its examples load the
+    card's `model_name` (the folder's name): `repo = "NAME"`, `model="NAME"`, `--model NAME`. Those
+    quoted or flagged occurrences become the repo id; the rest of the text, the title and the
+    model-index are left as they are.
+    """
+    name = ModelCard(text).data.model_name
+    if not name or name == repo_id:
+        return text
+    for old, new in ((f'"{name}"', f'"{repo_id}"'), (f"--model {name} ", f"--model {repo_id} ")):
+        text = text.replace(old, new)
+    return text
+
+
 def push_model_folder(
     folder: str | Path,
     repo_id: str,
@@ -84,7 +100,8 @@ def push_model_folder(
 ) -> str:
     """Create the repo if needed and upload the folder in one commit; returns the commit URL.
 
-    Training by-products (checkpoints, logs, the tokenizer's working copy) stay local. `endpoint`
+    The model card goes up with its usage examples loading `repo_id` (`card_for_repo`). Training
+    by-products (checkpoints, logs, the tokenizer's working copy) stay local. `endpoint`
     selects another Hub deployment (default: HF_ENDPOINT or huggingface.co).
     """
     check_repo_id(repo_id)
@@ -98,10 +115,16 @@ def push_model_folder(
         and path.relative_to(folder).parts[0] not in LOCAL_ONLY
         and not any(part.startswith(".") for part in path.relative_to(folder).parts)
     )
-    operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), str(path)) for path in files]
+    operations = [
+        CommitOperationAdd(path.relative_to(folder).as_posix(), str(path))
+        for path in files
+        if path.relative_to(folder).as_posix() != "README.md"
+    ]
+    card = card_for_repo((folder / "README.md").read_text(), repo_id)
+    operations.append(CommitOperationAdd("README.md", card.encode()))
     repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     commit = api.create_commit(repo.repo_id, operations, commit_message=commit_message, repo_type="model")
     return commit.commit_url
 
 
-__all__ = ["check_model_folder", "check_repo_id", "push_model_folder", "resolve_token"]
+__all__ = ["card_for_repo", "check_model_folder", "check_repo_id", "push_model_folder", "resolve_token"]
