@@ -362,3 +362,39 @@ def test_plot_training_curves_rejects_empty_history(tmp_path):
     with pytest.raises(ValueError, match="step"):
         plot_training_curves([{"train_loss": 1.0}], tmp_path / "curves.png")
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_model_card_follows_the_run_it_describes():
+    """Schedule scale and cooldown, greedy decoding, the preset by shape whatever the dropout, and
+    limitations that depend on the corpus and the length of training."""
+    from vanilla_transformer import VanillaTransformerConfig
+
+    def render(**overrides) -> str:
+        return " ".join(str(build_model_card(**card_kwargs(**overrides))).split())
+
+    scaled = render(training=TRAINING | {"lr_scale": 0.6, "lr_cooldown": 0.2})
+    assert "`lrate = 0.6 · d_model^-0.5 · min(step^-0.5" in scaled
+    assert "scaled down linearly to zero over the last 20% of the run" in scaled
+    paper = render(training=TRAINING | {"lr_scale": 1.0, "lr_cooldown": 0.0})
+    assert "`lrate = d_model^-0.5 · min(" in paper and "scaled down linearly" not in paper
+
+    greedy = render(metrics=METRICS | {"num_beams": 1})
+    assert "Decoding: greedy search, and at most source length + 50 output tokens." in greedy
+    assert "beam search with 1 beams" not in greedy
+
+    tiny = VanillaTransformerConfig.from_preset("tiny", vocab_size=4000, dropout=0.0)  # the recipe's
+    assert "| size | `tiny` preset |" in render(config=tiny)
+
+    shipped = render(dataset=DATASET | {"embedded": True})
+    other = render(dataset=DATASET | {"embedded": False, "train_pairs": 4_500_000})
+    assert "Bible-domain" in shipped and "Bible-domain" not in other and "Bible-domain" not in render()
+    assert "**Small corpus.** The model learnt from 11,022 sentence pairs" in shipped
+    assert "Small corpus" not in other
+    assert "**Far less training than the paper's.** 12,345 updates" in shipped
+    long_run = render(
+        training=TRAINING | {"steps": 100_000}, config=VanillaTransformerConfig.from_preset("base")
+    )
+    assert "Far less training" not in long_run and "Smaller than the paper's base model" not in long_run
+    assert "**Smaller than the paper's base model**: d_model = 32" in render(
+        training=TRAINING | {"steps": 100_000}
+    )

@@ -53,7 +53,8 @@ ARCHITECTURE_FIELDS = (
     "position_encoding_layout",
     "tie_word_embeddings",
 )
-PRESET_FIELDS = ("d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers", "dropout")
+# The shape that names a preset; dropout is a training setting (the tiny recipe trains without).
+PRESET_FIELDS = ("d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers")
 
 
 def default_template_path() -> Path:
@@ -127,6 +128,7 @@ def _template_variables(
         train_pairs=dataset.get("train_pairs"),
         validation_pairs=dataset.get("validation_pairs"),
         test_pairs=dataset.get("test_pairs"),
+        embedded_corpus=bool(dataset.get("embedded")),
         steps=training.get("steps"),
         epochs=training.get("epochs"),
         train_time=_format_duration(train_time_s) if train_time_s is not None else None,
@@ -138,6 +140,8 @@ def _template_variables(
         max_steps=training.get("max_steps"),
         max_train_minutes=training.get("max_train_minutes"),
         lr_peak=training.get("lr_peak"),
+        lr_scale=training.get("lr_scale"),
+        lr_cooldown=training.get("lr_cooldown"),
         label_smoothing=training.get("label_smoothing", config.label_smoothing),
         dropout_training=training.get("dropout", config.dropout),
         averaged_checkpoints=training.get("averaged_checkpoints"),
