@@ -52,6 +52,34 @@ def test_linear_schedule_warms_up_then_ends_at_zero():
     assert lr_factor("linear", 20, 4, progress=1.3, warmup_progress=0.4) == 0.0  # never negative
 
 
+def test_cooldown_scales_either_schedule_down_to_zero_over_the_last_share():
+    for schedule in ("inverse_sqrt", "linear"):
+        plain = {p: lr_factor(schedule, 40, 8, p, 0.2) for p in (0.5, 0.75, 0.9, 0.99)}
+        cooled = {
+            p: lr_factor(schedule, 40, 8, p, 0.2, cooldown=0.25) for p in (0.5, 0.75, 0.9, 0.99, 1.0, 1.2)
+        }
+        assert cooled[0.5] == plain[0.5] and cooled[0.75] == plain[0.75]  # before the last quarter: untouched
+        assert cooled[0.9] == pytest.approx(0.4 * plain[0.9]) and cooled[0.99] == pytest.approx(
+            0.04 * plain[0.99]
+        )
+        assert cooled[1.0] == 0.0 and cooled[1.2] == 0.0  # never negative
+    assert lr_factor("inverse_sqrt", 40, 8, 0.5, 0.2) == (8 / 40) ** 0.5
+    assert lr_factor("inverse_sqrt", 4, 8, 0.9, 0.2, cooldown=0.25) == pytest.approx(0.5 * 0.4)  # warm-up too
+
+
+def test_training_cools_down_over_the_last_updates(tmp_path, corpus_files):  # noqa: F811
+    args = small_args(
+        tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, logging_steps=1, test_samples=1
+    )
+    result = train(parse_config([*args, "--lr_cooldown", "0.25", "--max_train_minutes", "0"]))
+    peak = paper_peak_lr(64, 8, 2.0)  # small_args: d_model 64, 8 warm-up updates, lr_scale 2
+    # Update s runs at progress (s - 1) / 12; the last quarter (updates 11 and 12) is cooled.
+    paper = {s: peak * min(s / 8, (8 / s) ** 0.5) for s in range(1, 13)}
+    expected = {s: paper[s] * min(1.0, (1 - (s - 1) / 12) / 0.25) for s in range(1, 13)}
+    assert logged_lrs(result) == pytest.approx(expected, rel=1e-9)
+    assert expected[12] < expected[11] < paper[11] and expected[10] == paper[10]
+
+
 def logged_lrs(result: dict) -> dict[int, float]:
     return {h["step"]: h["lr"] for h in result["history"] if "lr" in h}
 
@@ -104,6 +132,9 @@ def test_default_vocabulary_grows_with_the_corpus_within_bounds():
 def test_bad_schedule_is_rejected():
     with pytest.raises(ValueError, match="--lr_schedule must be one of"):
         TrainingConfig(lr_schedule="cosine")
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--lr_cooldown must be between 0 and 1"):
+            TrainingConfig(lr_cooldown=bad)
 
 
 def test_length_penalty_form_goes_to_the_decoding_settings():

@@ -72,6 +72,7 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 RECIPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "lr_schedule": "inverse_sqrt",
+        "lr_cooldown": 0.0,
         "max_tokens": 2048,
         "max_steps": 1650,
         "max_train_minutes": 8.5,
@@ -85,6 +86,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     "base": {
         "lr_schedule": "inverse_sqrt",
+        "lr_cooldown": 0.0,
         "max_tokens": 6250,
         "max_steps": 100_000,
         "warmup_steps": 4000,
@@ -96,6 +98,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     "big": {
         "lr_schedule": "inverse_sqrt",
+        "lr_cooldown": 0.0,
         "max_tokens": 6250,
         "max_steps": 300_000,
         "warmup_steps": 4000,
@@ -167,6 +170,13 @@ class TrainingConfig:
         metadata={
             "help": "inverse_sqrt (the paper's) or linear: warm-up, then straight down to 0 at the end of "
             "the run, max_steps or max_train_minutes, whichever comes first (default: recipe)"
+        },
+    )
+    lr_cooldown: float | None = field(
+        default=None,
+        metadata={
+            "help": "scale the schedule down linearly to 0 over this last share of the run (0 to 1: "
+            "updates or minutes, whichever runs out first; 0: no cooldown) (default: recipe)"
         },
     )
     adam_beta1: float = 0.9
@@ -266,6 +276,8 @@ class TrainingConfig:
             raise ValueError("--max_grad_norm must be positive.")
         if self.lr_scale <= 0:
             raise ValueError("--lr_scale must be positive.")
+        if not 0 <= self.lr_cooldown <= 1:  # NaN included
+            raise ValueError(f"--lr_cooldown must be between 0 and 1, got {self.lr_cooldown}.")
         # Everything checkable is checked here, before data loading and BPE training take minutes.
         model_fields = {"label_smoothing": self.label_smoothing}
         model_fields |= {} if self.dropout is None else {"dropout": self.dropout}
@@ -329,20 +341,33 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
 LR_SCHEDULES = ("inverse_sqrt", "linear")
 
 
-def lr_factor(schedule: str, step: int, warmup_steps: int, progress: float, warmup_progress: float) -> float:
+def lr_factor(
+    schedule: str,
+    step: int,
+    warmup_steps: int,
+    progress: float,
+    warmup_progress: float,
+    cooldown: float = 0.0,
+) -> float:
     """The learning rate of update `step` (1-based) as a fraction of the peak.
 
     inverse_sqrt (Section 5.3): linear warm-up to the peak at `warmup_steps`, then proportional to
     step^-0.5. linear: the same warm-up, then straight down to 0 at progress 1, where progress is the
     share of the run's budget spent (updates or minutes, whichever is further along) and
-    `warmup_progress` the progress at which warm-up ended.
+    `warmup_progress` the progress at which warm-up ended. `cooldown` > 0 scales either schedule down
+    linearly to 0 over the last `cooldown` share of the budget (a cooldown, as in warmup-stable-decay
+    schedules), so that a run bounded by updates or minutes ends at a small rate.
     """
     warmup = max(warmup_steps, 1)
     if step <= warmup:
-        return step / warmup
-    if schedule == "inverse_sqrt":
-        return (warmup / step) ** 0.5
-    return min(1.0, max(0.0, (1.0 - progress) / max(1.0 - warmup_progress, 1e-9)))
+        factor = step / warmup
+    elif schedule == "inverse_sqrt":
+        factor = (warmup / step) ** 0.5
+    else:
+        factor = min(1.0, max(0.0, (1.0 - progress) / max(1.0 - warmup_progress, 1e-9)))
+    if cooldown > 0:
+        factor *= min(1.0, max(0.0, (1.0 - progress) / cooldown))
+    return factor
 
 
 def paper_peak_lr(d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
@@ -944,7 +969,12 @@ def train_loop(run: Run) -> bool:
             step = state["step"] + 1
             progress_now = clock.progress(state["step"], elapsed)
             lr = run.peak_lr * lr_factor(
-                config.lr_schedule, step, config.warmup_steps, progress_now, state.get("warmup_progress", 0.0)
+                config.lr_schedule,
+                step,
+                config.warmup_steps,
+                progress_now,
+                state.get("warmup_progress", 0.0),
+                config.lr_cooldown,
             )
             losses, tokens = update(run, window, lr)
             state["step"] = step
@@ -1115,7 +1145,7 @@ def default_vocab_size(words: int) -> int:
     Small corpora want small vocabularies (Sennrich & Zhang 2019; Araabi & Monz 2020): each type needs
     enough occurrences to be learned. One type per `WORDS_PER_TYPE` words, rounded to thousands, at
     least 1,000 and at most the paper's 37,000 (its 4.5M-pair English-German corpus). Measured on the
-    embedded corpus (about 0.4M words): 4,000 beat 2,000 and 8,000 (README).
+    embedded corpus (about 0.3M words): 4,000 beat 2,000 and 8,000 (README).
     """
     return int(min(max(round(words / WORDS_PER_TYPE, -3), 1000), 37000))
 
@@ -1168,6 +1198,7 @@ def write_model_folder(
         "train_pairs": len(tokenized["train"]),
         "validation_pairs": len(tokenized["validation"]),
         "test_pairs": len(tokenized["test"]) if "test" in tokenized else None,
+        "embedded": not local and not config.dataset_name,  # the Bible corpus shipped with the package
     }
     if config.dataset_name:
         dataset["hub_id"] = config.dataset_name
@@ -1195,6 +1226,8 @@ def write_model_folder(
         "batch_tokens": config.max_tokens * accelerator.num_processes * config.gradient_accumulation_steps,
         "warmup_steps": config.warmup_steps,
         "lr_peak": paper_peak_lr(model.config.d_model, config.warmup_steps, config.lr_scale),
+        "lr_scale": config.lr_scale,
+        "lr_cooldown": config.lr_cooldown,
         "label_smoothing": model.config.label_smoothing,
         "dropout": model.config.dropout,
         "averaged_checkpoints": len(metrics["averaged_checkpoints"]),
