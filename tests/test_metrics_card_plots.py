@@ -398,3 +398,17 @@ def test_model_card_follows_the_run_it_describes():
     assert "**Smaller than the paper's base model**: d_model = 32" in render(
         training=TRAINING | {"steps": 100_000}
     )
+
+
+def test_usage_examples_translate_the_given_sentences_as_python_literals():
+    examples = ['Click "OK" to save.', "Datei\\nöffnen", "Quit"]
+    text = str(build_model_card(**card_kwargs(examples=examples)))
+    assert 'inputs = tokenizer(["Click \\"OK\\" to save."], return_tensors="pt")' in text
+    assert 'translator(["Datei\\\\nöffnen", "Quit"], batch_size=16' in text
+    code = text.split("### 2. `pipeline")[1].split("```python")[1].split("```")[0]
+    calls = [line for line in code.splitlines() if line.startswith("translator(")]
+    import ast
+
+    assert ast.literal_eval(ast.parse(calls[1]).body[0].value.args[0]) == examples[1:]
+    default = str(build_model_card(**card_kwargs()))
+    assert '["In the beginning, God created the heavens and the earth."]' in default

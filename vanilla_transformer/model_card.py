@@ -6,7 +6,8 @@ package as `model_card_template.md`, with `huggingface_hub.ModelCard.from_templa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ ARCHITECTURE_FIELDS = (
     "tie_word_embeddings",
 )
 # The shape that names a preset; dropout is a training setting (the tiny recipe trains without).
+# Source sentences of the card's usage examples when the caller gives none (the embedded corpus's language).
+DEFAULT_EXAMPLES = ("In the beginning, God created the heavens and the earth.", "Jesus wept.", "God is love.")
 PRESET_FIELDS = ("d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers")
 
 
@@ -109,6 +112,7 @@ def _template_variables(
     dataset: Mapping[str, Any],
     source_lang: str,
     target_lang: str,
+    examples: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Every variable the template uses; missing optional values are None."""
     variables: dict[str, Any] = {field: getattr(config, field) for field in ARCHITECTURE_FIELDS}
@@ -155,6 +159,10 @@ def _template_variables(
         repetition=metrics.get("repetition"),
         reference_repetition=metrics.get("reference_repetition"),
         eval_split=metrics.get("split", "test"),
+        # Python string literals for the usage examples: three, the given ones first.
+        examples=[
+            json.dumps(text, ensure_ascii=False) for text in [*(examples or ()), *DEFAULT_EXAMPLES][:3]
+        ],
         translate_command=(
             f"python scripts/translate.py --model {model_name} --input {source_lang}.txt "
             f"--output {target_lang}.txt"
@@ -228,6 +236,7 @@ def build_model_card(
     target_lang: str,
     license: str = "apache-2.0",
     base_template: str | Path | None = None,
+    examples: Sequence[str] | None = None,
 ) -> ModelCard:
     """Render the model card of a trained model.
 
@@ -235,8 +244,9 @@ def build_model_card(
     "test"); "chrf_signature", "val_loss", "test_loss" and the decoding settings "num_beams",
     "length_penalty", "length_penalty_form", "max_length_offset", "no_repeat_ngram_size" are optional.
     `training` and `dataset` keys are all optional (see the template). `base_template` is the path of a
-    Jinja2 template (default: the packaged `model_card_template.md`). The YAML metadata carries a
-    model-index with test BLEU and chrF; the card is re-parsed to check it.
+    Jinja2 template (default: the packaged `model_card_template.md`). `examples`: source sentences for
+    the usage examples (e.g. from the test split; default: three English Bible verses). The YAML
+    metadata carries a model-index with test BLEU and chrF; the card is re-parsed to check it.
     """
     missing = [key for key in REQUIRED_METRICS if metrics.get(key) is None]
     if missing:
@@ -268,6 +278,7 @@ def build_model_card(
         dataset=dataset,
         source_lang=source_lang,
         target_lang=target_lang,
+        examples=examples,
     )
     card = ModelCard.from_template(card_data, template_path=str(template_path), **variables)
     _check_metadata(str(card))

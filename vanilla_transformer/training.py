@@ -1241,6 +1241,7 @@ def write_model_folder(
         dataset={k: v for k, v in dataset.items() if v is not None},
         source_lang=config.source_lang,
         target_lang=config.target_lang,
+        examples=[sample["source"] for sample in samples],  # sentences of its own test split
     )
 
 
