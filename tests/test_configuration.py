@@ -61,6 +61,7 @@ def test_standard_attribute_names_are_aliases():
             "`decoder_vocab_size` must be",
         ),
         ({"layer_norm_eps": 0.0}, "`layer_norm_eps`"),
+        ({"layer_norm_eps": float("nan")}, "`layer_norm_eps`"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):

@@ -1,5 +1,6 @@
 """The training job end to end on a small slice of the embedded corpus: one process, resume, two processes."""
 
+import itertools
 import json
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from vanilla_transformer.training import (
     TrainingConfig,
     average_checkpoints,
     checkpoint_problems,
+    checkpoint_weights,
     list_checkpoints,
     make_loader,
     parse_config,
@@ -191,6 +193,41 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
     assert result["metrics"]["averaged_checkpoints"] == ["step-00000004", "step-00000006"]
     retired = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("retired-*/step-*"))
     assert retired == ["step-00000008", "step-00000012"]  # moved aside, not deleted
+
+
+def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path, corpus_files, monkeypatch):
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration as Model
+
+    forward, calls = Model.forward, itertools.count(1)
+
+    def poisoned(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        if self.training and next(calls) == 6:  # the 6th update's loss
+            output.loss = output.loss * float("nan")
+        return output
+
+    monkeypatch.setattr(Model, "forward", poisoned)
+    args = small_args(tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, test_samples=1)
+    with pytest.raises(FloatingPointError, match="training loss of update 6 is nan; stopped before"):
+        train(parse_config(args))
+    (last,) = [p for p in list_checkpoints(tmp_path / "run") if p.name == "step-00000004"]
+    weights = checkpoint_weights(last)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_a_fresh_run_retires_an_earlier_runs_checkpoints(tmp_path, corpus_files, caplog):
+    """A new run in a folder holding another run's checkpoints once averaged those into its model (and
+    pruned its own first checkpoints, which had the lowest step numbers)."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, test_samples=1)
+    train(parse_config(args))
+    with caplog.at_level("WARNING"):
+        result = train(parse_config([*args, "--max_steps", "8", "--seed", "1"]))
+    assert result["metrics"]["steps"] == 8
+    assert result["metrics"]["averaged_checkpoints"] == ["step-00000004", "step-00000008"]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004", "step-00000008"]
+    retired = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("retired-*/step-*"))
+    assert retired == ["step-00000004", "step-00000008", "step-00000012"]  # moved aside, not deleted
+    assert "is from an earlier run" in caplog.text
 
 
 def test_damaged_checkpoints_are_named_and_skipped(tmp_path, corpus_files, caplog):
@@ -394,6 +431,15 @@ def test_bad_flags_are_rejected():
         TrainingConfig(no_repeat_ngram_size=-1)
     with pytest.raises(ValueError, match="is the current folder or holds it"):
         TrainingConfig(output_dir=".")
+    with pytest.raises(ValueError, match="--test_samples must be positive"):
+        TrainingConfig(test_samples=-5)  # it once failed only after training, when scoring nothing
+    for name in ("lr_scale", "length_penalty", "adam_epsilon"):
+        with pytest.raises(ValueError, match=f"--{name} must be a finite number"):
+            TrainingConfig(**{name: float("nan")})
+    with pytest.raises(ValueError, match="--max_grad_norm must be positive, got nan"):
+        TrainingConfig(max_grad_norm=float("nan"))
+    with pytest.raises(ValueError, match="--adam_beta1 and --adam_beta2 must be in"):
+        TrainingConfig(adam_beta1=2.0)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):

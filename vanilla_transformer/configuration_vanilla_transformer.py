@@ -137,8 +137,8 @@ class VanillaTransformerConfig(PretrainedConfig):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
-        if self.layer_norm_eps <= 0:
-            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps}.")
+        if not 0 < self.layer_norm_eps < float("inf"):  # NaN included
+            raise ValueError(f"`layer_norm_eps` must be a positive number, got {self.layer_norm_eps}.")
         if self.activation_function not in ACT2FN:
             raise ValueError(
                 f"Unknown `activation_function` {self.activation_function!r}; "

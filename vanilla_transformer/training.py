@@ -252,9 +252,22 @@ class TrainingConfig:
         positive += [] if self.vocab_size is None else ["vocab_size"]
         positive += ["save_steps", "keep_checkpoints", "average_checkpoints", "num_beams", "eval_batch_size"]
         positive += ["logging_steps", "eval_samples"]
+        positive += [] if self.test_samples is None else ["test_samples"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        for name in (
+            "lr_scale",
+            "length_penalty",
+            "label_smoothing",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_epsilon",
+        ):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name} must be a finite number, got {getattr(self, name)}.")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon >= 0):
+            raise ValueError("--adam_beta1 and --adam_beta2 must be in [0, 1), --adam_epsilon not negative.")
         # The generation config the model folder will carry must be valid (checked before any work).
         if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
             raise ValueError(
@@ -272,8 +285,8 @@ class TrainingConfig:
             )
         if self.mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ValueError(f"--mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}.")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError("--max_grad_norm must be positive.")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:  # NaN included
+            raise ValueError(f"--max_grad_norm must be positive, got {self.max_grad_norm}.")
         if self.lr_scale <= 0:
             raise ValueError("--lr_scale must be positive.")
         if not 0 <= self.lr_cooldown <= 1:  # NaN included
@@ -452,18 +465,17 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
     return path
 
 
-def retire_later_checkpoints(output_dir: str | Path, resume_path: Path) -> list[Path]:
-    """Move the checkpoints of `output_dir` newer than `resume_path` aside, into
-    `checkpoints/retired-<time>/`: a run resumed from an older checkpoint replaces them, and left in
-    place they would be averaged into its final model and picked by `latest`. Nothing is deleted.
-    Returns the new paths of the moved checkpoints."""
-    match = CHECKPOINT_PATTERN.match(resume_path.name)
-    if match is None:
+def retire_later_checkpoints(output_dir: str | Path, resume_path: Path | None) -> list[Path]:
+    """Move the checkpoints of `output_dir` newer than `resume_path` (all of them for a fresh run,
+    `resume_path` None) aside, into `checkpoints/retired-<time>/`: this run replaces them, and left in
+    place they would be averaged into its final model, picked by `latest`, or keep the run's own
+    checkpoints out of the kept few. Nothing is deleted. Returns the new paths of the moved checkpoints."""
+    match = None if resume_path is None else CHECKPOINT_PATTERN.match(resume_path.name)
+    if resume_path is not None and match is None:
         return []
+    since = 0 if match is None else int(match.group(1))
     later = [
-        p
-        for p in list_checkpoints(output_dir)
-        if int(CHECKPOINT_PATTERN.match(p.name).group(1)) > int(match.group(1))
+        p for p in list_checkpoints(output_dir) if int(CHECKPOINT_PATTERN.match(p.name).group(1)) > since
     ]
     if not later:
         return []
@@ -787,6 +799,14 @@ def start(config: TrainingConfig) -> Run:
     if resume_path is not None:
         state = resume(accelerator, output_dir, resume_path)
         log(f"resumed from {resume_path} at update {state['step']}")
+    else:  # an earlier run's checkpoints in this folder would be averaged into this run's model
+        if accelerator.is_main_process:
+            for path in retire_later_checkpoints(output_dir, None):
+                logger.warning(
+                    f"{path.name} is from an earlier run in {output_dir} (no --resume_from_checkpoint): "
+                    f"moved to {path}"
+                )
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process and config.report_to != "none":
         accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
     return Run(
@@ -901,6 +921,14 @@ def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[
             losses += loss.detach().double()
             # DDP averages gradients over processes; the loss is already a global mean.
             accelerator.backward(loss * accelerator.num_processes)
+    # A non-finite loss would turn every weight into NaN at this step and in every later checkpoint:
+    # stop before the update, on every process alike.
+    if not torch.isfinite(accelerator.reduce(losses.clone(), "sum")):
+        raise FloatingPointError(
+            f"The training loss of update {run.state['step'] + 1} is {float(losses)}; stopped before "
+            "applying it, the last checkpoint is intact. Lower --lr_scale, set --max_grad_norm, or check "
+            "the configuration (e.g. --config_overrides) and data."
+        )
     if run.config.max_grad_norm is not None:
         accelerator.clip_grad_norm_(model.parameters(), run.config.max_grad_norm)
     for group in run.optimizer.param_groups:
