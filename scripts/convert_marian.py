@@ -4,10 +4,12 @@
 
 The folder then loads with AutoModelForSeq2SeqLM (trust_remote_code=True where the package is not
 installed) and gives the same logits and generations as the MarianMTModel. The Marian tokenizer is
-copied along (it needs the `sentencepiece` package).
+copied along (it needs the `sentencepiece` package); if it cannot be, nothing is written, unless
+--no-tokenizer asks for the model alone. --output must be a new or empty folder.
 """
 
 import argparse
+from pathlib import Path
 
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
@@ -17,7 +19,16 @@ from vanilla_transformer.publishing import publish_folder
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="Marian model folder or Hub id")
 parser.add_argument("--output", required=True, help="folder to write")
+parser.add_argument(
+    "--tokenizer",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="copy the Marian tokenizer (needs sentencepiece); --no-tokenizer writes the model alone",
+)
 args = parser.parse_args()
+output = Path(args.output)
+if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    parser.error(f"--output {args.output} exists and is not an empty folder; name a new one.")
 try:
     model_type = PretrainedConfig.get_config_dict(args.model)[0].get("model_type")
     if model_type != "marian":
@@ -28,10 +39,18 @@ try:
     model = convert_from_marian(marian)
 except (OSError, ValueError) as error:
     parser.error(str(error))
+tokenizer = None
+if args.tokenizer:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError, ImportError) as error:
+        first_line = str(error).strip().splitlines()[0][:300]
+        parser.error(
+            f"the Marian tokenizer of {args.model} could not be loaded (it needs sentencepiece; "
+            f"--no-tokenizer converts the model alone): {first_line}"
+        )
 with publish_folder(args.output) as staging:  # the folder appears complete or not at all
     model.save_pretrained(staging)
-    try:
-        AutoTokenizer.from_pretrained(args.model).save_pretrained(staging)
-    except (OSError, ValueError, ImportError) as error:
-        print(f"the tokenizer was not copied: {error}")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
 print(f"model written to {args.output}")

@@ -9,7 +9,12 @@
 import argparse
 from pathlib import Path
 
-from vanilla_transformer.cli import add_length_penalty_form, positive_int
+from vanilla_transformer.cli import (
+    add_length_penalty_form,
+    check_output_file,
+    positive_int,
+    replaced_when_complete,
+)
 from vanilla_transformer.evaluation import evaluate_model
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,6 +36,11 @@ parser.add_argument(
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")
 args = parser.parse_args()
+if args.hypotheses is not None:  # checked now, not after the whole evaluation
+    try:
+        check_output_file(args.hypotheses, args.test_file)
+    except ValueError as error:
+        parser.error(str(error))
 
 data_options = {
     "source_lang": args.source_lang,
@@ -67,4 +77,5 @@ print(
     f"(references: {result['reference_repetition']:.1%})"
 )
 if args.hypotheses:
-    args.hypotheses.write_text("".join(h + "\n" for h in result["hypotheses"]), encoding="utf-8")
+    with replaced_when_complete(args.hypotheses) as stream:
+        stream.writelines(h + "\n" for h in result["hypotheses"])

@@ -14,7 +14,9 @@ from vanilla_transformer.export_ctranslate2 import DEFAULT_MAX_POSITIONS, QUANTI
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("model_dir", help="a model folder written by scripts/train.py (or save_pretrained)")
-parser.add_argument("output_dir", help="the CTranslate2 folder to write (replaced whole if it exists)")
+parser.add_argument(
+    "output_dir", help="the CTranslate2 folder to write: a new one, or an earlier export to replace"
+)
 parser.add_argument(
     "--quantization", choices=QUANTIZATIONS, help="weight type (default: float32, identical outputs)"
 )

@@ -5,10 +5,16 @@
 Every flag is listed by --help; the logic lives in vanilla_transformer.finetuning.
 """
 
+import sys
+
 from vanilla_transformer.cli import parse_dataclass
 from vanilla_transformer.finetuning import FinetuneConfig, finetune
 
 if __name__ == "__main__":
-    metrics = finetune(parse_dataclass(FinetuneConfig, __doc__.split("\n\n")[0]))
+    config = parse_dataclass(FinetuneConfig, __doc__.split("\n\n")[0])
+    try:
+        metrics = finetune(config)
+    except (OSError, ValueError) as error:  # files, columns, data that cannot train
+        sys.exit(f"error: {error}")
     for name in ("loss", "bleu", "chrf", "gen_len"):
         print(f"{name:8s} before {metrics[f'before_{name}']:8.3f}   after {metrics[f'after_{name}']:8.3f}")

@@ -3,12 +3,23 @@
 echo "In the beginning, God created the heavens and the earth." | python scripts/translate.py --model DIR
 python scripts/translate.py --model DIR --input en.txt --output es.txt --num_beams 4
 python scripts/translate.py --model CT2_DIR --engine ctranslate2 < en.txt   # scripts/export_ctranslate2.py
+
+An --output file is written beside its final name and renamed when every line is translated: a failure
+or Ctrl-C leaves the file as it was. Standard output gets each line as it is translated.
 """
 
 import argparse
+import contextlib
+import math
 import sys
+from collections.abc import Iterator
 
-from vanilla_transformer.cli import add_length_penalty_form, positive_int
+from vanilla_transformer.cli import (
+    add_length_penalty_form,
+    check_output_file,
+    positive_int,
+    replaced_when_complete,
+)
 from vanilla_transformer.evaluation import load_model_folder
 from vanilla_transformer.translation import translate_lines, translate_stream
 
@@ -22,12 +33,8 @@ parser.add_argument(
     default="transformers",
     help="generate() of the model folder, or a folder from scripts/export_ctranslate2.py",
 )
-parser.add_argument(
-    "--input", type=argparse.FileType("r", encoding="utf-8"), default="-", help="default: stdin"
-)
-parser.add_argument(
-    "--output", type=argparse.FileType("w", encoding="utf-8"), default="-", help="default: stdout"
-)
+parser.add_argument("--input", type=argparse.FileType("rb"), default="-", help="UTF-8 text (default: stdin)")
+parser.add_argument("--output", default="-", help="default: stdout")
 parser.add_argument("--batch_size", type=positive_int, default=32)
 parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
@@ -39,6 +46,13 @@ parser.add_argument(
 parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=False)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 args = parser.parse_args()
+if args.output != "-":
+    try:
+        check_output_file(args.output, args.input.name)
+    except ValueError as error:
+        parser.error(str(error))
+if args.length_penalty is not None and not math.isfinite(args.length_penalty):
+    parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
 options = {
     "num_beams": args.num_beams,
     "length_penalty": args.length_penalty,
@@ -47,6 +61,19 @@ options = {
     "no_repeat_ngram_size": args.no_repeat_ngram_size,
 }
 generate_kwargs = {key: value for key, value in options.items() if value is not None}
+
+
+def decoded(stream: Iterator[bytes]) -> Iterator[str]:
+    """The input's lines as text, decoded one by one so that an error names its line."""
+    for number, line in enumerate(stream, 1):
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{args.input.name}: line {number} is not UTF-8 text ({error.reason})."
+            ) from None
+
+
 if args.engine == "ctranslate2":
     if args.do_sample or args.max_new_tokens is not None:
         parser.error("--do_sample and --max_new_tokens are for --engine transformers")
@@ -62,18 +89,30 @@ if args.engine == "ctranslate2":
         parser.error(str(error))
     lines = translate_stream(
         lambda texts: translator.translate(texts, batch_size=args.batch_size, **generate_kwargs),
-        args.input,
+        decoded(args.input),
         window=args.batch_size * 8,
     )
 else:
     try:
         model, tokenizer = load_model_folder(args.model, args.device)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError) as error:
         parser.error(str(error))
     lines = translate_lines(
-        model, tokenizer, args.input, batch_size=args.batch_size, do_sample=args.do_sample, **generate_kwargs
+        model,
+        tokenizer,
+        decoded(args.input),
+        batch_size=args.batch_size,
+        do_sample=args.do_sample,
+        **generate_kwargs,
     )
-for translation in lines:
-    args.output.write(translation + "\n")
-    if args.output is sys.stdout:
-        sys.stdout.flush()
+output = contextlib.nullcontext(sys.stdout) if args.output == "-" else replaced_when_complete(args.output)
+try:
+    with output as stream:
+        for translation in lines:
+            stream.write(translation + "\n")
+            if stream is sys.stdout:
+                sys.stdout.flush()
+except (ValueError, RuntimeError) as error:  # not UTF-8; a sentence longer than an export's positions
+    sys.exit(f"error: {error}")
+except KeyboardInterrupt:
+    sys.exit(130)

@@ -134,6 +134,13 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         CTranslate2Translator(tmp_path / "ct2").translate([3])
     with pytest.raises(ValueError, match="not a folder written by export_ctranslate2"):
         CTranslate2Translator(tmp_path / "model")
+    # Exporting into the model folder once replaced its config.json with CTranslate2's.
+    config = (tmp_path / "model" / "config.json").read_text()
+    with pytest.raises(ValueError, match="is not a CTranslate2 export of this package"):
+        export_ctranslate2(tmp_path / "model", tmp_path / "model")
+    assert (tmp_path / "model" / "config.json").read_text() == config
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=16)  # an earlier export: replaced
+    assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 16
 
 
 def test_scripts_export_and_translate_a_file(tmp_path, corpus):

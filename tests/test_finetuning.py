@@ -105,3 +105,19 @@ def test_bad_finetune_options():
         FinetuneConfig(model="m", train_file="t", output_dir="o", max_steps=0)
     with pytest.raises(FileNotFoundError, match="not a model folder"):
         build_trainer(FinetuneConfig(model=str(Path(__file__).parent), train_file="t", output_dir="o"))
+    for name, value in (("gradient_accumulation_steps", 0), ("max_eval_samples", 0), ("validation_size", -3)):
+        with pytest.raises(ValueError, match=f"--{name} must be positive"):
+            FinetuneConfig(model="m", train_file="t", output_dir="o", **{name: value})
+    with pytest.raises(ValueError, match="--learning_rate must be a positive number"):
+        FinetuneConfig(model="m", train_file="t", output_dir="o", learning_rate=float("nan"))
+
+
+def test_finetuning_never_writes_over_a_model(start, tmp_path):
+    """`--output_dir` equal to `--model` once overwrote the starting weights and kept their card."""
+    folder, _ = start
+    with pytest.raises(ValueError, match="is the --model folder"):
+        FinetuneConfig(model=str(folder), train_file="t", output_dir=str(folder))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds a model"):
+        FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "other"))

@@ -473,6 +473,37 @@ def test_translate_script_keeps_lines_aligned(trained):
     assert missing.returncode == 2 and "No model folder" in missing.stderr
 
 
+def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path):
+    """`--output` was opened (emptied) while the flags were parsed: naming the input, or any later
+    error, lost the file's contents; a failure part way left half a translation."""
+    output_dir, _ = trained
+    source = tmp_path / "source.txt"
+    source.write_text("In the beginning.\nJesus wept.\n")
+    same = run_script(
+        "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(source)
+    )
+    assert same.returncode == 2 and "is also an input" in same.stderr
+    assert source.read_text() == "In the beginning.\nJesus wept.\n"
+    earlier = tmp_path / "earlier.txt"
+    earlier.write_text("keep me\n")
+    failed = run_script(
+        "translate.py", "--model", str(tmp_path / "missing"), "--output", str(earlier), stdin="x\n"
+    )
+    assert failed.returncode == 2 and earlier.read_text() == "keep me\n"
+    # 300 good lines, then one that is not UTF-8: the error names it and nothing is written.
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"Jesus wept.\n" * 300 + b"caf\xe9\n")
+    bad = run_script(
+        "translate.py", "--model", str(output_dir), "--input", str(latin), "--output", str(earlier)
+    )
+    assert bad.returncode == 1 and "line 301 is not UTF-8" in bad.stderr and "Traceback" not in bad.stderr
+    assert earlier.read_text() == "keep me\n" and not list(tmp_path.glob(".*partial"))
+    good = run_script(
+        "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(earlier)
+    )
+    assert good.returncode == 0 and len(earlier.read_text().splitlines()) == 2
+
+
 def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_path):
     output_dir, _ = trained
     hypotheses = tmp_path / "hyp.txt"
@@ -492,6 +523,13 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     for line in blocked.read_text().splitlines():
         ids = tokenizer(line, add_special_tokens=False)["input_ids"]
         assert len(ids) == len(set(ids)), line
+    # Naming the test file as --hypotheses once overwrote the test data with the translations.
+    before = Path(corpus_files["test_file"]).read_text()
+    clash = run_script("evaluate_model.py", *args, "--hypotheses", corpus_files["test_file"])
+    assert clash.returncode == 2 and "is also an input" in clash.stderr
+    assert Path(corpus_files["test_file"]).read_text() == before
+    nowhere = run_script("evaluate_model.py", *args, "--hypotheses", str(tmp_path / "no" / "h.txt"))
+    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr and "BLEU" not in nowhere.stdout
 
 
 @pytest.mark.parametrize(

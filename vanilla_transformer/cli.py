@@ -1,13 +1,17 @@
-"""Command-line flags from dataclasses: one `--field` per field, booleans as `--flag/--no-flag`."""
+"""Command-line helpers: flags from dataclasses (one `--field` per field, booleans as
+`--flag/--no-flag`), argument types, and output files that are replaced only when complete."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
 
@@ -44,6 +48,37 @@ def positive_int(text: str) -> int:
     return value
 
 
+def check_output_file(output: str | Path, *inputs: str | Path | None) -> Path:
+    """An output file's path, checked before any work: its folder exists, it is not a folder, and it is
+    none of the `inputs` (writing it would destroy them). Raises ValueError saying which."""
+    path = Path(output)
+    if path.is_dir():
+        raise ValueError(f"{output} is a folder; name a file to write.")
+    if not path.absolute().parent.is_dir():
+        raise ValueError(f"{output}: the folder {path.absolute().parent} does not exist.")
+    for given in inputs:
+        if given is not None and str(given) != "-" and Path(given).exists():
+            same = path.exists() and os.path.samefile(path, given)
+            if same or path.absolute() == Path(given).absolute():
+                raise ValueError(f"{output} is also an input ({given}); writing it would destroy it.")
+    return path
+
+
+@contextmanager
+def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
+    """A UTF-8 text stream whose contents become `path` only when the block ends without an exception
+    (written beside it, then renamed): an interrupted or failed run leaves the old file, never half of a
+    new one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with partial.open("w", encoding="utf-8") as stream:
+            yield stream
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def add_length_penalty_form(parser: argparse.ArgumentParser) -> None:
     """`--length_penalty_form power|gnmt` for the scripts that decode; unset means the model's own."""
     from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS
@@ -67,4 +102,11 @@ def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None =
         raise  # unreachable: parser.error exits
 
 
-__all__ = ["add_length_penalty_form", "dataclass_parser", "parse_dataclass", "positive_int"]
+__all__ = [
+    "add_length_penalty_form",
+    "check_output_file",
+    "dataclass_parser",
+    "parse_dataclass",
+    "positive_int",
+    "replaced_when_complete",
+]

@@ -174,8 +174,18 @@ def export_ctranslate2(
     max_positions: int = DEFAULT_MAX_POSITIONS,
 ) -> Path:
     """Write the CTranslate2 model of the model folder `model_dir` to `output_dir`, with its tokenizer and
-    decoding settings beside it; the folder appears whole or not at all (an old one is replaced)."""
+    decoding settings beside it; the folder appears whole or not at all. An earlier export there is
+    replaced; any other non-empty folder (the model folder itself, say) is refused."""
     from .evaluation import load_model_folder
+
+    target = Path(output_dir)
+    if target.exists() and (
+        not target.is_dir() or (any(target.iterdir()) and not (target / SETTINGS_FILE).is_file())
+    ):
+        raise ValueError(
+            f"{output_dir} exists and is not a CTranslate2 export of this package; writing there would mix "
+            "the two. Name a new folder (or an earlier export to replace)."
+        )
 
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")

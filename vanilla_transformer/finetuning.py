@@ -8,7 +8,9 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,11 +53,25 @@ class FinetuneConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_length", "max_steps", "per_device_train_batch_size", "eval_steps", "num_beams"):
+        positive = ["max_length", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size"]
+        positive += ["gradient_accumulation_steps", "eval_steps", "num_beams", "validation_size"]
+        positive += [] if self.max_eval_samples is None else ["max_eval_samples"]
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
-        if not 0 <= self.label_smoothing_factor < 1:
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup_steps must not be negative, got {self.warmup_steps}.")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"--learning_rate must be a positive number, got {self.learning_rate}.")
+        if not 0 <= self.label_smoothing_factor < 1:  # NaN included
             raise ValueError("--label_smoothing_factor must be in [0, 1).")
+        # The fine-tuned model must not overwrite the one it starts from, nor land beside another model's
+        # files (its card and scores would describe the wrong weights).
+        output = Path(self.output_dir)
+        if Path(self.model).exists() and output.exists() and output.resolve() == Path(self.model).resolve():
+            raise ValueError(f"--output_dir {self.output_dir} is the --model folder; name a new folder.")
+        if (output / "config.json").exists() or (output / "model.safetensors").exists():
+            raise ValueError(f"--output_dir {self.output_dir} already holds a model; name a new folder.")
 
 
 def bleu_metric_fn(tokenizer: Any) -> Any:
