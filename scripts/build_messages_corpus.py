@@ -127,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_words <= 0:
         parser.error(f"--max-words must be positive, got {args.max_words}")
+    if args.language == "en":  # the rows' "en" field is the English source
+        parser.error("--language is the target language; English is the source side")
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        parser.error(f"--output-dir {args.output_dir} is a file")
 
     with tempfile.TemporaryDirectory() as tmp:
         locale_dir = args.locale_dir or fetch_locale_dir(Path(tmp))
@@ -135,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no catalogs in {locale_dir / args.language / 'LC_MESSAGES'}")
         splits = build(catalogs, args.max_words)
 
+    empty = [split for split, pairs in splits.items() if not pairs]
+    if empty:  # too few catalogs: whole catalogs go to validation and test
+        print(f"warning: {len(catalogs)} catalogs left no pairs for {', '.join(empty)}", file=sys.stderr)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     for split, pairs in splits.items():
         write_jsonl(pairs, args.output_dir / f"{split}.jsonl", args.language)

@@ -65,7 +65,7 @@ try:
         **({"length_penalty_form": args.length_penalty_form} if args.length_penalty_form else {}),
         **({"no_repeat_ngram_size": args.no_repeat_ngram_size} if args.no_repeat_ngram_size else {}),
     )
-except (ValueError, FileNotFoundError) as error:
+except (ValueError, OSError) as error:
     parser.error(str(error))
 for line in result["skipped"]:
     print(line)

@@ -182,7 +182,7 @@ def locale_dir(tmp_path) -> Path:
     return tmp_path / "locale"
 
 
-def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_dir, tmp_path):
+def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_dir, tmp_path, capsys):
     builder = load_script("build_messages_corpus")
     assert builder.normalise("_Open\n  the  &file") == "Open the file"
     assert builder.placeholders("%2$s of {name} at %.*s") == builder.placeholders("{name}: %.*s %2$s")
@@ -199,6 +199,9 @@ def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_d
     # One catalog, one split.
     assert sum(bool(split) for split in rows.values()) == 1
     assert builder.catalog_split("tool") in [name for name, split in rows.items() if split]
+    assert "left no pairs for" in capsys.readouterr().err  # said, not silent
+    with pytest.raises(SystemExit):  # the rows' "en" field is the source: "en" as target would overwrite it
+        builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output), "--language", "en"])
 
 
 def test_compare_recipes_validates_its_flags_and_formats_the_table():

@@ -431,6 +431,10 @@ def test_bad_flags_are_rejected():
         TrainingConfig(no_repeat_ngram_size=-1)
     with pytest.raises(ValueError, match="is the current folder or holds it"):
         TrainingConfig(output_dir=".")
+    with pytest.raises(ValueError, match=r"--validation_file /nonexistent/v\.tsv is not a file"):
+        TrainingConfig(train_file=__file__, validation_file="/nonexistent/v.tsv")
+    with pytest.raises(ValueError, match="either --dataset_name or data files"):
+        TrainingConfig(dataset_name="wmt/wmt14", train_file=__file__)
     with pytest.raises(ValueError, match="--test_samples must be positive"):
         TrainingConfig(test_samples=-5)  # it once failed only after training, when scoring nothing
     for name in ("lr_scale", "length_penalty", "adam_epsilon"):
@@ -502,6 +506,28 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
         "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(earlier)
     )
     assert good.returncode == 0 and len(earlier.read_text().splitlines()) == 2
+
+
+def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path):
+    import shutil
+
+    from vanilla_transformer.evaluation import load_model_folder
+
+    output_dir, _ = trained
+    with pytest.raises(ValueError, match="Unknown device 'bogus'"):
+        load_model_folder(output_dir, "bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            load_model_folder(output_dir, "cuda")
+    copy = tmp_path / "copy"
+    shutil.copytree(output_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "logs", "tokenizer*"))
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        load_model_folder(copy)
+    shutil.copy(output_dir / "tokenizer.json", copy)
+    weights = (copy / "model.safetensors").read_bytes()
+    (copy / "model.safetensors").write_bytes(weights[:100])  # truncated
+    with pytest.raises(OSError, match=f"The model in {copy} could not be read"):
+        load_model_folder(copy)
 
 
 def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_path):

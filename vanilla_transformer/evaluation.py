@@ -12,6 +12,9 @@ from .metrics import repetition_rate, score_translations
 from .parallel_data import load_parallel_data
 from .translation import translate
 
+# A tokenizer that AutoTokenizer loads from a folder: a fast tokenizer, or a configuration naming one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
 
 def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any, Any]:
     """Model and tokenizer of a folder written by the training script (or any seq2seq folder)."""
@@ -21,10 +24,24 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         raise FileNotFoundError(f"No model folder at {folder}.")
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
-    model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+    if folder.exists() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+    try:
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise ValueError(f"Unknown device {device!r}: {error}") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Device {device!r}: this machine's torch has no CUDA device.")
+    try:
+        model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+    except (OSError, ValueError):
+        raise
+    except Exception as error:  # e.g. a truncated model.safetensors: say which folder, keep the cause
+        if not folder.exists():
+            raise
+        raise OSError(f"The model in {folder} could not be read: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer
+    return model.to(target).eval(), tokenizer
 
 
 def evaluate_model(

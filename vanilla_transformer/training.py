@@ -291,6 +291,12 @@ class TrainingConfig:
             raise ValueError("--lr_scale must be positive.")
         if not 0 <= self.lr_cooldown <= 1:  # NaN included
             raise ValueError(f"--lr_cooldown must be between 0 and 1, got {self.lr_cooldown}.")
+        files = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
+        if self.dataset_name and any(files.values()):
+            raise ValueError("Pass either --dataset_name or data files (--train_file ...), not both.")
+        for split, path in files.items():
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"--{split}_file {path} is not a file.")
         # Everything checkable is checked here, before data loading and BPE training take minutes.
         model_fields = {"label_smoothing": self.label_smoothing}
         model_fields |= {} if self.dropout is None else {"dropout": self.dropout}
