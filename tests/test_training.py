@@ -494,13 +494,13 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
         "translate.py", "--model", str(tmp_path / "missing"), "--output", str(earlier), stdin="x\n"
     )
     assert failed.returncode == 2 and earlier.read_text() == "keep me\n"
-    # 300 good lines, then one that is not UTF-8: the error names it and nothing is written.
+    # 20 good lines (translated 16 at a time with batch size 2), then one that is not UTF-8: the error
+    # names it and nothing is written.
     latin = tmp_path / "latin.txt"
-    latin.write_bytes(b"Jesus wept.\n" * 300 + b"caf\xe9\n")
-    bad = run_script(
-        "translate.py", "--model", str(output_dir), "--input", str(latin), "--output", str(earlier)
-    )
-    assert bad.returncode == 1 and "line 301 is not UTF-8" in bad.stderr and "Traceback" not in bad.stderr
+    latin.write_bytes(b"Jesus wept.\n" * 20 + b"caf\xe9\n")
+    options = ["--input", str(latin), "--output", str(earlier), "--batch_size", "2", "--num_beams", "1"]
+    bad = run_script("translate.py", "--model", str(output_dir), *options)
+    assert bad.returncode == 1 and "line 21 is not UTF-8" in bad.stderr and "Traceback" not in bad.stderr
     assert earlier.read_text() == "keep me\n" and not list(tmp_path.glob(".*partial"))
     good = run_script(
         "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(earlier)
