@@ -36,6 +36,8 @@ parser.add_argument(
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")
 args = parser.parse_args()
+if args.test_file and args.split != "test":
+    parser.error("--split names a split of the embedded corpus; a --test_file is scored whole")
 if args.hypotheses is not None:  # checked now, not after the whole evaluation
     try:
         check_output_file(args.hypotheses, args.test_file)

@@ -289,6 +289,19 @@ def test_push_refuses_bad_input_before_uploading(model_folder, tmp_path, monkeyp
         empty = tmp_path / "incomplete"
         shutil.copytree(model_folder, empty, ignore=shutil.ignore_patterns("model.safetensors"))
         push_model_folder(empty, REPO_ID, token="hf_dummy")
+    # Malformed files are named, not answered with a parser's traceback.
+    broken = tmp_path / "broken"
+    shutil.copytree(model_folder, broken, ignore=shutil.ignore_patterns("checkpoints"))
+    card = (model_folder / "README.md").read_text()
+    for name, content, message in (
+        ("config.json", "[1, 2]", r"config\.json holds a JSON list, not an object"),
+        ("config.json", "{bad", r"config\.json is not valid JSON"),
+        ("README.md", card.replace("language:", "language: [unclosed", 1), "malformed YAML metadata"),
+    ):
+        (broken / name).write_text(content)
+        with pytest.raises(ValueError, match=message):
+            push_model_folder(broken, REPO_ID, token="hf_dummy")
+        shutil.copy(model_folder / name, broken / name)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "no_token_home"))
     with pytest.raises(ValueError, match="No Hugging Face token"):

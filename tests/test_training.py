@@ -556,6 +556,8 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     assert Path(corpus_files["test_file"]).read_text() == before
     nowhere = run_script("evaluate_model.py", *args, "--hypotheses", str(tmp_path / "no" / "h.txt"))
     assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr and "BLEU" not in nowhere.stdout
+    ignored = run_script("evaluate_model.py", *args, "--split", "validation")  # was silently ignored
+    assert ignored.returncode == 2 and "a --test_file is scored whole" in ignored.stderr
 
 
 @pytest.mark.parametrize(

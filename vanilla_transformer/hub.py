@@ -58,7 +58,12 @@ def check_model_folder(folder: str | Path) -> ModelCard:
             f"{folder} is not a complete trained model folder (missing {', '.join(missing)}); "
             "write one with scripts/train.py."
         )
-    config = json.loads((folder / "config.json").read_text())
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder}/config.json is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder}/config.json holds a JSON {type(config).__name__}, not an object.")
     if config.get("model_type") != "vanilla_transformer":
         raise ValueError(
             f"{folder} holds a {config.get('model_type')!r} model, not a vanilla_transformer one."
@@ -67,7 +72,12 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         config.get("auto_map") or {}
     ):
         raise ValueError(f"{folder}/config.json lacks auto_map or custom_pipelines; re-save the model.")
-    card = ModelCard.load(folder / "README.md")
+    try:
+        card = ModelCard(Path(folder / "README.md").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:  # yaml's errors are ValueErrors in huggingface_hub
+        raise ValueError(f"{folder}/README.md is not a readable model card: {error}") from None
+    except Exception as error:  # a YAML syntax error
+        raise ValueError(f"{folder}/README.md has malformed YAML metadata: {error}") from None
     if not card.data.eval_results:
         raise ValueError(f"The model card in {folder} has no model-index with results.")
     return card
