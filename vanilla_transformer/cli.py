@@ -57,10 +57,8 @@ def check_output_file(output: str | Path, *inputs: str | Path | None) -> Path:
     if not path.absolute().parent.is_dir():
         raise ValueError(f"{output}: the folder {path.absolute().parent} does not exist.")
     for given in inputs:
-        if given is not None and str(given) != "-" and Path(given).exists():
-            same = path.exists() and os.path.samefile(path, given)
-            if same or path.absolute() == Path(given).absolute():
-                raise ValueError(f"{output} is also an input ({given}); writing it would destroy it.")
+        if given is not None and Path(given).exists() and path.exists() and os.path.samefile(path, given):
+            raise ValueError(f"{output} is also an input ({given}); writing it would destroy it.")
     return path
 
 

@@ -34,10 +34,8 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         raise ValueError(f"Device {device!r}: this machine's torch has no CUDA device.")
     try:
         model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
-    except (OSError, ValueError):
-        raise
     except Exception as error:  # e.g. a truncated model.safetensors: say which folder, keep the cause
-        if not folder.exists():
+        if isinstance(error, (OSError, ValueError)) or not folder.exists():
             raise
         raise OSError(f"The model in {folder} could not be read: {error}") from error
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -73,11 +73,12 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     ):
         raise ValueError(f"{folder}/config.json lacks auto_map or custom_pipelines; re-save the model.")
     try:
-        card = ModelCard(Path(folder / "README.md").read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as error:  # yaml's errors are ValueErrors in huggingface_hub
-        raise ValueError(f"{folder}/README.md is not a readable model card: {error}") from None
-    except Exception as error:  # a YAML syntax error
-        raise ValueError(f"{folder}/README.md has malformed YAML metadata: {error}") from None
+        card = ModelCard((folder / "README.md").read_text(encoding="utf-8"))
+    except Exception as error:  # bytes that are not UTF-8, malformed YAML metadata (PyYAML's errors)
+        raise ValueError(
+            f"{folder}/README.md is not a readable model card (not UTF-8 text, or malformed YAML "
+            f"metadata): {error}"
+        ) from None
     if not card.data.eval_results:
         raise ValueError(f"The model card in {folder} has no model-index with results.")
     return card

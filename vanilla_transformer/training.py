@@ -72,7 +72,6 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 RECIPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "lr_schedule": "inverse_sqrt",
-        "lr_cooldown": 0.0,
         "max_tokens": 2048,
         "max_steps": 1650,
         "max_train_minutes": 8.5,
@@ -86,7 +85,6 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     "base": {
         "lr_schedule": "inverse_sqrt",
-        "lr_cooldown": 0.0,
         "max_tokens": 6250,
         "max_steps": 100_000,
         "warmup_steps": 4000,
@@ -98,7 +96,6 @@ RECIPES: dict[str, dict[str, Any]] = {
     },
     "big": {
         "lr_schedule": "inverse_sqrt",
-        "lr_cooldown": 0.0,
         "max_tokens": 6250,
         "max_steps": 300_000,
         "warmup_steps": 4000,
@@ -172,11 +169,11 @@ class TrainingConfig:
             "the run, max_steps or max_train_minutes, whichever comes first (default: recipe)"
         },
     )
-    lr_cooldown: float | None = field(
-        default=None,
+    lr_cooldown: float = field(
+        default=0.0,
         metadata={
             "help": "scale the schedule down linearly to 0 over this last share of the run (0 to 1: "
-            "updates or minutes, whichever runs out first; 0: no cooldown) (default: recipe)"
+            "updates or minutes, whichever runs out first; 0: no cooldown)"
         },
     )
     adam_beta1: float = 0.9
