@@ -7,11 +7,18 @@
 Every flag is listed by --help; the logic lives in vanilla_transformer.training.
 """
 
+import sys
+
 from accelerate import PartialState
 
+from vanilla_transformer.parallel_data import DataError
 from vanilla_transformer.training import format_summary, parse_config, train
 
 if __name__ == "__main__":
-    result = train(parse_config())
+    config = parse_config()
+    try:
+        result = train(config)
+    except DataError as error:  # the user's data files or columns, found while reading them
+        sys.exit(f"error: {error}")
     if PartialState().is_main_process:  # one report, not one per process
         print(format_summary(result))

@@ -11,7 +11,12 @@ translation (beam search, its generation config) is used. Logic in vanilla_trans
 import argparse
 
 from vanilla_transformer.evaluation import load_model_folder
-from vanilla_transformer.visualization import attention_maps, plot_attention_maps, plot_positional_encoding
+from vanilla_transformer.visualization import (
+    MAX_ENCODING_POSITIONS,
+    attention_maps,
+    plot_attention_maps,
+    plot_positional_encoding,
+)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id) with its tokenizer")
@@ -21,8 +26,8 @@ parser.add_argument("--output_dir", default="attention_maps", help="where the PN
 parser.add_argument("--positions", type=int, default=100, help="positions in the encoding pictures")
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 args = parser.parse_args()
-if args.positions < 2:
-    parser.error("--positions must be at least 2.")
+if not 2 <= args.positions <= MAX_ENCODING_POSITIONS:
+    parser.error(f"--positions must be between 2 and {MAX_ENCODING_POSITIONS}, got {args.positions}.")
 try:
     model, tokenizer = load_model_folder(args.model, args.device)
     maps = attention_maps(model, tokenizer, args.source, args.target)

@@ -508,7 +508,7 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
     assert good.returncode == 0 and len(earlier.read_text().splitlines()) == 2
 
 
-def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path):
+def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypatch):
     import shutil
 
     from vanilla_transformer.evaluation import load_model_folder
@@ -528,6 +528,12 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path):
     (copy / "model.safetensors").write_bytes(weights[:100])  # truncated
     with pytest.raises(OSError, match=f"The model in {copy} could not be read"):
         load_model_folder(copy)
+    # One slash, as a Hub id has, but "outputs" is a folder here: a mistyped path, not a Hub id.
+    (tmp_path / "outputs").mkdir()
+    with monkeypatch.context() as patch:
+        patch.chdir(tmp_path)
+        with pytest.raises(FileNotFoundError, match="No model folder at outputs/tiny-en-e"):
+            load_model_folder("outputs/tiny-en-e")
 
 
 def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_path):
@@ -573,3 +579,17 @@ def test_scripts_reject_non_positive_counts_before_loading(script, flag):
     """`evaluate_model.py --num_beams 0` once ended in a ZeroDivisionError inside transformers."""
     result = run_script(script, "--model", "/nonexistent/model", flag, "0")
     assert result.returncode == 2 and f"{flag}: must be a positive integer, got 0" in result.stderr
+
+
+def test_train_script_reports_data_errors_without_traceback(tmp_path):
+    """Problems found while the files are read (here a train file whose columns differ from the other
+    files') end the script with the message alone; they once surfaced as datasets' schema-merge error."""
+    good = tmp_path / "v.tsv"
+    good.write_text("en\tes\nhello\thola\n")
+    other = tmp_path / "t.tsv"
+    other.write_text("en\tfr\nhello\tbonjour\n")
+    files = ["--train_file", str(other), "--validation_file", str(good), "--test_file", str(good)]
+    result = run_script("train.py", "--output_dir", str(tmp_path / "run"), "--report_to", "none", *files)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: The train data has no column 'es' (columns: ['en', 'fr'])" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -11,6 +11,8 @@ import torch
 from tests.conftest import TINY_TERMS, assert_same_up_to_rounding, tiny_model
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.visualization import (
+    MAX_ENCODING_POSITIONS,
+    MAX_MAP_TOKENS,
     attention_maps,
     plot_attention_grid,
     plot_attention_maps,
@@ -107,6 +109,13 @@ def test_bad_inputs_get_clear_errors(model, tokenizer, tmp_path):
         plot_attention_grid(torch.rand(1, 1, 2, 3), ["a"], ["a", "b", "c"], tmp_path / "x.png", title="t")
     with pytest.raises(ValueError, match="even d_model"):
         plot_positional_encoding(tmp_path / "pe.png", d_model=7)
+    # Sizes that once ran out of memory: a picture of 10^6 positions, a sentence of 10^4 tokens.
+    with pytest.raises(ValueError, match=f"length <= {MAX_ENCODING_POSITIONS}"):
+        plot_positional_encoding(tmp_path / "pe.png", length=10**6)
+    with pytest.raises(ValueError, match=rf"source sentence is .* tokens long; .* at most {MAX_MAP_TOKENS}"):
+        attention_maps(model, tokenizer, "word " * 10_000)
+    with pytest.raises(ValueError, match=r"target sentence is .* tokens long"):
+        attention_maps(model, tokenizer, SOURCE, "word " * 10_000)
 
 
 def test_position_similarity_is_the_papers_formula():

@@ -19,7 +19,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any, Any]:
     """Model and tokenizer of a folder written by the training script (or any seq2seq folder)."""
     folder = Path(path)
-    looks_local = str(path).startswith(("/", ".", "~")) or str(path).count("/") > 1
+    # "outputs/tiny-en-e" has a Hub id's form, but with a folder "outputs" here it is a mistyped path:
+    # asking the Hub would end, offline, in a timeout and a message about the network.
+    looks_local = (
+        str(path).startswith(("/", ".", "~"))
+        or str(path).count("/") > 1
+        or (str(path).count("/") == 1 and folder.parent.is_dir())
+    )
     if not folder.exists() and looks_local:
         raise FileNotFoundError(f"No model folder at {folder}.")
     if folder.exists() and not (folder / "config.json").is_file():

@@ -23,6 +23,13 @@ from .corpus import load_default_corpus
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 
 
+class DataError(ValueError):
+    """Parallel data that cannot be used as given (files, columns, contents); the message says why.
+
+    Scripts print it without a traceback: it is about the user's input, not the code.
+    """
+
+
 @dataclass
 class DataReport:
     """What cleaning removed, per split: rows with an empty side, and pairs over the length limit."""
@@ -50,7 +57,7 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
                 decoder.decode(chunk)
             except UnicodeDecodeError as error:
                 bad_line = line + chunk[: error.start].count(b"\n")
-                raise ValueError(
+                raise DataError(
                     f"{path} is not UTF-8 text (undecodable bytes on line {bad_line}); convert it, "
                     f"e.g. `iconv -f LATIN1 -t UTF-8`."
                 ) from None
@@ -79,9 +86,9 @@ def check_delimited(path: Path) -> None:
             if row == [""] or not row:  # a blank line
                 continue
             if row == header:
-                raise ValueError(f"{path}, line {line}: repeats the header row {header}; remove it.")
+                raise DataError(f"{path}, line {line}: repeats the header row {header}; remove it.")
             if len(row) != len(header):
-                raise ValueError(
+                raise DataError(
                     f"{path}, line {line}: {len(row)} fields where the header has {len(header)} "
                     f"({header}). "
                     + (
@@ -91,7 +98,7 @@ def check_delimited(path: Path) -> None:
                     )
                 )
         if header is None:
-            raise ValueError(f"{path} is empty: it needs a header row naming the columns.")
+            raise DataError(f"{path} is empty: it needs a header row naming the columns.")
 
 
 def check_jsonl(path: Path) -> None:
@@ -104,12 +111,12 @@ def check_jsonl(path: Path) -> None:
             try:
                 row = json.loads(line)
             except ValueError as error:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({error}).") from None
+                raise DataError(f"{path}, line {number}: not valid JSON ({error}).") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {number}: a JSON {type(row).__name__}, not an object.")
+                raise DataError(f"{path}, line {number}: a JSON {type(row).__name__}, not an object.")
             rows += 1
     if rows == 0:
-        raise ValueError(f"{path} is empty: it needs one JSON object per line.")
+        raise DataError(f"{path} is empty: it needs one JSON object per line.")
 
 
 def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
@@ -119,7 +126,7 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
         if not path.is_file():
             raise FileNotFoundError(f"{split} file {path} does not exist.")
         if path.suffix not in FILE_BUILDERS:
-            raise ValueError(
+            raise DataError(
                 f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
             )
         check_utf8(path)
@@ -129,7 +136,7 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
             check_jsonl(path)
         suffixes.add(path.suffix)
     if len({FILE_BUILDERS[s] for s in suffixes}) > 1 or suffixes == {".tsv", ".csv"}:
-        raise ValueError(f"All data files must have the same type, got {sorted(suffixes)}.")
+        raise DataError(f"All data files must have the same type, got {sorted(suffixes)}.")
     suffix = suffixes.pop()
     options: dict[str, Any] = {}
     if FILE_BUILDERS[suffix] == "csv":
@@ -137,11 +144,17 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
         options = {"keep_default_na": False, "na_filter": False}
         if suffix == ".tsv":
             options |= {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
-    data_files = {split: str(path) for split, path in paths.items()}
-    try:
-        return load_dataset(FILE_BUILDERS[suffix], data_files=data_files, **options)
-    except Exception as error:  # datasets wraps parser errors in several exception types
-        raise ValueError(f"Could not parse {sorted(data_files.values())}: {error}") from error
+    # One split at a time: files whose columns differ then reach the column check below, which names
+    # them, instead of failing inside datasets' schema merge.
+    data = DatasetDict()
+    for split, path in paths.items():
+        try:
+            data[split] = load_dataset(
+                FILE_BUILDERS[suffix], data_files={split: str(path)}, split=split, **options
+            )
+        except Exception as error:  # datasets wraps parser errors in several exception types
+            raise DataError(f"Could not parse {path}: {error}") from error
+    return data
 
 
 def _to_source_target(data: DatasetDict, source_column: str, target_column: str) -> DatasetDict:
@@ -157,14 +170,14 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
             continue
         missing = [c for c in (source_column, target_column) if c not in dataset.column_names]
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"The {split} data has no column {missing[0]!r} (columns: {dataset.column_names}). Name the "
                 "columns by language code, or pass --source_column/--target_column."
             )
         for column in (source_column, target_column):
             kind = dataset.features[column]
             if not (isinstance(kind, Value) and kind.dtype in ("string", "large_string", "null")):
-                raise ValueError(
+                raise DataError(
                     f"The {split} data's column {column!r} holds {kind}, not text: every value must be a "
                     "string (a JSON list or object is not a sentence)."
                 )
@@ -185,7 +198,7 @@ def _drop_empty(data: DatasetDict, report: DataReport) -> DatasetDict:
         cleaned = dataset.map(clean, batched=True).filter(lambda row: bool(row["source"] and row["target"]))
         report.empty[split] = len(dataset) - len(cleaned)
         if len(cleaned) == 0:
-            raise ValueError(
+            raise DataError(
                 f"The {split} split has no usable sentence pairs (all {len(dataset)} rows are empty)."
             )
         data[split] = cleaned
@@ -216,7 +229,7 @@ def load_parallel_data(
     files = {"train": train_file, "validation": validation_file, "test": test_file}
     files = {split: path for split, path in files.items() if path}
     if dataset_name and files:
-        raise ValueError("Pass either dataset_name or data files, not both.")
+        raise DataError("Pass either dataset_name or data files, not both.")
     if dataset_name:
         data = load_dataset(dataset_name, dataset_config)
     elif files:
@@ -230,10 +243,10 @@ def load_parallel_data(
     if not for_training:
         return data, report
     if "train" not in data:
-        raise ValueError(f"The data has no train split (splits: {list(data)}).")
+        raise DataError(f"The data has no train split (splits: {list(data)}).")
     if "validation" not in data:
         if len(data["train"]) <= 2 * validation_size:
-            raise ValueError(
+            raise DataError(
                 f"No validation split, and train ({len(data['train'])} pairs) is too small to hold out "
                 f"{validation_size}; pass validation_file."
             )
@@ -255,7 +268,7 @@ def tokenize_parallel_data(
     cover the whole split (long ones are still translated in full).
     """
     if max_length <= 1:
-        raise ValueError(f"max_length must be at least 2 tokens, got {max_length}.")
+        raise DataError(f"max_length must be at least 2 tokens, got {max_length}.")
 
     def encode(batch: dict[str, list[str]]) -> dict[str, list]:
         encoded = tokenizer(batch["source"], text_target=batch["target"])
@@ -272,12 +285,13 @@ def tokenize_parallel_data(
     if report is not None:
         report.too_long["train"] = len(train) - len(kept)
     if len(kept) == 0:
-        raise ValueError(f"No training pair is within max_length={max_length} tokens.")
+        raise DataError(f"No training pair is within max_length={max_length} tokens.")
     tokenized["train"] = kept
     return tokenized
 
 
 __all__ = [
+    "DataError",
     "DataReport",
     "check_delimited",
     "check_jsonl",

@@ -19,6 +19,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .modeling_vanilla_transformer import sinusoidal_position_encoding
 
+# Beyond these the pictures are unreadable (one labelled row and column per token or position) and
+# their tensors grow with the square: the (positions x positions) similarity at 10^6 positions would be
+# 8 TB; the eager attention weights of a 10,000-token sentence, 400 MB per head and layer.
+MAX_MAP_TOKENS = 512
+MAX_ENCODING_POSITIONS = 4096
+
 
 @dataclass
 class AttentionMaps:
@@ -56,6 +62,7 @@ def attention_maps(
         raise ValueError("The target sentence is empty: omit it to use the model's own translation.")
     device = next(model.parameters()).device
     input_ids = tokenizer(source, return_tensors="pt")["input_ids"].to(device)
+    _check_map_length("source", input_ids.shape[1])
     implementation = model.config._attn_implementation
     training = model.training
     model.eval()
@@ -67,6 +74,7 @@ def attention_maps(
                 target_ids = target_ids[:, : _length_through_eos(target_ids[0], tokenizer.eos_token_id)]
             else:
                 target_ids = tokenizer(text_target=target, return_tensors="pt")["input_ids"].to(device)
+                _check_map_length("target", target_ids.shape[1])
             start = torch.full_like(target_ids[:, :1], model.config.decoder_start_token_id)
             decoder_input_ids = torch.cat([start, target_ids[:, :-1]], dim=1)
             model.set_attn_implementation("eager")
@@ -86,6 +94,14 @@ def attention_maps(
         decoder_self=stacked(output.decoder_attentions),
         cross=stacked(output.cross_attentions),
     )
+
+
+def _check_map_length(side: str, tokens: int) -> None:
+    if tokens > MAX_MAP_TOKENS:
+        raise ValueError(
+            f"The {side} sentence is {tokens} tokens long; attention maps are drawn for at most "
+            f"{MAX_MAP_TOKENS} (one labelled row and column per token): give a shorter sentence."
+        )
 
 
 def _length_through_eos(ids: torch.Tensor, eos_token_id: int | None) -> int:
@@ -196,9 +212,10 @@ def plot_positional_encoding(
 ) -> Figure:
     """The encoding (positions x dimensions), the similarity between positions, and similarity against
     offset for a few positions (one curve: it depends on the offset only). Saves a PNG at `path`."""
-    if length < 2 or d_model < 2 or d_model % 2:
+    if not 2 <= length <= MAX_ENCODING_POSITIONS or d_model < 2 or d_model % 2:
         raise ValueError(
-            f"Need length >= 2 and an even d_model >= 2, got length {length}, d_model {d_model}."
+            f"Need 2 <= length <= {MAX_ENCODING_POSITIONS} and an even d_model >= 2, got length {length}, "
+            f"d_model {d_model}."
         )
     encoding = sinusoidal_position_encoding(torch.arange(length), d_model, layout, torch.float64)
     similarity = position_similarity(length, d_model, layout)
