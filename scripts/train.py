@@ -11,14 +11,14 @@ import sys
 
 from accelerate import PartialState
 
-from vanilla_transformer.parallel_data import DataError
+from vanilla_transformer.cli import InputError
 from vanilla_transformer.training import format_summary, parse_config, train
 
 if __name__ == "__main__":
     config = parse_config()
     try:
         result = train(config)
-    except DataError as error:  # the user's data files or columns, found while reading them
+    except InputError as error:  # data files, columns or a checkpoint found unusable once read
         sys.exit(f"error: {error}")
     if PartialState().is_main_process:  # one report, not one per process
         print(format_summary(result))

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
+from vanilla_transformer.batching import TokenBatchSampler
+from vanilla_transformer.cli import InputError
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.training import (
@@ -24,6 +27,8 @@ from vanilla_transformer.training import (
     make_loader,
     parse_config,
     resolve_checkpoint,
+    retire_later_checkpoints,
+    set_epoch,
     train,
     validation_loss,
 )
@@ -133,11 +138,34 @@ def test_training_writes_a_complete_model_folder(trained):
     assert card.data.pipeline_tag == "translation" and card.data.language == ["en", "es"]
 
 
+def test_every_epoch_has_its_own_batch_order_on_each_process():
+    """With several processes Accelerate wraps the batch sampler, and its `set_epoch` did not reach ours:
+    every epoch of a multi-process run repeated the first one's batches in the same order."""
+    from accelerate.data_loader import prepare_data_loader
+
+    lengths = [1 + i % 17 for i in range(120)]
+
+    def sampler() -> TokenBatchSampler:
+        return TokenBatchSampler(lengths, lengths, 60, seed=3, num_shards=2)
+
+    loader = torch.utils.data.DataLoader(range(120), batch_sampler=sampler())
+    shard = prepare_data_loader(loader, num_processes=2, process_index=1, even_batches=False)
+    for epoch in (0, 1, 2):
+        set_epoch(shard, epoch)
+        reference = sampler()
+        reference.set_epoch(epoch)
+        assert [batch.tolist() for batch in shard] == list(reference)[1::2], f"epoch {epoch}"
+    assert list(reference) != list(sampler())  # the epochs do differ
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     common = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "eval_steps": 0, "test_samples": 1}
     whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, **common)))
     first = small_args(tmp_path / "parts", corpus_files, **(common | {"max_steps": 4}))
     train(parse_config(first))
+    # Each checkpoint carries the tokenizer its weights are for, and resuming reads that one.
+    assert (list_checkpoints(tmp_path / "parts")[-1] / "tokenizer" / "tokenizer.json").is_file()
+    shutil.rmtree(tmp_path / "parts" / "tokenizer")
     resumed = small_args(tmp_path / "parts", corpus_files, **(common | {"resume_from_checkpoint": "latest"}))
     parts = train(parse_config(resumed))
 
@@ -188,11 +216,33 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
     names = [p.name for p in list_checkpoints(tmp_path / "run")]
     assert names == ["step-00000004", "step-00000008", "step-00000012"]
     older = list_checkpoints(tmp_path / "run")[0]
+    # Other batches than the checkpoint's: its epoch position (a count of batches) would skip the wrong
+    # ones. Refused before anything is moved.
+    with pytest.raises(InputError, match=r"Cannot continue .* exactly: .*max_tokens 600 -> 500"):
+        train(parse_config([*args, "--resume_from_checkpoint", str(older), "--max_tokens", "500"]))
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == names
     result = train(parse_config([*args, "--resume_from_checkpoint", str(older), "--max_steps", "6"]))
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004", "step-00000006"]
     assert result["metrics"]["averaged_checkpoints"] == ["step-00000004", "step-00000006"]
     retired = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("retired-*/step-*"))
     assert retired == ["step-00000008", "step-00000012"]  # moved aside, not deleted
+    kept = (tmp_path / "run" / "checkpoints").glob("retired-*/step-*/tokenizer/tokenizer.json")
+    assert len(list(kept)) == 2  # each with the tokenizer its weights are for
+
+
+def test_checkpoints_that_do_not_lead_to_the_resumed_one_are_retired(tmp_path):
+    """Resuming from a checkpoint kept elsewhere (a copy not named step-N) once left the folder's own
+    checkpoints of another run in place: averaged into the new model, and the new run's first
+    checkpoint, numbered lower, pruned at once."""
+    run = tmp_path / "run"
+    for step in (4, 8, 12):
+        (run / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+    moved = retire_later_checkpoints(run, run / "checkpoints" / "step-00000008")
+    assert [p.name for p in moved] == ["step-00000012"]
+    backup = tmp_path / "backup" / "good"
+    backup.mkdir(parents=True)
+    moved = retire_later_checkpoints(run, backup)
+    assert sorted(p.name for p in moved) == ["step-00000004", "step-00000008"] and not list_checkpoints(run)
 
 
 def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path, corpus_files, monkeypatch):
@@ -509,8 +559,6 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
 
 
 def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypatch):
-    import shutil
-
     from vanilla_transformer.evaluation import load_model_folder
 
     output_dir, _ = trained

@@ -16,6 +16,11 @@ from typing import IO, Any, TypeVar
 T = TypeVar("T")
 
 
+class InputError(ValueError):
+    """The user's input (flags, data files, a checkpoint to resume) cannot be used as given; the message
+    says why. Scripts print it alone: a traceback would point at this package, not at the input."""
+
+
 def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
     """An argparse parser for the fields of dataclass `cls`; help from `field(metadata={"help": ...})`."""
     parser = argparse.ArgumentParser(description=description)

@@ -18,12 +18,13 @@ from typing import Any
 
 from datasets import DatasetDict, Value, load_dataset
 
+from .cli import InputError
 from .corpus import load_default_corpus
 
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Parallel data that cannot be used as given (files, columns, contents); the message says why.
 
     Scripts print it without a traceback: it is about the user's input, not the code.

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
 
 from .batching import TokenBatchSampler
-from .cli import parse_dataclass
+from .cli import InputError, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .hub import check_repo_id, push_model_folder, resolve_token
 from .machine import describe_machine, format_machine, resident_bytes
@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
+CHECKPOINT_TOKENIZER = "tokenizer"  # a checkpoint's copy of the run's tokenizer
 MANIFEST_FILE = "manifest.json"  # every file of a checkpoint: size and SHA-256
 MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 
@@ -456,7 +457,7 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
             if not problems:
                 return path
             logger.warning(f"skipping damaged checkpoint {path.name}: {'; '.join(problems)}")
-        raise ValueError(
+        raise InputError(
             f"--resume_from_checkpoint latest: every checkpoint in {output_dir}/checkpoints is damaged."
         )
     path = Path(name)
@@ -464,19 +465,21 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
         raise FileNotFoundError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
     problems = checkpoint_problems(path)
     if problems:
-        raise ValueError(f"Checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one.")
+        raise InputError(f"Checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one.")
     return path
 
 
 def retire_later_checkpoints(output_dir: str | Path, resume_path: Path | None) -> list[Path]:
-    """Move the checkpoints of `output_dir` newer than `resume_path` (all of them for a fresh run,
-    `resume_path` None) aside, into `checkpoints/retired-<time>/`: this run replaces them, and left in
-    place they would be averaged into its final model, picked by `latest`, or keep the run's own
-    checkpoints out of the kept few. Nothing is deleted. Returns the new paths of the moved checkpoints."""
+    """Move the checkpoints of `output_dir` that are not this run's past aside, into
+    `checkpoints/retired-<time>/`: those after `resume_path` when it is one of them, and all of them for
+    a fresh run (`resume_path` None) or one resumed from a checkpoint kept elsewhere (a copy, a retired
+    one). Left in place they would be averaged into this run's final model, picked by `latest`, or keep
+    the run's own checkpoints out of the kept few. Nothing is deleted (each checkpoint keeps its
+    tokenizer). Returns the new paths of the moved checkpoints."""
+    folder = Path(output_dir) / "checkpoints"
     match = None if resume_path is None else CHECKPOINT_PATTERN.match(resume_path.name)
-    if resume_path is not None and match is None:
-        return []
-    since = 0 if match is None else int(match.group(1))
+    own = match is not None and folder.is_dir() and resume_path.resolve().parent == folder.resolve()
+    since = int(match.group(1)) if own else -1
     later = [
         p for p in list_checkpoints(output_dir) if int(CHECKPOINT_PATTERN.match(p.name).group(1)) > since
     ]
@@ -491,8 +494,11 @@ def retire_later_checkpoints(output_dir: str | Path, resume_path: Path | None) -
     return moved
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write model, optimizer, scheduler and RNG states atomically: to a temporary folder, then rename."""
+def save_checkpoint(
+    accelerator: Accelerator, output_dir: Path, state: dict[str, Any], keep: int, tokenizer: Any = None
+) -> Path:
+    """Write model, optimizer, scheduler and RNG states, and the tokenizer (whose ids the weights are
+    for), atomically: to a temporary folder, then rename."""
     folder = output_dir / "checkpoints"
     final = folder / f"step-{state['step']:08d}"
     partial = folder / f".partial-step-{state['step']:08d}"
@@ -503,6 +509,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, state: dict[str,
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial / CHECKPOINT_TOKENIZER)
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         write_manifest(partial)
         shutil.rmtree(final, ignore_errors=True)
@@ -564,6 +572,22 @@ def make_loader(
         collate_fn=collator,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Start `epoch` of a (prepared) loader of `make_loader`: Accelerate's counter and the batch order.
+
+    With several processes Accelerate wraps the batch sampler in a `BatchSamplerShard`, through which
+    its `DataLoaderShard.set_epoch` does not reach a batch sampler like ours (it looks for a
+    `.sampler`): every epoch would repeat the first one's order. So the `TokenBatchSampler` is found
+    through the wrappers and told directly."""
+    loader.set_epoch(epoch)
+    sampler = getattr(loader, "batch_sampler", None)
+    while sampler is not None and not isinstance(sampler, TokenBatchSampler):
+        sampler = getattr(sampler, "batch_sampler", None)
+    if sampler is None:
+        raise TypeError(f"{type(loader).__name__} has no TokenBatchSampler whose epoch could be set.")
+    sampler.set_epoch(epoch)
 
 
 def windows(loader: Any, size: int) -> Iterator[list[dict[str, torch.Tensor]]]:
@@ -774,7 +798,7 @@ def start(config: TrainingConfig) -> Run:
             target_column=config.target_column,
             seed=config.seed,
         )
-    tokenizer = load_or_train_tokenizer(config, data, accelerator, output_dir, resume=resume_path is not None)
+    tokenizer = load_or_train_tokenizer(config, data, accelerator, output_dir, resume_path)
     with accelerator.main_process_first():
         tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
     for line in report.lines():
@@ -799,7 +823,15 @@ def start(config: TrainingConfig) -> Run:
     )
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "history": [], "train_time_s": 0.0}
+    data_order = {
+        "processes": accelerator.num_processes,
+        "max_tokens": config.max_tokens,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "seed": config.seed,
+        "train_pairs": len(tokenized["train"]),
+    }
     if resume_path is not None:
+        check_data_order(resume_path, data_order)
         state = resume(accelerator, output_dir, resume_path)
         log(f"resumed from {resume_path} at update {state['step']}")
     else:  # an earlier run's checkpoints in this folder would be averaged into this run's model
@@ -810,6 +842,7 @@ def start(config: TrainingConfig) -> Run:
                     f"moved to {path}"
                 )
         accelerator.wait_for_everyone()
+    state["data_order"] = data_order
     if accelerator.is_main_process and config.report_to != "none":
         accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
     return Run(
@@ -864,13 +897,32 @@ def build_model(
     return model, optimizer, peak_lr
 
 
+def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
+    """Refuse to resume where the settings that fix the batches differ from the checkpoint's: the
+    resumed epoch skips the batches already trained on by count, so with other batches (another process
+    count, batch size, seed or training set) some pairs of that epoch would be trained on twice and
+    others never, and each update would have another size, without a word. (Checkpoints from before
+    this check carry no record and are resumed as they are.)"""
+    saved = json.loads((resume_path / STATE_FILE).read_text()).get("data_order")
+    if saved is None:
+        return
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in data_order.items() if saved.get(k) != v]
+    if changed:
+        raise InputError(
+            f"Cannot continue {resume_path} exactly: it was trained with other settings that decide the "
+            f"batches ({'; '.join(changed)}; 'processes' is the number of launched processes, "
+            "'train_pairs' the training pairs after filtering). Resume with the checkpoint's settings, "
+            "or start a fresh run in another --output_dir."
+        )
+
+
 def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dict[str, Any]:
     """Restore weights, optimizer, RNGs and the loop's state from `resume_path`; later checkpoints (from
     a run that went further) are moved aside first."""
     if accelerator.is_main_process:
         for path in retire_later_checkpoints(output_dir, resume_path):
             logger.warning(
-                f"{path.name} is newer than {resume_path.name}, where this run resumes: moved to {path}"
+                f"{path.name} does not lead to {resume_path}, where this run resumes: moved to {path}"
             )
     accelerator.wait_for_everyone()
     try:
@@ -992,7 +1044,7 @@ def train_loop(run: Run) -> bool:
             f"({config.max_train_minutes}): no further update. Raise it (0: no limit) to train on."
         )
     while state["step"] < config.max_steps and not stopped:
-        run.train_loader.set_epoch(state["epoch"])
+        set_epoch(run.train_loader, state["epoch"])
         loader = run.train_loader
         if state["batches_in_epoch"]:
             loader = accelerator.skip_first_batches(run.train_loader, state["batches_in_epoch"])
@@ -1038,7 +1090,7 @@ def train_loop(run: Run) -> bool:
             if step % config.save_steps == 0 or last_update:
                 paused = time.perf_counter()
                 state["train_time_s"] = clock.local()
-                save_checkpoint(accelerator, run.output_dir, state, config.keep_checkpoints)
+                save_checkpoint(accelerator, run.output_dir, state, config.keep_checkpoints, run.tokenizer)
                 interval.pause(paused)  # nor are checkpoints
             if last_update:
                 break
@@ -1182,13 +1234,17 @@ def default_vocab_size(words: int) -> int:
 
 
 def load_or_train_tokenizer(
-    config: TrainingConfig, data: Any, accelerator: Accelerator, output_dir: Path, *, resume: bool
+    config: TrainingConfig, data: Any, accelerator: Accelerator, output_dir: Path, resume_path: Path | None
 ) -> Any:
-    """An existing tokenizer, the run's own one (on resume), or a joint BPE trained on the training split."""
+    """An existing tokenizer (`--tokenizer_name`); on resume the checkpoint's own (checkpoints written
+    before they kept one: the run's, in `output_dir/tokenizer`); else a joint BPE trained on the
+    training split, saved in `output_dir/tokenizer`."""
     if config.tokenizer_name:
         return AutoTokenizer.from_pretrained(config.tokenizer_name)
     folder = output_dir / "tokenizer"
-    if not resume and accelerator.is_main_process:
+    if resume_path is not None and (resume_path / CHECKPOINT_TOKENIZER / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(resume_path / CHECKPOINT_TOKENIZER)
+    if resume_path is None and accelerator.is_main_process:
         train = data["train"]
         vocab_size = config.vocab_size or default_vocab_size(
             sum(len(text.split()) for column in ("source", "target") for text in train[column])
