@@ -7,6 +7,7 @@
 """
 
 import argparse
+import math
 from pathlib import Path
 
 from vanilla_transformer.cli import (
@@ -27,8 +28,8 @@ parser.add_argument("--source_column")
 parser.add_argument("--target_column")
 parser.add_argument("--max_samples", type=positive_int, help="score only the first N pairs")
 parser.add_argument("--batch_size", type=positive_int, default=32)
-parser.add_argument("--num_beams", type=positive_int, default=4)
-parser.add_argument("--length_penalty", type=float, default=0.6)
+parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
+parser.add_argument("--length_penalty", type=float, help="default: the model's generation config (0.6)")
 add_length_penalty_form(parser)
 parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
@@ -36,6 +37,8 @@ parser.add_argument(
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")
 args = parser.parse_args()
+if args.length_penalty is not None and not math.isfinite(args.length_penalty):
+    parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
 if args.test_file and args.split != "test":
     parser.error("--split names a split of the embedded corpus; a --test_file is scored whole")
 if args.hypotheses is not None:  # checked now, not after the whole evaluation
@@ -62,8 +65,9 @@ try:
         batch_size=args.batch_size,
         device=args.device,
         data_options=data_options,
-        num_beams=args.num_beams,
-        length_penalty=args.length_penalty,
+        # Unset: the model's own settings, with which its card's scores were computed.
+        **({"num_beams": args.num_beams} if args.num_beams else {}),
+        **({"length_penalty": args.length_penalty} if args.length_penalty is not None else {}),
         **({"length_penalty_form": args.length_penalty_form} if args.length_penalty_form else {}),
         **({"no_repeat_ngram_size": args.no_repeat_ngram_size} if args.no_repeat_ngram_size else {}),
     )

@@ -19,6 +19,7 @@ from vanilla_transformer.export_ctranslate2 import (
     CTranslate2Translator,
     check_exportable,
     export_ctranslate2,
+    uncarried_generation_settings,
 )
 from vanilla_transformer.metrics import score_translations
 from vanilla_transformer.tokenization import train_bpe_tokenizer
@@ -85,8 +86,10 @@ def test_float32_export_generates_the_same_tokens(tmp_path, corpus, variant):
     model, tokenizer = trained_folder(tmp_path / "model", corpus, **VARIANTS[variant])
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=256)
     engine = ctranslate2.Translator(str(tmp_path / "ct2"), intra_threads=2)
-    length_penalty = json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["length_penalty"]
+    settings = json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())
+    length_penalty = settings["length_penalty"]
     assert length_penalty == model.generation_config.length_penalty == 0.6
+    assert settings["not_carried"] == []  # a trained folder's decoding is carried whole
     sources = [s for s in corpus["test"]["en"][:40]]
     inputs = tokenizer(sources[:8], padding=True, return_tensors="pt")  # mixed lengths, padded
     assert len(set(inputs["attention_mask"].sum(1).tolist())) > 4
@@ -113,6 +116,24 @@ def test_float32_export_generates_the_same_tokens(tmp_path, corpus, variant):
         theirs = CTranslate2Translator(tmp_path / "ct2", intra_threads=2).translate(sources, num_beams=beams)
         assert theirs == ours
     assert sum(len(text.split()) for text in ours) > 40  # non-trivial outputs, not all empty
+
+
+def test_decoding_settings_the_export_drops_are_named():
+    """A converted OPUS-MT model's generation config forbids the pad token and caps outputs at 512
+    tokens; exported, neither holds, so the export names them (warning and settings file)."""
+    from transformers import GenerationConfig
+
+    opus_mt = GenerationConfig(
+        bad_words_ids=[[58100]], max_length=512, forced_eos_token_id=0, renormalize_logits=True, num_beams=4
+    )
+    assert uncarried_generation_settings(opus_mt) == [
+        "bad_words_ids",
+        "forced_eos_token_id",
+        "max_length",
+        "renormalize_logits",
+    ]
+    neutral = GenerationConfig(num_beams=4, length_penalty=0.6, min_length=0, repetition_penalty=1.0)
+    assert uncarried_generation_settings(neutral) == []
 
 
 def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):

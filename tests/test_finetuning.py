@@ -60,6 +60,7 @@ def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
         max_steps=1,
         num_beams=2,
         max_eval_samples=4,
+        per_device_eval_batch_size=2,
         validation_size=40,
     )
     trainer = build_trainer(config)
@@ -67,8 +68,12 @@ def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
     eval_set = trainer.eval_dataset
     output = trainer.predict(eval_set)
     longest_source = max(len(ids) for ids in eval_set["input_ids"])
-    # Decoding runs to source length + 50 (the paper's limit), far past transformers' default of 20.
+    # Decoding runs to source length + 50 (the paper's limit), far past transformers' default of 20, in
+    # both batches: after the first, transformers' prediction_step once set the model's max_length to 20.
     assert output.predictions.shape[1] == 1 + longest_source + 50 > 20
+    assert trainer.model.generation_config.max_length is None
+    second = eval_set.select([2, 3])
+    assert trainer.predict(second).predictions.shape[1] == 1 + max(map(len, second["input_ids"])) + 50
 
 
 @pytest.mark.parametrize("factor", [0.0, 0.2])

@@ -400,6 +400,32 @@ def test_model_card_follows_the_run_it_describes():
     )
 
 
+def test_model_card_states_the_architecture_optimiser_and_test_size_of_this_run():
+    """The card once claimed the paper's post-LN, tied ReLU network and Adam settings whatever
+    `--config_overrides` and `--adam_*` said, and the whole test split when `--test_samples` scored a part."""
+
+    def render(**overrides) -> str:
+        return " ".join(str(build_model_card(**card_kwargs(**overrides))).split())
+
+    paper = render()
+    assert "As in the paper: - **Post-LN residual blocks**" in paper and "not the paper's" not in paper
+    assert "ReLU position-wise feed-forward" in paper and "- **Shared embeddings**" in paper
+    assert "Adam with β1 = 0.9, β2 = 0.98, ε = 1e-09 (the paper's)" in paper
+    changed = render(
+        config=tiny_config(norm_first=True, activation_function="gelu", tie_word_embeddings=False),
+        training=TRAINING | {"adam_beta2": 0.997},
+    )
+    assert "As in the paper, except where marked: - **Pre-LN residual blocks** (not the paper's)" in changed
+    assert "Post-LN residual" not in changed and "- **Shared embeddings**" not in changed
+    assert "separate output projection** (the paper shares both)" in changed
+    assert "a gelu (the paper's is ReLU) position-wise" in changed
+    assert "β2 = 0.997" in changed and "(the paper's) (torch's" not in changed
+    assert "On the test split (605 sentence pairs)" in paper
+    part = render(metrics=METRICS | {"scored_pairs": 8})
+    assert "On the test split (its first 8 of 605 sentence pairs)" in part
+    assert "(605 sentence pairs)" in render(metrics=METRICS | {"scored_pairs": 605})
+
+
 def test_usage_examples_translate_the_given_sentences_as_python_literals():
     examples = ['Click "OK" to save.', "Datei\\nöffnen", "Quit"]
     text = str(build_model_card(**card_kwargs(examples=examples)))

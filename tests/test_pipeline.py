@@ -62,6 +62,32 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
         translator("   ")
 
 
+def test_several_translations_per_sentence_stay_with_their_sentence(saved):
+    """With batches of 2 and 2 sequences per sentence, the batch's 4 outputs were once handed out one
+    per input: the second sentence got the first one's second beam, and the third sentence's were lost."""
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer)
+    options = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 6}
+    results = translator(SENTENCES, batch_size=2, **options)
+    for sentence, result in zip(SENTENCES, results, strict=True):
+        inputs = tokenizer([sentence], return_tensors="pt")
+        with torch.inference_mode():
+            ids = model.eval().generate(**inputs, **options)
+        expected = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        assert [r["translation_text"] for r in result] == [t.strip() for t in expected]
+
+
+def test_a_model_in_training_mode_translates_without_dropout(saved):
+    """transformers' pipelines leave the model's mode alone: one handed over from training generated
+    with dropout on."""
+    _, model, tokenizer = saved
+    expected = TranslationPipeline(model=model, tokenizer=tokenizer)(SENTENCES, num_beams=2)
+    noisy = tiny_model(seed=4, dropout=0.5).train()  # the same weights, with dropout
+    assert all(torch.equal(a, b) for a, b in zip(noisy.parameters(), model.parameters(), strict=True))
+    assert TranslationPipeline(model=noisy, tokenizer=tokenizer)(SENTENCES, num_beams=2) == expected
+    assert noisy.training  # handed back as it came
+
+
 def test_pipeline_task_by_name_from_the_folder(saved):
     folder, model, tokenizer = saved
     translator = pipeline("translation", model=str(folder), trust_remote_code=True)

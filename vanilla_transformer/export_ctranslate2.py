@@ -202,6 +202,13 @@ def export_ctranslate2(
             "The model's beam search uses the paper's length penalty ((5 + |Y|) / 6)^alpha; CTranslate2 "
             "divides by |Y|^alpha, so the export may pick other beams for some sentences."
         )
+    not_carried = uncarried_generation_settings(generation)
+    if not_carried:
+        logger.warning(
+            f"The model's generation config sets {', '.join(not_carried)}, which the export does not carry "
+            "(it keeps the beam size, the length penalty, n-gram blocking and the source length + "
+            f"{DEFAULT_MAX_LENGTH_OFFSET} rule): its translations may differ from generate()'s."
+        )
     settings = {
         "max_positions": max_positions,
         "quantization": quantization or "float32",
@@ -210,6 +217,7 @@ def export_ctranslate2(
         "length_penalty": 1.0 if generation.length_penalty is None else generation.length_penalty,
         "max_length_offset": getattr(generation, "max_length_offset", None) or DEFAULT_MAX_LENGTH_OFFSET,
         "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
+        "not_carried": not_carried,
         "source_model": str(model_dir),
     }
     output_dir = Path(output_dir)
@@ -218,6 +226,41 @@ def export_ctranslate2(
         tokenizer.save_pretrained(staging)
         (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
     return output_dir
+
+
+# Decoding settings of a generation config that change what `generate()` outputs but that the export
+# does not carry (converted OPUS-MT models set several: `bad_words_ids` for the pad token, `max_length`
+# 512, `forced_eos_token_id`, `renormalize_logits`), and the values that change nothing.
+UNCARRIED_GENERATION_FIELDS = (
+    "bad_words_ids",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "max_length",
+    "max_new_tokens",
+    "min_length",
+    "min_new_tokens",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "renormalize_logits",
+    "do_sample",
+    "num_return_sequences",
+)
+_NEUTRAL = {"min_length": 0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0}
+_NEUTRAL |= {"renormalize_logits": False, "do_sample": False, "num_return_sequences": 1}
+
+
+def uncarried_generation_settings(generation: Any) -> list[str]:
+    """Names of the fields of `generation` (a `GenerationConfig`) set to a value that changes decoding
+    but that an export does not carry."""
+    return [
+        name
+        for name in UNCARRIED_GENERATION_FIELDS
+        if (value := getattr(generation, name, None)) is not None
+        and value != []
+        and value != _NEUTRAL.get(name)
+    ]
 
 
 class CTranslate2Translator:

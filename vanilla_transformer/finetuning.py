@@ -8,6 +8,7 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 
+from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
 from .metrics import score_translations
 from .parallel_data import load_parallel_data, tokenize_parallel_data
@@ -93,12 +95,32 @@ def bleu_metric_fn(tokenizer: Any) -> Any:
     return compute_metrics
 
 
+class GenerationConfigKeepingTrainer(Seq2SeqTrainer):
+    """`Seq2SeqTrainer` that leaves the model's generation config as it found it.
+
+    After each batch's `generate`, transformers' `prediction_step` fills the generation config's unset
+    fields with its defaults, in place: `max_length` 20 among them. That switched off the paper's
+    per-sentence limit (source length + 50, which applies while no length is set) for every later
+    batch, evaluation and `generate` call, and `save_model` wrote the cap into the tuned folder.
+    """
+
+    def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        kept = copy.deepcopy(self.model.generation_config)
+        try:
+            return super().prediction_step(model, inputs, *args, **kwargs)
+        finally:
+            self.model.generation_config = kept
+
+
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
-    # One knob: the model computes its own label-smoothed loss (the fast path, no (N, V) logits kept),
-    # with the fine-tuning's factor; Trainer's own smoother, which would need the logits, stays off.
-    model.config.label_smoothing = config.label_smoothing_factor
+    # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)
+    # logits kept) with the fine-tuning's factor, and Trainer's smoother, which would need the logits,
+    # stays off. Other models (a MarianMTModel folder) ignore that field: Trainer smooths for them.
+    own_loss = model.config.model_type == VanillaTransformerConfig.model_type
+    if own_loss:
+        model.config.label_smoothing = config.label_smoothing_factor
     data, report = load_parallel_data(
         train_file=config.train_file,
         validation_file=config.validation_file,
@@ -127,7 +149,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         per_device_train_batch_size=config.per_device_train_batch_size,
         per_device_eval_batch_size=config.per_device_eval_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        label_smoothing_factor=0.0,  # smoothing is the model's, set above
+        label_smoothing_factor=0.0 if own_loss else config.label_smoothing_factor,
         eval_strategy="steps",
         eval_steps=config.eval_steps,
         save_strategy="steps",
@@ -142,7 +164,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         seed=config.seed,
         **argument_overrides,
     )
-    return Seq2SeqTrainer(
+    return GenerationConfigKeepingTrainer(
         model=model,
         args=arguments,
         train_dataset=tokenized["train"].select_columns([*columns, "source_length"]),
@@ -163,4 +185,4 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
     return before | after
 
 
-__all__ = ["FinetuneConfig", "bleu_metric_fn", "build_trainer", "finetune"]
+__all__ = ["FinetuneConfig", "GenerationConfigKeepingTrainer", "bleu_metric_fn", "build_trainer", "finetune"]

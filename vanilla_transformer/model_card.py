@@ -149,6 +149,13 @@ def _template_variables(
         label_smoothing=training.get("label_smoothing", config.label_smoothing),
         dropout_training=training.get("dropout", config.dropout),
         averaged_checkpoints=training.get("averaged_checkpoints"),
+        adam_beta1=training.get("adam_beta1", 0.9),
+        adam_beta2=training.get("adam_beta2", 0.98),
+        adam_epsilon=training.get("adam_epsilon", 1e-9),
+        paper_architecture=not config.norm_first
+        and config.activation_function == "relu"
+        and config.tie_word_embeddings is not False,
+        scored_pairs=metrics.get("scored_pairs"),
         command=training.get("command"),
         bleu=float(metrics["bleu"]),
         chrf=float(metrics["chrf"]),

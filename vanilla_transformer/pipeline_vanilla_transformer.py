@@ -57,18 +57,28 @@ class TranslationPipeline(Pipeline):
         self, model_inputs: dict[str, torch.Tensor], generate_kwargs: dict[str, Any]
     ) -> dict[str, Any]:
         model_inputs.pop("token_type_ids", None)
-        return {"output_ids": self.model.generate(**model_inputs, **generate_kwargs)}
+        sentences = model_inputs["input_ids"].shape[0]
+        training = self.model.training
+        self.model.eval()  # a model handed over from training would translate with dropout
+        try:
+            output_ids = self.model.generate(**model_inputs, **generate_kwargs)
+        finally:
+            self.model.train(training)
+        # (sentences, sequences per sentence, length): the pipeline splits a batch's outputs by their
+        # first dimension, one entry per input sentence, also with `num_return_sequences` > 1.
+        return {"output_ids": output_ids.reshape(sentences, -1, output_ids.shape[-1])}
 
     def postprocess(
         self, model_outputs: dict[str, Any], clean_up_tokenization_spaces: bool = False
     ) -> list[dict[str, str]]:
+        (sequences,) = model_outputs["output_ids"]  # one input sentence's
         return [
             {
                 "translation_text": self.tokenizer.decode(
                     ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
                 ).strip()
             }
-            for ids in model_outputs["output_ids"]
+            for ids in sequences
         ]
 
 
