@@ -434,3 +434,19 @@ def test_static_cache_decoding_compiles_as_one_graph(source):
     compiled = model.generate(source, **options, cache_implementation="static", compile_config=config)
     assert torch.equal(compiled, model.generate(source, **options))
     torch._dynamo.reset()
+
+
+def test_generate_follows_weights_written_through_data():
+    """Decoding keeps copies of weights (stacked Q/K/V, other kernels' layouts) while the weights keep
+    their version counter, which writes through `.data` do not bump: PEFT merging an adapter
+    (`weight.data += delta`), or weights averaged in with `p.data.copy_`. Such a write after a first
+    `generate()` once left the next one decoding with the old weights."""
+    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
+    source = torch.randint(4, 99, (2, 9), generator=torch.Generator().manual_seed(0))
+    options = {"max_new_tokens": 8, "num_beams": 1, "do_sample": False}
+    before = model.generate(source, **options)
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            mine.data.copy_(theirs)
+    after = model.generate(source, **options)
+    assert torch.equal(after, other.generate(source, **options)) and not torch.equal(after, before)

@@ -24,7 +24,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, RepoUrl
+import transformers.utils.hub
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, RepoUrl
 
 from tests.conftest import tiny_model
 from vanilla_transformer.corpus import load_default_corpus
@@ -327,3 +328,23 @@ def test_real_hub_round_trip(model_folder, tmp_path):
         assert loaded.config.model_type == "vanilla_transformer"
     finally:
         api.delete_repo(repo_id, missing_ok=True)
+
+
+def test_save_pretrained_with_push_to_hub_uploads_the_pipeline(tmp_path, monkeypatch):
+    """transformers uploads inside `save_pretrained`, and the pipeline file was once copied after that:
+    the repository's config named a pipeline the repository did not hold."""
+    uploaded: list[str] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        uploaded.extend(operation.path_in_repo for operation in operations)
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    # push_to_hub starts from the repository's card, which would be asked of huggingface.co
+    monkeypatch.setattr(transformers.utils.hub, "create_and_tag_model_card", lambda *a, **k: ModelCard("x"))
+    tiny_model().save_pretrained(tmp_path / "model", push_to_hub=True, repo_id="someone/tiny", token="x")
+    assert {"config.json", "model.safetensors", "pipeline_vanilla_transformer.py"} <= set(uploaded)
+    assert (tmp_path / "model" / "pipeline_vanilla_transformer.py").is_file()  # the local folder too

@@ -159,20 +159,53 @@ def _mode_from_environment() -> str:
     return _parse_mode(value)
 
 
+# `generate()` calls so far (`new_generate_call`): kept weight copies are checked against their sources'
+# values once per call.
+_GENERATE_CALLS = [0]
+_PROBES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def new_generate_call() -> None:
+    """Start a `generate()` call: each kept copy is checked against its sources' values once in it."""
+    _GENERATE_CALLS[0] += 1
+
+
+def _probe(size: int, like: torch.Tensor) -> torch.Tensor:
+    key = (size, like.device, like.dtype)
+    if key not in _PROBES:
+        generator = torch.Generator().manual_seed(size)
+        _PROBES[key] = (torch.rand(size, generator=generator) + 0.5).to(like.device, like.dtype)
+    return _PROBES[key]
+
+
+def value_checksum(tensors: tuple[torch.Tensor, ...]) -> tuple[float, ...]:
+    """u^T W v per tensor (as a matrix of its first dimension's rows), with fixed positive vectors u and
+    v: one read of the values, and changed by any change of them short of a coincidence (a sum would
+    miss a permutation)."""
+    sums = []
+    for tensor in tensors:
+        rows = tensor.reshape(tensor.shape[0] if tensor.dim() > 1 else 1, -1)
+        sums.append(float(_probe(rows.shape[0], rows) @ (rows @ _probe(rows.shape[1], rows))))
+    return tuple(sums)
+
+
 class WeightCopies:
     """Tensors derived from weights for inference (a reordered layout, a concatenation), kept while their
     sources are unchanged: the same storage and version counter (optimiser steps and `load_state_dict`
-    write in place and bump it; writes through `weight.data`, which has a version counter of its own,
-    are not seen). At most one copy per first source tensor, dropped when that tensor is
-    freed. Tensors of `torch.inference_mode` keep no version counter: nothing is kept for them.
+    write in place and bump it). Writes through `weight.data` do not bump it (it has a version counter
+    of its own): PEFT's adapter merging (`weight.data += delta`), weights averaged or swapped with
+    `p.data.copy_(...)`. So once per `generate()` call (`new_generate_call`) a copy is also checked
+    against its sources' values (`value_checksum`, one read of them) and remade if they changed.
+    At most one copy per first source tensor, dropped when that tensor is freed. Tensors of
+    `torch.inference_mode` keep no version counter: nothing is kept for them.
 
     Looked up at every decoding-step product, so by the source's `id` in a plain dict (a weak-keyed
     dictionary's lookup cost a microsecond more), each entry with a weak reference that tells a
     reused `id` from its tensor and a finalizer that removes the entry when the tensor goes."""
 
     def __init__(self) -> None:
-        # id(first source) -> (weak reference to it, fingerprint, copy)
-        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+        # id(first source) -> (weak reference to it, fingerprint, copy, generate() call, value checksum)
+        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor, int, tuple]] = {}
         self._watched: set[int] = set()  # ids of live sources with a finalizer registered
 
     def _forget(self, key: int) -> None:
@@ -195,14 +228,28 @@ class WeightCopies:
             return None
         key = id(source)
         kept = self._copies.get(key)
+        call = _GENERATE_CALLS[0]
+        # Copies made here (a concatenation, then packed) are never written by anyone: their version
+        # counter is enough, and checking their values would read the weights twice.
+        derived = all(getattr(t, "_kept_copy", False) for t in sources)
         if kept is not None and kept[1] == fingerprint and kept[0]() is source:
-            return kept[2]
+            if kept[3] == call or derived:
+                return kept[2]
+            with torch.no_grad():
+                checksum = value_checksum(sources)
+            if checksum == kept[4]:
+                self._copies[key] = (*kept[:3], call, checksum)
+                return kept[2]
+        else:
+            with torch.no_grad():
+                checksum = () if derived else value_checksum(sources)
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, itself trackable
             copy = make()
+        copy._kept_copy = True
         if key not in self._watched:  # a freed source's finalizer has run before its id can be reused
             self._watched.add(key)
             weakref.finalize(source, self._forget, key)
-        self._copies[key] = (weakref.ref(source), fingerprint, copy)
+        self._copies[key] = (weakref.ref(source), fingerprint, copy, call, checksum)
         return copy
 
     def drop(self, source: torch.Tensor) -> None:
@@ -1012,6 +1059,11 @@ class LeanGenerationSteps:
 PIPELINE_FILE = "pipeline_vanilla_transformer.py"
 
 
+# `save_pretrained(push_to_hub=True, ...)` options meant for the upload (see `PushToHubMixin.push_to_hub`).
+_PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr")
+_PUSH_ARGUMENTS += ("tags",)
+
+
 class RemoteCodeFolder:
     """`save_pretrained` for a folder that works where this package is not installed."""
 
@@ -1022,7 +1074,18 @@ class RemoteCodeFolder:
         `AutoModelForSeq2SeqLM` under `trust_remote_code=True`; and the translation pipeline's code is
         copied next to the model with `custom_pipelines` in config.json, so that
         `pipeline("translation", model=folder, trust_remote_code=True)` works (transformers 5 has none).
+
+        With `push_to_hub=True` the folder is written whole first, then uploaded by `push_to_hub`:
+        transformers uploads inside its `save_pretrained`, before the pipeline file is copied, which left
+        the repository's config naming a pipeline that it did not hold.
         """
+        if kwargs.pop("push_to_hub", False):
+            hub = {name: kwargs.pop(name) for name in _PUSH_ARGUMENTS if name in kwargs}
+            self.save_pretrained(save_directory, *args, **kwargs)
+            if kwargs.get("is_main_process", True):
+                repo_id = hub.pop("repo_id", Path(save_directory).name)
+                self.push_to_hub(repo_id, token=kwargs.get("token"), **hub)
+            return None
         module = type(self).__module__.rsplit(".", 1)[-1]
         if self._auto_class is not None:
             self.config.auto_map = {
@@ -1070,6 +1133,7 @@ __all__ = [
     "loss_without_logits",
     "matmul_attention",
     "merge_heads",
+    "new_generate_call",
     "per_item",
     "plain_linear",
     "projected_label_smoothed_loss",

@@ -64,6 +64,7 @@ from .kernels_vanilla_transformer import (
     loss_dtype,
     loss_without_logits,
     merge_heads,
+    new_generate_call,
     per_item,
     reads_are_free,
     split_heads,
@@ -1091,6 +1092,7 @@ class VanillaTransformerForConditionalGeneration(
         finished beams as transformers does, by log P(Y) / |Y|^length_penalty; "gnmt" by the paper's
         log P(Y) / ((5 + |Y|) / 6)^length_penalty (`GNMTLengthPenalty`).
         """
+        new_generate_call()  # kept weight copies are checked against the weights' values once per call
         config = generation_config if generation_config is not None else self.generation_config
         form = kwargs.pop("length_penalty_form", None)
         if form is None:
