@@ -191,3 +191,15 @@ def test_token_batching_rejects_impossible_budgets():
         TokenBatchSampler([5, 5], [5, 5], max_tokens=100, num_shards=4)
     with pytest.raises(ValueError, match="3 source lengths but 2"):
         TokenBatchSampler([5, 5, 5], [5, 5], max_tokens=100)
+
+
+def test_held_out_validation_shares_no_pair_with_train(tmp_path):
+    """A pair the training file repeats once landed on both sides of the held-out split."""
+    rows = "".join(f"s{i}\tt{i}\n" for i in range(60)) + "Thank you.\tGracias.\n" * 40
+    train_file = write(tmp_path / "t.tsv", "en\tes\n" + rows)
+    data, report = load_parallel_data(train_file=train_file, validation_size=30)
+    train = set(zip(data["train"]["source"], data["train"]["target"], strict=True))
+    validation = list(zip(data["validation"]["source"], data["validation"]["target"], strict=True))
+    assert ("Thank you.", "Gracias.") in train and not train & set(validation)
+    assert report.held_out_in_train == 30 - len(validation) > 0
+    assert f"dropped {report.held_out_in_train} held-out validation pairs" in report.lines()[0]

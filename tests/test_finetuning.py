@@ -2,12 +2,13 @@
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
 from vanilla_transformer.corpus import load_default_corpus
-from vanilla_transformer.finetuning import FinetuneConfig, build_trainer, finetune
+from vanilla_transformer.finetuning import FinetuneConfig, bleu_metric_fn, build_trainer, finetune
 from vanilla_transformer.tokenization import train_bpe_tokenizer
 
 
@@ -126,3 +127,22 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
     (tmp_path / "other" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="already holds a model"):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "other"))
+
+
+def test_scores_are_against_the_reference_texts_not_the_decoded_labels():
+    """References were once the labels decoded: characters the tokenizer cannot represent ("{0}" for
+    a vocabulary learnt without braces) vanished from them, and outputs missing them scored 100."""
+    from datasets import Dataset
+    from transformers import EvalPrediction
+
+    tokenizer = train_bpe_tokenizer(["hello world, good day"] * 20, 60)
+    texts = ["hello {0} world", "good day"]
+    labels = [tokenizer(text_target=text)["input_ids"] for text in texts]
+    width = max(map(len, labels))
+    padded = np.array([ids + [-100] * (width - len(ids)) for ids in labels])
+    outputs = EvalPrediction(predictions=padded, label_ids=padded)  # the labels themselves as outputs
+    references = Dataset.from_dict({"target": texts, "labels": labels})
+    assert bleu_metric_fn(tokenizer, references)(outputs)["chrf"] < 100  # "{0}" is missing
+    assert bleu_metric_fn(tokenizer)(outputs)["chrf"] == 100  # what the decoded labels said
+    other = Dataset.from_dict({"target": texts[::-1], "labels": labels[::-1]})  # not these labels
+    assert bleu_metric_fn(tokenizer, other)(outputs)["chrf"] == 100  # falls back to decoding

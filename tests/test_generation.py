@@ -219,6 +219,24 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
         assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
 
 
+def test_the_length_rule_counts_the_start_token_put_before_a_prompt(source):
+    """A decoder prompt that does not begin with the start token gets it put in front by `generate`;
+    padded rows once stopped one token before their limit, which counted the prompt without it."""
+    from tests.conftest import PAD
+
+    model = tiny_model("sdpa")
+    model.generation_config.max_length_offset = 5
+    attention_mask = torch.ones_like(source)
+    attention_mask[1, 5:] = 0
+    padded = source.masked_fill(attention_mask == 0, PAD)
+    prompt = torch.full((source.shape[0], 2), 7)  # no start token
+    options = {"num_beams": 1, "suppress_tokens": [EOS], "decoder_input_ids": prompt}
+    batch = model.generate(padded, attention_mask=attention_mask, **options)
+    alone = model.generate(source[1:2, :5], decoder_input_ids=prompt[1:2], num_beams=1, suppress_tokens=[EOS])
+    assert alone.shape[1] == 1 + 2 + 5 + 5  # start, prompt, source length + 5
+    assert torch.equal(batch[1, : alone.shape[1]], alone[0]) and (batch[1, alone.shape[1] :] == PAD).all()
+
+
 def test_a_fresh_generation_config_keeps_the_length_rule(source):
     """A user's `GenerationConfig()` has no `max_length_offset`: the model's own (50) applies, not
     transformers' 20-token default."""

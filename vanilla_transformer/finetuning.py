@@ -76,8 +76,13 @@ class FinetuneConfig:
             raise ValueError(f"--output_dir {self.output_dir} already holds a model; name a new folder.")
 
 
-def bleu_metric_fn(tokenizer: Any) -> Any:
-    """`compute_metrics` for `Seq2SeqTrainer(predict_with_generate=True)`: corpus BLEU and chrF."""
+def bleu_metric_fn(tokenizer: Any, references: Any = None) -> Any:
+    """`compute_metrics` for `Seq2SeqTrainer(predict_with_generate=True)`: corpus BLEU and chrF.
+
+    `references`: the evaluation dataset (its `target` texts and `labels`), whose texts are scored
+    against when the labels are its labels, in order; otherwise the references are the labels decoded,
+    which lose what the tokenizer cannot represent (characters outside its vocabulary become `<unk>`
+    and vanish, normalisation rewrites others), so scores would not match `evaluate_model`'s."""
 
     def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
         predictions, labels = prediction.predictions, prediction.label_ids
@@ -85,10 +90,14 @@ def bleu_metric_fn(tokenizer: Any) -> Any:
             predictions = predictions[0]
         # Padding of generated sequences and of labels is -100 after gathering: decode it as pad.
         predictions = np.where(predictions != -100, predictions, tokenizer.pad_token_id)
-        labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
         hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
-        references = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
-        scores = score_translations(hypotheses, references)
+        rows = [row[row != -100].tolist() for row in labels]
+        if references is not None and rows == list(references["labels"]):
+            texts = [t.strip() for t in references["target"]]
+        else:
+            labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
+            texts = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        scores = score_translations(hypotheses, texts)
         lengths = [int(np.count_nonzero(row != tokenizer.pad_token_id)) for row in predictions]
         return {"bleu": scores["bleu"], "chrf": scores["chrf"], "gen_len": float(np.mean(lengths))}
 
@@ -171,7 +180,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         eval_dataset=validation.select_columns(columns),
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         processing_class=tokenizer,
-        compute_metrics=bleu_metric_fn(tokenizer),
+        compute_metrics=bleu_metric_fn(tokenizer, validation.select_columns(["target", "labels"])),
     )
 
 

@@ -1121,13 +1121,22 @@ class VanillaTransformerForConditionalGeneration(
             kwargs["max_new_tokens"] = source.shape[1] + offset  # the longest row's limit
             mask = kwargs.get("attention_mask")
             if mask is not None and mask.dim() == 2 and bool((mask.sum(-1) < mask.shape[1]).any()):
-                decoder_prompt = kwargs.get("decoder_input_ids")
-                limit = SourceLengthLimit(
-                    mask.sum(-1) + offset, 1 if decoder_prompt is None else decoder_prompt.shape[1]
-                )
+                limit = SourceLengthLimit(mask.sum(-1) + offset, self._prompt_length(config, kwargs))
                 criteria = kwargs.get("stopping_criteria")
                 kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
         return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    def _prompt_length(self, config: GenerationConfig, kwargs: dict[str, Any]) -> int:
+        """The decoder input `generate` starts from: the start token, or the prompt given, which it
+        prefixes with the start token unless every row begins with it."""
+        prompt = kwargs.get("decoder_input_ids")
+        if prompt is None:
+            return 1
+        given = (kwargs.get("decoder_start_token_id"), config.decoder_start_token_id)
+        given += (self.generation_config.decoder_start_token_id, self.config.decoder_start_token_id)
+        start = next((token for token in given if token is not None), None)
+        prefixed = start is not None and bool((prompt[:, 0] != start).all())
+        return prompt.shape[1] + int(prefixed)
 
 
 LENGTH_PENALTY_FORMS = ("power", "gnmt")

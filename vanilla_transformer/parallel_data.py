@@ -37,11 +37,17 @@ class DataReport:
 
     empty: dict[str, int] = field(default_factory=dict)
     too_long: dict[str, int] = field(default_factory=dict)
+    held_out_in_train: int = 0
 
     def lines(self) -> list[str]:
         out = [
             f"skipped {n} {split} rows with an empty source or target" for split, n in self.empty.items() if n
         ]
+        if self.held_out_in_train:
+            out.append(
+                f"dropped {self.held_out_in_train} held-out validation pairs that also occur in train "
+                "(repeated pairs of the training file)"
+            )
         out += [
             f"skipped {n} {split} pairs longer than max_length" for split, n in self.too_long.items() if n
         ]
@@ -252,7 +258,14 @@ def load_parallel_data(
                 f"{validation_size}; pass validation_file."
             )
         held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
-        data["train"], data["validation"] = held_out["train"], held_out["test"]
+        # A pair the file repeats ("Thank you." is common in OPUS data) could land on both sides, and
+        # the validation scores would reward memorising it.
+        seen = set(zip(held_out["train"]["source"], held_out["train"]["target"], strict=True))
+        validation = held_out["test"].filter(lambda row: (row["source"], row["target"]) not in seen)
+        report.held_out_in_train = len(held_out["test"]) - len(validation)
+        if len(validation) == 0:
+            raise DataError("Every held-out validation pair also occurs in train; pass validation_file.")
+        data["train"], data["validation"] = held_out["train"], validation
     return data, report
 
 
