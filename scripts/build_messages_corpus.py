@@ -8,7 +8,8 @@ side, msgstr the translation. Kept: translated, non-fuzzy singular messages; key
 (`_File`, `&Open`) removed, whitespace collapsed; pairs whose printf/brace placeholders differ between the
 sides, with a side longer than `--max-words` words, or identical on both sides are dropped. Whole catalogs
 go to validation or test (chosen by a hash of the catalog's name), so near-duplicate messages of one
-program never straddle the split; held-out messages also seen in training are dropped. Writes
+program never straddle the split; held-out messages also seen in training, up to case, spaces and
+punctuation (messages shared by several programs), are dropped. Writes
 `train.jsonl`, `validation.jsonl`, `test.jsonl` with fields `en` and the language code. Needs
 `pip install polib`.
 
@@ -81,7 +82,8 @@ def catalog_pairs(path: Path, max_words: int) -> Iterator[tuple[str, str]]:
 
 
 def build(catalogs: Iterable[Path], max_words: int) -> dict[str, list[tuple[str, str]]]:
-    """Pairs per split: one per English message (its first translation); held-out ones unseen in train."""
+    """Pairs per split: one per English message (its first translation); held-out ones unseen in train,
+    also as near-duplicates (`near_key`)."""
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "validation": [], "test": []}
     seen: set[str] = set()
     for path in sorted(catalogs, key=lambda p: p.name):
@@ -93,10 +95,17 @@ def build(catalogs: Iterable[Path], max_words: int) -> dict[str, list[tuple[str,
             if source not in seen:
                 seen.add(source)
                 splits[split].append((source, target))
-    train_sources = {source for source, _ in splits["train"]}
+    # Messages shared by several programs come with small differences ("cannot open %s" / "cannot open
+    # '%s'", "Command line" / "command line"): compared without case, spaces and punctuation.
+    train_sources = {near_key(source) for source, _ in splits["train"]}
     for split in ("validation", "test"):
-        splits[split] = [pair for pair in splits[split] if pair[0] not in train_sources]
+        splits[split] = [pair for pair in splits[split] if near_key(pair[0]) not in train_sources]
     return splits
+
+
+def near_key(message: str) -> str:
+    """`message` lowercased, letters and digits only: near-duplicates compare equal."""
+    return re.sub(r"[\W_]+", "", message.lower())
 
 
 def fetch_locale_dir(workdir: Path) -> Path:

@@ -204,6 +204,20 @@ def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_d
         builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output), "--language", "en"])
 
 
+def test_held_out_messages_close_to_training_ones_are_dropped(monkeypatch):
+    """Messages shared by several programs differ in case or quoting; compared exactly, 68 of them once
+    sat in both the training and the test split of the built corpus."""
+    builder = load_script("build_messages_corpus")
+    pairs = {
+        "a": [("Cannot open %s", "x"), ("Command line", "y")],
+        "b": [("cannot open '%s'", "z"), ("command-line:", "w"), ("New message", "v")],
+    }
+    monkeypatch.setattr(builder, "catalog_split", lambda name: "train" if name == "a" else "test")
+    monkeypatch.setattr(builder, "catalog_pairs", lambda path, max_words: pairs[path.stem])
+    splits = builder.build([Path("a.mo"), Path("b.mo")], 50)
+    assert splits["train"] == pairs["a"] and splits["test"] == [("New message", "v")]
+
+
 def test_compare_recipes_validates_its_flags_and_formats_the_table():
     compare = load_script("compare_recipes")
     with pytest.raises(SystemExit):
