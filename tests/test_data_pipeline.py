@@ -121,6 +121,9 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
     extra_tab = write(tmp_path / "tab.tsv", "en\tes\nIn the\tbeginning\tEn el principio\n" + rows)
     with pytest.raises(ValueError, match=r"tab\.tsv, line 2: 3 fields where the header has 2"):
         load_parallel_data(train_file=extra_tab, validation_file=good)
+    pandas_tsv = write(tmp_path / "p.tsv", 'en\tes\n"He said ""hi"""\t"Dijo ""hola"""\n')
+    with pytest.raises(ValueError, match=r"p\.tsv, line 2: .* is quoted the CSV way"):
+        load_parallel_data(train_file=pandas_tsv, validation_file=good)
     with pytest.raises(ValueError, match="line 3: repeats the header row"):
         load_parallel_data(train_file=write(tmp_path / "cat.tsv", "en\tes\na\tb\nen\tes\nc\td\n"))
     comma = write(tmp_path / "c.csv", 'en,es\n"one, two",uno\none, two,dos\n')

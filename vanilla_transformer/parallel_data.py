@@ -94,6 +94,13 @@ def check_delimited(path: Path) -> None:
                 continue
             if row == header:
                 raise DataError(f"{path}, line {line}: repeats the header row {header}; remove it.")
+            if path.suffix == ".tsv" and (quoted := next(filter(_csv_quoted, row), None)) is not None:
+                raise DataError(
+                    f"{path}, line {line}: {quoted!r} is quoted the CSV way (in quotes, its own quotes "
+                    "doubled), as pandas' to_csv and Python's csv module write TSV by default; TSV is read "
+                    "without quoting, so the quotes would stay in the text. Write it with "
+                    "quoting=csv.QUOTE_NONE, or as .csv."
+                )
             if len(row) != len(header):
                 raise DataError(
                     f"{path}, line {line}: {len(row)} fields where the header has {len(header)} "
@@ -106,6 +113,11 @@ def check_delimited(path: Path) -> None:
                 )
         if header is None:
             raise DataError(f"{path} is empty: it needs a header row naming the columns.")
+
+
+def _csv_quoted(field: str) -> bool:
+    """A field written with CSV quoting: in double quotes, with the quotes inside it doubled."""
+    return len(field) >= 4 and field[0] == field[-1] == '"' and '""' in field[1:-1]
 
 
 def check_jsonl(path: Path) -> None:
