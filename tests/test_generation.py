@@ -65,13 +65,20 @@ def test_greedy_generate_equals_hand_written_argmax_loop(source):
 
 
 def test_greedy_stops_at_eos_and_pads_finished_rows(source):
-    model = tiny_model()
+    """Rows that end at different steps: each stops at its end token and is padded after it. (An
+    earlier version zeroed the tied output matrix, hence every embedding: all rows ended together.)"""
+    from tests.conftest import PAD
+
+    model = tiny_model(seed=1, tie_word_embeddings=False)
     with torch.no_grad():
-        model.lm_head.weight.mul_(0)  # every logit is 0 ...
-        model.lm_head.weight[EOS, 0] = 1.0  # ... except EOS, wherever hidden[0] > 0
+        model.lm_head.weight[EOS] *= 3  # the end token likelier, so that these rows end within 12
     generated = model.generate(source, num_beams=1, do_sample=False, max_new_tokens=12)
     torch.testing.assert_close(generated, greedy_by_hand(model, source, 12))
-    assert (generated == EOS).any(-1).all()
+    ends = [int((row == EOS).nonzero()[0, 0]) for row in generated]  # every row has ended
+    assert len(set(ends)) == len(ends), ends
+    for row, end in zip(generated, ends, strict=True):
+        assert (row[end + 1 :] == PAD).all()
+    assert min(ends) < generated.shape[1] - 1  # so some row does carry padding
 
 
 def teacher_forced_log_probs(model, source: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:

@@ -248,20 +248,24 @@ def test_checkpoints_that_do_not_lead_to_the_resumed_one_are_retired(tmp_path):
 def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path, corpus_files, monkeypatch):
     from vanilla_transformer import VanillaTransformerForConditionalGeneration as Model
 
-    forward, calls = Model.forward, itertools.count(1)
+    forward, calls, models = Model.forward, itertools.count(1), []
 
     def poisoned(self, *args, **kwargs):
         output = forward(self, *args, **kwargs)
         if self.training and next(calls) == 6:  # the 6th update's loss
             output.loss = output.loss * float("nan")
+            models.append(self)
         return output
 
     monkeypatch.setattr(Model, "forward", poisoned)
     args = small_args(tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, test_samples=1)
     with pytest.raises(FloatingPointError, match="training loss of update 6 is nan; stopped before"):
         train(parse_config(args))
-    (last,) = [p for p in list_checkpoints(tmp_path / "run") if p.name == "step-00000004"]
-    weights = checkpoint_weights(last)
+    # The update was not applied: the model's weights in memory are finite, and nothing was saved after.
+    (model,) = models
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004"]
+    weights = checkpoint_weights(list_checkpoints(tmp_path / "run")[0])
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
@@ -600,9 +604,16 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     result = run_script("evaluate_model.py", *args, *options)
     assert result.returncode == 0, result.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    for line in blocked.read_text().splitlines():
-        ids = tokenizer(line, add_special_tokens=False)["input_ids"]
-        assert len(ids) == len(set(ids)), line
+
+    def token_ids(path: Path) -> list[list[int]]:
+        lines = path.read_text().splitlines()
+        return [tokenizer(line, add_special_tokens=False)["input_ids"] for line in lines]
+
+    unblocked = token_ids(hypotheses)
+    assert any(len(ids) > len(set(ids)) for ids in unblocked)  # this model does repeat tokens ...
+    lines = token_ids(blocked)
+    assert len(lines) == 6 and any(lines)
+    assert all(len(ids) == len(set(ids)) for ids in lines)  # ... and with blocking it does not
     # Naming the test file as --hypotheses once overwrote the test data with the translations.
     before = Path(corpus_files["test_file"]).read_text()
     clash = run_script("evaluate_model.py", *args, "--hypotheses", corpus_files["test_file"])
