@@ -476,9 +476,12 @@ def test_attention_probe_fails_closed(attention_policy, monkeypatch, failure):
     assert attention_policy.decisions == {(16, 8, 8, "none"): False}
 
 
-def test_generated_tokens_agree_between_attention_kernels(attention_policy):
+def test_generated_tokens_agree_between_attention_kernels(attention_policy, monkeypatch):
     """Greedy and beam search over padded sources (a boolean cross-attention mask) give the same tokens
     with every decoding step's attention on SDPA and on the matrix products."""
+    calls = []
+    products = kernels.matmul_attention
+    monkeypatch.setattr(kernels, "matmul_attention", lambda *a: (calls.append(1), products(*a))[1])
     model = tiny_model("sdpa", d_model=64, d_ff=128)
     source = torch.randint(3, 99, (3, 7), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones_like(source)
@@ -491,6 +494,7 @@ def test_generated_tokens_agree_between_attention_kernels(attention_policy):
                 model.generate(source, attention_mask=attention_mask, num_beams=beams, max_new_tokens=8)
                 for beams in (1, 3)
             ]
+        assert bool(calls) == (mode == "matmul")  # the products did compute the "matmul" run
     for sdpa, matmul in zip(results["sdpa"], results["matmul"], strict=True):
         assert torch.equal(sdpa, matmul)
 
