@@ -208,3 +208,18 @@ def test_decoding_steps_comparison_times_both_variants(monkeypatch):
         assert row["ratio"] == pytest.approx(row["decoding_step"] / row["layer forward"])
     # 31 cached steps x 2 layers per call: 2 calls per cell with the layers' steps, 2 without
     assert len(steps) == len(CELLS) * 2 * 31 * 2
+
+
+def test_forward_share_counts_the_encoder_once():
+    """`generate` runs the encoder outside the model's forward: once left out of the models' share, and
+    so counted as transformers' loop."""
+    from tests.conftest import tiny_model
+    from tools.benchmark import forward_share
+
+    model = tiny_model()
+    source = torch.randint(4, 99, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert forward_share(model, "cpu", lambda: model.get_encoder()(input_ids=source)) > 0.5
+        # The encoder inside the model's forward: counted once, a share of at most the whole.
+        whole = forward_share(model, "cpu", lambda: model(input_ids=source, decoder_input_ids=source))
+    assert 0.5 < whole <= 1.0

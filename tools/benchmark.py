@@ -40,6 +40,9 @@ from vanilla_transformer.tokenization import train_bpe_tokenizer
 MODELS = ("ours", "marian")
 # generate() benchmarks: source length and number of new tokens
 GENERATE_LENGTH = 32
+# The joint BPE vocabulary the benchmark trains on the embedded corpus (tools that build models without
+# it use this size, so that their "base" is the benchmark's).
+BENCHMARK_VOCABULARY = 8000
 
 
 def marian_like(config: VanillaTransformerConfig) -> MarianConfig:
@@ -139,7 +142,9 @@ def training_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
     if isinstance(model, VanillaTransformerForConditionalGeneration):
         return model(**batch, return_logits=False).loss  # what the training script runs
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
+    # Without labels MarianMTModel's config turns its generation cache on: keys and values concatenated
+    # per layer, work that training does not do (ours gets labels, which turn it off).
+    logits = model(**inputs, use_cache=False).logits
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, label_smoothing=0.1
     )
@@ -281,7 +286,8 @@ def benchmark_training(
                 times[kind].append(median_time(lambda k=kind, b=batch: steps[k](b), device, 1))
     tokens = sum(int((b["labels"] != -100).sum()) for b in batches) * rounds
     return {
-        kind: {"tokens_per_s": tokens / sum(t), "step_s": statistics.median(t)} for kind, t in times.items()
+        kind: {"tokens_per_s": tokens / sum(t), "step_s": statistics.median(t), "total_s": sum(t)}
+        for kind, t in times.items()
     }
 
 
@@ -328,18 +334,28 @@ def benchmark_generate(
 
 
 def forward_share(model: torch.nn.Module, device: str, fn: Callable[[], Any]) -> float:
-    """Fraction of the wall time of `fn()` spent inside `model`'s forward calls."""
-    inside, started = [0.0], [0.0]
+    """Fraction of the wall time of `fn()` spent inside `model`'s forward calls and its encoder's
+    (`generate` runs the encoder once, outside the model's forward); nested calls count once."""
+    inside, started, depth = [0.0], [0.0], [0]
 
     def before(*_: Any) -> None:
-        synchronize(device)
-        started[0] = time.perf_counter()
+        if depth[0] == 0:
+            synchronize(device)
+            started[0] = time.perf_counter()
+        depth[0] += 1
 
     def after(*_: Any) -> None:
-        synchronize(device)
-        inside[0] += time.perf_counter() - started[0]
+        depth[0] -= 1
+        if depth[0] == 0:
+            synchronize(device)
+            inside[0] += time.perf_counter() - started[0]
 
-    hooks = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    parts = [model]
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+    if encoder is not None and encoder is not model:
+        parts.append(encoder)
+    hooks = [part.register_forward_pre_hook(before) for part in parts]
+    hooks += [part.register_forward_hook(after) for part in parts]
     try:
         total = median_time(fn, device, 1)
     finally:
@@ -351,8 +367,9 @@ def forward_share(model: torch.nn.Module, device: str, fn: Callable[[], Any]) ->
 def generate_forward_share(
     models: dict[str, torch.nn.Module], device: str, *, batch_size: int, num_beams: int
 ) -> dict[str, float]:
-    """Fraction of `generate()` time spent inside the model's forward calls; the rest is transformers'
-    generation loop (logits processing, beam bookkeeping, cache reordering), which the models share."""
+    """Fraction of `generate()` time spent inside the model (its encoder and its forward calls); the rest
+    is transformers' generation loop (logits processing, beam bookkeeping, cache reordering), which the
+    models share."""
     source, options = generation_inputs(models, device, batch_size, num_beams)
     shares = {}
     with torch.inference_mode():
@@ -671,7 +688,7 @@ def run(
     """Every measurement, as a dict (what `--json` writes)."""
     torch_dtype = getattr(torch, dtype)
     train = load_default_corpus()["train"]
-    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), 8000)
+    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), BENCHMARK_VOCABULARY)
     data = {
         "length-bucketed": corpus_batches(tokenizer, max_tokens, batches, padding_heavy=False),
         "padding-heavy": corpus_batches(tokenizer, max_tokens, batches, padding_heavy=True),
@@ -701,10 +718,11 @@ def run(
         bucketed = [to_device(b, device) for b in data["length-bucketed"]]
         entry["train Trainer path"] = benchmark_training(models, bucketed, device, rounds, trainer_loss)
         entry["train Trainer path"]["padding_fraction"] = entry["train length-bucketed"]["padding_fraction"]
-        flops = statistics.mean(step_flops(config, batch) for batch in data["length-bucketed"])
+        # All the timed steps' FLOPs over all their time: the same statistic as the throughput row's.
+        flops = rounds * sum(step_flops(config, batch) for batch in data["length-bucketed"])
         for kind in MODELS:
-            step_s = entry["train length-bucketed"][kind]["step_s"]
-            entry["train length-bucketed"][kind]["mfu"] = flops / step_s / results["matmul_peak_flops"]
+            total_s = entry["train length-bucketed"][kind]["total_s"]
+            entry["train length-bucketed"][kind]["mfu"] = flops / total_s / results["matmul_peak_flops"]
         for batch_size in (1, 32):
             for beams in (1, 4):
                 name = f"generate {'greedy' if beams == 1 else 'beam 4'} batch {batch_size}"

@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-from tools.benchmark import build_model, generation_inputs
+from tools.benchmark import BENCHMARK_VOCABULARY, build_model, generation_inputs
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.kernels_vanilla_transformer import linear_kernel
 from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
@@ -118,7 +118,8 @@ def main() -> None:
     print(f"| preset | generate() | {baseline} (s) | {candidate} (s) | ratio | same tokens |")
     print("|---|---|---|---|---|---|")
     for preset in args.presets:
-        for row in compare(VanillaTransformerConfig.from_preset(preset), args.repeats, args.compare):
+        config = VanillaTransformerConfig.from_preset(preset, vocab_size=BENCHMARK_VOCABULARY)
+        for row in compare(config, args.repeats, args.compare):
             same = "yes" if row["same tokens"] else "no"
             print(
                 f"| {preset} | {row['cell']} | {row[baseline]:.4f} "
