@@ -595,6 +595,26 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     result = run_script("evaluate_model.py", *args, "--num_beams", "2", "--hypotheses", str(hypotheses))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test: 6 sentences" in result.stdout
+    # Without decoding flags: the model's own generation config (it once always used beam 4, alpha 0.6).
+    model, tokenizer = (
+        AutoModelForSeq2SeqLM.from_pretrained(output_dir),
+        AutoTokenizer.from_pretrained(output_dir),
+    )
+    model.generation_config.num_beams = 3
+    model.save_pretrained(tmp_path / "beam3")
+    tokenizer.save_pretrained(tmp_path / "beam3")
+    test_split = load_parallel_data(test_file=corpus_files["test_file"], for_training=False)[0]["test"]
+    sources = test_split["source"][:6]
+    own = run_script(
+        "evaluate_model.py",
+        *args[2:],
+        "--model",
+        str(tmp_path / "beam3"),
+        "--hypotheses",
+        str(tmp_path / "own.txt"),
+    )
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert (tmp_path / "own.txt").read_text().splitlines() == translate(model, tokenizer, sources)
     assert "BLEU" in result.stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in result.stdout
     assert "chrF" in result.stdout and len(hypotheses.read_text().splitlines()) == 6
     assert "outputs with a word 4-gram repeated 3+ times:" in result.stdout
