@@ -247,8 +247,14 @@ UNCARRIED_GENERATION_FIELDS = (
     "do_sample",
     "num_return_sequences",
 )
-_NEUTRAL = {"min_length": 0, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0}
-_NEUTRAL |= {"renormalize_logits": False, "do_sample": False, "num_return_sequences": 1}
+_NEUTRAL = {
+    "min_length": 0,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "renormalize_logits": False,
+    "do_sample": False,
+    "num_return_sequences": 1,
+}
 
 
 def uncarried_generation_settings(generation: Any) -> list[str]:

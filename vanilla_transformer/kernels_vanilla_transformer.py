@@ -229,20 +229,17 @@ class WeightCopies:
         key = id(source)
         kept = self._copies.get(key)
         call = _GENERATE_CALLS[0]
-        # Copies made here (a concatenation, then packed) are never written by anyone: their version
-        # counter is enough, and checking their values would read the weights twice.
-        derived = all(getattr(t, "_kept_copy", False) for t in sources)
-        if kept is not None and kept[1] == fingerprint and kept[0]() is source:
-            if kept[3] == call or derived:
-                return kept[2]
-            with torch.no_grad():
-                checksum = value_checksum(sources)
-            if checksum == kept[4]:
-                self._copies[key] = (*kept[:3], call, checksum)
-                return kept[2]
-        else:
-            with torch.no_grad():
-                checksum = () if derived else value_checksum(sources)
+        current = kept is not None and kept[1] == fingerprint and kept[0]() is source
+        if current and kept[3] == call:  # every decoding step's path: nothing more to check
+            return kept[2]
+        # Once per generate() call. Copies made here (a concatenation, then packed) are written by no
+        # one: their version counter is enough, and checking their values would read the weights twice.
+        with torch.no_grad():
+            derived = all(getattr(t, "_kept_copy", False) for t in sources)
+            checksum = () if derived else value_checksum(sources)
+        if current and checksum == kept[4]:
+            self._copies[key] = (*kept[:3], call, checksum)
+            return kept[2]
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, itself trackable
             copy = make()
         copy._kept_copy = True
@@ -1060,8 +1057,15 @@ PIPELINE_FILE = "pipeline_vanilla_transformer.py"
 
 
 # `save_pretrained(push_to_hub=True, ...)` options meant for the upload (see `PushToHubMixin.push_to_hub`).
-_PUSH_ARGUMENTS = ("repo_id", "commit_message", "commit_description", "private", "revision", "create_pr")
-_PUSH_ARGUMENTS += ("tags",)
+_PUSH_ARGUMENTS = (
+    "repo_id",
+    "commit_message",
+    "commit_description",
+    "private",
+    "revision",
+    "create_pr",
+    "tags",
+)
 
 
 class RemoteCodeFolder:

@@ -25,10 +25,7 @@ FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"
 
 
 class DataError(InputError):
-    """Parallel data that cannot be used as given (files, columns, contents); the message says why.
-
-    Scripts print it without a traceback: it is about the user's input, not the code.
-    """
+    """Parallel data that cannot be used as given (files, columns, contents); the message says why."""
 
 
 @dataclass

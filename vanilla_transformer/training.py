@@ -1163,7 +1163,7 @@ def score_test_split(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict
         **config.decoding(),
     )
     scores = score_translations(hypotheses, test_split["target"])
-    metrics |= {"split": split, "test_pairs": count} | {
+    metrics |= {"split": split, "scored_pairs": count} | {
         f"test_{k}": scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")
     }
     # Decoding loops: share of outputs with a word 4-gram repeated 3+ times, beside the references' share.
@@ -1291,7 +1291,7 @@ def write_model_folder(
         dataset["hub_id"] = config.dataset_name
     card_metrics = {
         "split": metrics["split"],
-        "scored_pairs": metrics["test_pairs"],
+        "scored_pairs": metrics["scored_pairs"],
         "bleu": metrics["test_bleu"],
         "chrf": metrics["test_chrf"],
         "bleu_signature": metrics["test_bleu_signature"],
