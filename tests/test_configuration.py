@@ -81,3 +81,34 @@ def test_save_and_load_round_trip(tmp_path):
     assert saved["model_type"] == "vanilla_transformer"
     loaded = VanillaTransformerConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"label_smoothing": 1.5}, "`label_smoothing`"),
+        ({"dropout": -1.0}, r"`dropout` must be in \[0, 1\)"),
+        ({"num_heads": 5}, "divisible by `num_heads`"),
+        ({"hidden_size": 7}, "divisible by `num_heads`"),  # an alias, set after the config is built
+    ],
+)
+def test_loading_overrides_are_checked_like_constructor_arguments(tmp_path, overrides, message):
+    # transformers sets these keyword overrides on the loaded config after its own checks ran.
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+    VanillaTransformerConfig.from_preset("tiny", vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path, **overrides)
+    VanillaTransformerForConditionalGeneration(
+        VanillaTransformerConfig.from_preset("tiny", vocab_size=64)
+    ).save_pretrained(tmp_path)
+    for loader in (
+        VanillaTransformerForConditionalGeneration.from_pretrained,
+        AutoModelForSeq2SeqLM.from_pretrained,
+    ):
+        with pytest.raises(ValueError, match=message):
+            loader(tmp_path, **overrides)
+    good = AutoConfig.from_pretrained(tmp_path, label_smoothing=0.2, return_unused_kwargs=True, other=1)
+    assert good[0].label_smoothing == 0.2 and good[1] == {"other": 1}

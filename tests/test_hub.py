@@ -29,7 +29,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelet
 
 from tests.conftest import tiny_model
 from vanilla_transformer.corpus import load_default_corpus
-from vanilla_transformer.hub import check_model_folder, push_model_folder
+from vanilla_transformer.hub import card_for_repo, check_model_folder, push_model_folder
 from vanilla_transformer.metrics import score_translations
 from vanilla_transformer.model_card import write_model_card
 from vanilla_transformer.tokenization import train_bpe_tokenizer
@@ -348,3 +348,25 @@ def test_save_pretrained_with_push_to_hub_uploads_the_pipeline(tmp_path, monkeyp
     tiny_model().save_pretrained(tmp_path / "model", push_to_hub=True, repo_id="someone/tiny", token="x")
     assert {"config.json", "model.safetensors", "pipeline_vanilla_transformer.py"} <= set(uploaded)
     assert (tmp_path / "model" / "pipeline_vanilla_transformer.py").is_file()  # the local folder too
+
+
+@pytest.mark.parametrize("name", ["translation", "en", "es"])
+def test_card_for_repo_rewrites_only_the_loading_examples(tmp_path, name):
+    # A folder named like a quoted word of the card (a pipeline task, a language column) keeps that word.
+    write_model_card(
+        tmp_path,
+        model_name=name,
+        config=tiny_model(seed=0).config,
+        metrics={"bleu": 1.0, "chrf": 2.0, "bleu_signature": "nrefs:1"},
+        training={},
+        dataset={"name": "d", "test_pairs": 1},
+        source_lang="en",
+        target_lang="es",
+    )
+    text = (tmp_path / "README.md").read_text()
+    card = card_for_repo(text, REPO_ID)
+    assert f'repo = "{name}"' in text and f'model="{name}"' in text
+    assert f'repo = "{name}"' not in card and f'model="{name}"' not in card
+    assert f'repo = "{REPO_ID}"' in card and f'model="{REPO_ID}"' in card
+    for kept in ('pipeline("translation"', 'batch["en"]', 'batch["es"]'):
+        assert card.count(kept) == text.count(kept) > 0

@@ -107,6 +107,21 @@ class VanillaTransformerConfig(PretrainedConfig):
             self.decoder_vocab_size = self.vocab_size
         self._check_values()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """`PretrainedConfig.from_dict`, with the value checks repeated after the keyword overrides.
+
+        transformers sets most overrides (`from_pretrained(folder, label_smoothing=0.2)`, also through
+        `AutoConfig` and the model classes) on the built config, after `__post_init__` has checked it: a
+        bad value would otherwise pass unchecked into the model.
+        """
+        loaded = super().from_dict(config_dict, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        if config.decoder_vocab_size is None:
+            config.decoder_vocab_size = config.vocab_size
+        config._check_values()
+        return loaded
+
     def _check_values(self) -> None:
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
             raise ValueError(

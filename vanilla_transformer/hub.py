@@ -89,14 +89,15 @@ def card_for_repo(text: str, repo_id: str) -> str:
 
     The training script renders the card before the folder has a Hub name, so its examples load the
     card's `model_name` (the folder's name): `repo = "NAME"`, `model="NAME"`, `--model NAME`. Those
-    quoted or flagged occurrences become the repo id; the rest of the text, the title and the
+    occurrences, and no other, become the repo id (a folder named "translation" or "en" leaves
+    `pipeline("translation", ...)` and `batch["en"]` alone); the rest of the text, the title and the
     model-index are left as they are.
     """
     name = ModelCard(text).data.model_name
     if not name or name == repo_id:
         return text
-    for old, new in ((f'"{name}"', f'"{repo_id}"'), (f"--model {name} ", f"--model {repo_id} ")):
-        text = text.replace(old, new)
+    for form in ('repo = "{}"', 'model="{}"', "--model {} "):  # not every quoted name: "en", "translation"
+        text = text.replace(form.format(name), form.format(repo_id))
     return text
 
 
