@@ -77,13 +77,42 @@ def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
     assert trainer.predict(second).predictions.shape[1] == 1 + max(map(len, second["input_ids"])) + 50
 
 
+@pytest.fixture(scope="module")
+def marian_start(start, tmp_path_factory) -> Path:
+    """A MarianMTModel folder of the same small shape, with the same tokenizer."""
+    from transformers import AutoTokenizer, MarianConfig, MarianMTModel
+
+    tokenizer = AutoTokenizer.from_pretrained(start[0])
+    config = MarianConfig(
+        vocab_size=len(tokenizer),
+        d_model=64,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("marian") / "model"
+    MarianMTModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["ours", "marian"])
 @pytest.mark.parametrize("factor", [0.0, 0.2])
-def test_one_label_smoothing_knob(start, tmp_path, factor):
-    """`label_smoothing_factor=0` once still smoothed with the model's 0.1: the training loss is now
-    the cross entropy against (1 - factor) one-hot + factor / V targets, computed independently here."""
+def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):
+    """`label_smoothing_factor=0` once still smoothed with the model's 0.1, and a MarianMTModel folder
+    was once not smoothed at all: the training loss is now the cross entropy against (1 - factor)
+    one-hot + factor / V targets, computed independently here, for either model."""
     model_dir, data = start
     config = FinetuneConfig(
-        model=str(model_dir),
+        model=str(model_dir if kind == "ours" else marian_start),
         train_file=str(data),
         output_dir=str(tmp_path / "out"),
         max_steps=1,
@@ -92,10 +121,11 @@ def test_one_label_smoothing_knob(start, tmp_path, factor):
     )
     trainer = build_trainer(config)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
-    batch = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    batch.pop("source_length")  # Trainer drops columns the model's forward does not take
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "decoder_input_ids"}  # as in training
     trainer.model.eval()  # no dropout, so that the two computations see the same function
     with torch.no_grad():
-        loss = trainer.compute_loss(trainer.model, batch)
+        loss = trainer.compute_loss(trainer.model, dict(batch))  # Trainer pops the labels it smooths
         logits = trainer.model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],

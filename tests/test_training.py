@@ -178,6 +178,32 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     assert whole["metrics"]["parameter_checksums"] == parts["metrics"]["parameter_checksums"]
 
 
+def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):
+    """A checkpoint between two log lines carries the updates not yet logged: the first line after a
+    resume averages the same updates as the uninterrupted run's (it used to leave out those before the
+    checkpoint)."""
+    args = small_args(
+        tmp_path / "run",
+        corpus_files,
+        max_steps=9,
+        save_steps=4,
+        logging_steps=3,
+        eval_steps=0,
+        test_samples=1,
+    )
+    whole = train(parse_config(args))
+    step_4 = list_checkpoints(tmp_path / "run")[0]
+    assert step_4.name == "step-00000004"  # update 3 logged, update 4 not yet
+    resumed = train(parse_config([*args, "--resume_from_checkpoint", str(step_4)]))
+
+    def curve(result):
+        return [(h["step"], h["train_loss"]) for h in result["history"] if "train_loss" in h]
+
+    assert [s for s, _ in curve(whole)] == [s for s, _ in curve(resumed)] == [3, 6, 9]
+    for (step, expected), (_, got) in zip(curve(whole), curve(resumed), strict=True):
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
+
+
 def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, corpus_files):
     """A run bounded by time stops at an update, checkpoints it, averages, evaluates and writes the folder."""
     args = small_args(tmp_path / "timed", corpus_files, max_steps=10_000, eval_steps=0, test_samples=2)

@@ -1009,6 +1009,25 @@ class Interval:
         """Leave the time since `since` (validation, checkpoints) out of the throughput."""
         self.started += time.perf_counter() - since
 
+    def saved(self, run: Run) -> dict[str, Any]:
+        """The window not yet logged, summed over processes (every process calls this), for a checkpoint:
+        a run resumed from it logs the same averages as one never interrupted."""
+        return {
+            "loss": float(run.accelerator.reduce(self.loss.clone(), "sum")),
+            "updates": self.updates,
+            "tokens": self.tokens,
+            "seconds": time.perf_counter() - self.started,
+        }
+
+    def restore(self, run: Run, saved: dict[str, Any] | None) -> None:
+        """Reopen a checkpoint's window (`saved`); its loss sum counts once, on the main process."""
+        if not saved:
+            return
+        if run.accelerator.is_main_process:
+            self.loss.fill_(saved["loss"])
+        self.updates, self.tokens = saved["updates"], saved["tokens"]
+        self.started = time.perf_counter() - saved["seconds"]
+
     def record(self, run: Run, lr: float) -> dict[str, Any]:
         train_loss = float(run.accelerator.reduce(self.loss, "sum")) / self.updates
         seconds = max(time.perf_counter() - self.started, 1e-9)
@@ -1035,6 +1054,7 @@ def train_loop(run: Run) -> bool:
     )
     run.model.train()
     interval = Interval(accelerator.device)
+    interval.restore(run, state.pop("log_window", None))
     clock = TrainingClock(accelerator, config, earlier_s=state["train_time_s"])
     elapsed = clock.agreed()
     stopped = clock.expired(elapsed)
@@ -1090,7 +1110,9 @@ def train_loop(run: Run) -> bool:
             if step % config.save_steps == 0 or last_update:
                 paused = time.perf_counter()
                 state["train_time_s"] = clock.local()
+                state["log_window"] = interval.saved(run)
                 save_checkpoint(accelerator, run.output_dir, state, config.keep_checkpoints, run.tokenizer)
+                del state["log_window"]
                 interval.pause(paused)  # nor are checkpoints
             if last_update:
                 break
