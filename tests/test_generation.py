@@ -475,3 +475,68 @@ def test_generate_follows_weights_written_through_data():
             mine.data.copy_(theirs)
     after = model.generate(source, **options)
     assert torch.equal(after, other.generate(source, **options)) and not torch.equal(after, before)
+
+
+def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A hand-written decoding loop: one cached forward per target token, as users write beside
+    `generate()`."""
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=source)
+        cache, steps = None, []
+        for t in range(target.shape[1]):
+            out = model(encoder_outputs=encoder_outputs, decoder_input_ids=target[:, t : t + 1], cache=cache)
+            cache, steps = out.cache, [*steps, out.logits]
+    return torch.cat(steps, 1)
+
+
+def test_a_hand_written_decoding_loop_follows_weights_written_through_data(source):
+    """The kept copies were checked against the weights' values in `generate()` only: after a `.data`
+    write, a decoding loop of the user's own kept decoding with the old weights."""
+    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
+    target = torch.randint(3, 99, (3, 6), generator=torch.Generator().manual_seed(1))
+    before = cached_logits(model, source, target)
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            mine.data.copy_(theirs)
+        expected = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
+    after = cached_logits(model, source, target)
+    assert not torch.allclose(after, before)
+    assert_same_up_to_rounding(after, expected, TINY_TERMS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_checksums_of_narrow_types_see_real_edits(dtype):
+    """u^T W v rounded to bfloat16's 8 bits missed a 5% change of every element about once in 50."""
+    from vanilla_transformer.kernels_vanilla_transformer import value_checksum
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        weight = (torch.randn(64, 64, generator=generator) * 0.125).to(dtype)
+        edited = weight + (torch.randn(64, 64, generator=generator) * 0.125 * 0.05).to(dtype)
+        assert not torch.equal(edited, weight)
+        assert value_checksum((edited,)) != value_checksum((weight,))
+
+
+def test_a_given_generation_config_keeps_the_models_length(source):
+    """transformers fills a given config's unset fields from the model's: a length set there applies,
+    where the source length + 50 rule used to replace it."""
+    from transformers import GenerationConfig
+
+    model = tiny_model()
+    options = {"generation_config": GenerationConfig(num_beams=1, suppress_tokens=[EOS])}
+    model.generation_config.max_new_tokens = 5
+    assert model.generate(source, **options).shape[1] == 1 + 5
+    model.generation_config.max_new_tokens, model.generation_config.max_length = None, 8
+    assert model.generate(source, **options).shape[1] == 8
+
+
+def test_the_length_rule_applies_to_inputs_embeds_and_takes_the_offset_as_a_keyword(source):
+    """`inputs_embeds` once got transformers' 20-token default, and a `max_length_offset` keyword was
+    dropped unread."""
+    model = tiny_model()
+    options = {"num_beams": 1, "suppress_tokens": [EOS]}
+    embeds = model.get_input_embeddings()(source)
+    assert model.generate(inputs_embeds=embeds, **options).shape[1] == 1 + source.shape[1] + 50
+    assert model.generate(source, max_length_offset=3, **options).shape[1] == 1 + source.shape[1] + 3
+    with pytest.raises(ValueError, match="max_length_offset must be a non-negative integer"):
+        model.generate(source, max_length_offset=-1, **options)

@@ -19,6 +19,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -584,6 +585,10 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             raise ValueError(EMPTY_BATCH)
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        if checking and cache is not None and not isinstance(past_length, torch.Tensor) and past_length == 0:
+            # A decoding starts (in `generate` or a loop of the user's own): the weight copies that
+            # decoding steps use are checked against the weights' current values once in it.
+            new_generate_call()
         if checking:
             check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
             check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
@@ -1083,10 +1088,12 @@ class VanillaTransformerForConditionalGeneration(
         """`GenerationMixin.generate` with the paper's output-length rule (Section 6.1), and its length
         penalty on request.
 
-        When neither `max_length` nor `max_new_tokens` is set (in the call or the generation config),
-        each sentence gets at most its own source length (its attention-mask count) + `max_length_offset`
-        new tokens, instead of transformers' silent 20-token default. The offset comes from the
-        generation config in use, else from the model's (50), so a fresh `GenerationConfig` keeps the rule.
+        When neither `max_length` nor `max_new_tokens` is set (in the call, the generation config given
+        or the model's, whose fields fill the given one's unset ones), each sentence gets at most its
+        own source length (its attention-mask count; `input_ids`, `inputs_embeds` or `encoder_outputs`)
+        + `max_length_offset` new tokens, instead of transformers' silent 20-token default. The offset
+        comes from the `max_length_offset` keyword, else the generation config in use, else the model's
+        (50), so a fresh `GenerationConfig` keeps the rule.
 
         `length_penalty_form` (a keyword or a generation-config field, default "power"): "power" ranks
         finished beams as transformers does, by log P(Y) / |Y|^length_penalty; "gnmt" by the paper's
@@ -1107,18 +1114,31 @@ class VanillaTransformerForConditionalGeneration(
             given += (self.generation_config.length_penalty,)
             alpha = next((value for value in given if value is not None), 1.0)  # transformers' default: 1.0
             kwargs["length_penalty"] = GNMTLengthPenalty(alpha)
+        # transformers fills a given config's unset fields from the model's: a length there counts too.
         unset = all(
-            kwargs.get(k) is None and getattr(config, k, None) is None
+            kwargs.get(k) is None and getattr(c, k, None) is None
             for k in ("max_length", "max_new_tokens")
+            for c in (config, self.generation_config)
         )
-        offset = getattr(config, "max_length_offset", None)
+        offset = kwargs.pop("max_length_offset", None)
+        if offset is None:
+            offset = getattr(config, "max_length_offset", None)
         if offset is None:
             offset = getattr(self.generation_config, "max_length_offset", DEFAULT_MAX_LENGTH_OFFSET)
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+            raise ValueError(f"max_length_offset must be a non-negative integer or None, got {offset!r}.")
         source = inputs if inputs is not None else kwargs.get("input_ids")
+        if source is None:
+            source = kwargs.get("inputs_embeds")  # (B, S, D): the length is the same dimension
         if source is None and kwargs.get("encoder_outputs") is not None:
             source = kwargs["encoder_outputs"][0]
         if unset and offset is not None and source is not None:
-            kwargs["max_new_tokens"] = source.shape[1] + offset  # the longest row's limit
+            longest = source.shape[1] + offset  # the longest row's limit
+            if generation_config is None:
+                kwargs["max_new_tokens"] = longest
+            else:  # a config given with generation keywords beside it is deprecated in transformers
+                generation_config = copy.copy(generation_config)
+                generation_config.max_new_tokens = longest
             mask = kwargs.get("attention_mask")
             if mask is not None and mask.dim() == 2 and bool((mask.sum(-1) < mask.shape[1]).any()):
                 limit = SourceLengthLimit(mask.sum(-1) + offset, self._prompt_length(config, kwargs))
