@@ -52,6 +52,34 @@ def test_an_error_while_writing_leaves_the_old_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_a_linked_folder_is_published_into_its_target(tmp_path):
+    """A symbolic link used to be replaced by a real folder, its target emptied (same file system) or
+    the publication stopped half way (another one: a rename cannot cross), blocking every later run."""
+    target, link = tmp_path / "disk" / "model", tmp_path / "model"
+    target.mkdir(parents=True)
+    write_files(target, OLD | KEPT)
+    link.symlink_to(target)
+    for _ in range(2):  # and again, as a later run would
+        with publish_folder(link) as staging:
+            assert staging.parent == target.parent
+            write_files(staging, NEW)
+        assert link.is_symlink() and read_files(target) == NEW | KEPT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "model"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]
+
+
+def test_a_folder_named_with_dot_dot_is_published_beside_itself(tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    (folder / "inner").mkdir(parents=True)
+    write_files(folder, OLD)
+    monkeypatch.chdir(folder / "inner")
+    with publish_folder("..") as staging:
+        assert staging.parent == tmp_path
+        write_files(staging, NEW)
+    assert read_files(folder) == NEW
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 class Killed(BaseException):
     """Stands for the process dying: nothing after it runs, not even `except Exception` blocks."""
 

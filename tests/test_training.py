@@ -509,8 +509,9 @@ def test_bad_flags_are_rejected():
     assert "no_repeat_ngram_size" not in TrainingConfig().decoding()  # off by default: not the paper's
     with pytest.raises(ValueError, match="--no_repeat_ngram_size must not be negative"):
         TrainingConfig(no_repeat_ngram_size=-1)
-    with pytest.raises(ValueError, match="is the current folder or holds it"):
-        TrainingConfig(output_dir=".")
+    for holding in (".", "..", "../" + Path.cwd().name):  # ".." once passed, then failed after training
+        with pytest.raises(ValueError, match="is the current folder or holds it"):
+            TrainingConfig(output_dir=holding)
     with pytest.raises(ValueError, match=r"--validation_file /nonexistent/v\.tsv is not a file"):
         TrainingConfig(train_file=__file__, validation_file="/nonexistent/v.tsv")
     with pytest.raises(ValueError, match="either --dataset_name or data files"):

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def staging_paths(folder: str | Path) -> tuple[Path, Path, Path]:
     """The hidden siblings of `folder`: (being written, complete, old folder being replaced)."""
-    folder = Path(folder).absolute()
+    folder = Path(folder).resolve()  # a link: its target; "..": the folder itself
     return (
         folder.parent / f".{folder.name}.partial",
         folder.parent / f".{folder.name}.ready",
@@ -35,7 +35,7 @@ def finish_interrupted_publish(folder: str | Path) -> None:
     A complete new folder (`.ready`) is published; an incomplete one (`.partial`) is deleted, since
     nothing but new files was ever put there; a leftover `.replaced` is deleted once `folder` exists.
     """
-    folder = Path(folder).absolute()
+    folder = Path(folder).resolve()  # a link: its target; "..": the folder itself
     partial, ready, replaced = staging_paths(folder)
     if partial.exists():
         logger.warning("Removing %s, an unfinished model folder of an interrupted run.", partial)
@@ -71,7 +71,7 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     If the block raises (or the process dies), `folder` is untouched; the staging folder is removed
     (on an exception now, after a kill by the next `finish_interrupted_publish`).
     """
-    folder = Path(folder).absolute()
+    folder = Path(folder).resolve()  # a link: its target; "..": the folder itself
     finish_interrupted_publish(folder)
     partial, ready, _ = staging_paths(folder)
     partial.mkdir(parents=True)

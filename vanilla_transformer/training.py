@@ -301,10 +301,10 @@ class TrainingConfig:
         VanillaTransformerConfig.from_preset(
             self.preset, **model_fields | parse_overrides(self.config_overrides)
         )
-        output = Path(self.output_dir).absolute()
+        output = Path(self.output_dir).resolve()  # a link: its target; "..": the folder it names
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output_dir {output} is a file, not a folder.")
-        if output == Path.cwd() or output in Path.cwd().parents:
+        if output == Path.cwd().resolve() or output in Path.cwd().resolve().parents:
             raise ValueError(
                 f"--output_dir {self.output_dir} is the current folder or holds it; the final folder is "
                 "written beside it and renamed into place, so name a subfolder."
