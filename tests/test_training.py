@@ -242,6 +242,16 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
     names = [p.name for p in list_checkpoints(tmp_path / "run")]
     assert names == ["step-00000004", "step-00000008", "step-00000012"]
     older = list_checkpoints(tmp_path / "run")[0]
+    # Another network, where the weights' shapes agree (they would load) or not: refused, naming it.
+    for overrides, named in (
+        (f"{SMALL_MODEL},activation_function=gelu", "activation_function 'relu' -> 'gelu'"),
+        (f"{SMALL_MODEL},position_encoding_layout=concatenated", "position_encoding_layout"),
+        (SMALL_MODEL.replace("d_ff=", "d_ff=1"), "d_ff"),
+    ):
+        with pytest.raises(InputError, match=f"holds the weights of another model .*{named}"):
+            train(
+                parse_config([*args, "--resume_from_checkpoint", str(older), "--config_overrides", overrides])
+            )
     # Other batches than the checkpoint's: its epoch position (a count of batches) would skip the wrong
     # ones. Refused before anything is moved.
     with pytest.raises(InputError, match=r"Cannot continue .* exactly: .*max_tokens 600 -> 500"):
@@ -527,8 +537,10 @@ def test_bad_flags_are_rejected():
         TrainingConfig(adam_beta1=2.0)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(InputError, match="no checkpoint"):  # printed without a traceback
         train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="latest"))
+    with pytest.raises(InputError, match="is not a checkpoint written by this trainer"):
+        train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint=str(ROOT)))
 
 
 def run_script(name: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

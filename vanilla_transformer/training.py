@@ -449,9 +449,7 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
     if name == "latest":
         checkpoints = list_checkpoints(output_dir)
         if not checkpoints:
-            raise FileNotFoundError(
-                f"--resume_from_checkpoint latest: no checkpoint in {output_dir}/checkpoints."
-            )
+            raise InputError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}/checkpoints.")
         for path in reversed(checkpoints):
             problems = checkpoint_problems(path)
             if not problems:
@@ -462,7 +460,7 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
         )
     path = Path(name)
     if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
+        raise InputError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
     problems = checkpoint_problems(path)
     if problems:
         raise InputError(f"Checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one.")
@@ -830,8 +828,10 @@ def start(config: TrainingConfig) -> Run:
         "seed": config.seed,
         "train_pairs": len(tokenized["train"]),
     }
+    architecture = {name: getattr(model.config, name) for name in ARCHITECTURE_FIELDS}
     if resume_path is not None:
         check_data_order(resume_path, data_order)
+        check_architecture(resume_path, architecture)
         state = resume(accelerator, output_dir, resume_path)
         log(f"resumed from {resume_path} at update {state['step']}")
     else:  # an earlier run's checkpoints in this folder would be averaged into this run's model
@@ -842,7 +842,7 @@ def start(config: TrainingConfig) -> Run:
                     f"moved to {path}"
                 )
         accelerator.wait_for_everyone()
-    state["data_order"] = data_order
+    state["data_order"], state["architecture"] = data_order, architecture
     if accelerator.is_main_process and config.report_to != "none":
         accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
     return Run(
@@ -916,6 +916,48 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
         )
 
 
+# What the weights compute: a checkpoint's weights resumed under another value of one of these would
+# load (where the shapes agree) and silently mean something else.
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "decoder_vocab_size",
+    "d_model",
+    "num_heads",
+    "d_ff",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "activation_function",
+    "layer_norm_eps",
+    "norm_first",
+    "scale_embedding",
+    "tie_word_embeddings",
+    "share_encoder_decoder_embeddings",
+    "add_final_logits_bias",
+    "position_encoding_layout",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+)
+
+
+def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint into another network (`--config_overrides`, `--preset`): weights of
+    the same shapes would load without a word and be trained as a different model (ReLU weights under
+    GELU, positions in another layout); other shapes would fail deep inside the weight loading.
+    (Checkpoints from before this check carry no record and are resumed as they are.)"""
+    saved = json.loads((resume_path / STATE_FILE).read_text()).get("architecture")
+    if saved is None:
+        return
+    changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in architecture.items() if saved.get(k) != v]
+    if changed:
+        raise InputError(
+            f"Cannot continue {resume_path}: it holds the weights of another model ({'; '.join(changed)}). "
+            "Resume with the checkpoint's --preset and --config_overrides, or start a fresh run in another "
+            "--output_dir."
+        )
+
+
 def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dict[str, Any]:
     """Restore weights, optimizer, RNGs and the loop's state from `resume_path`; later checkpoints (from
     a run that went further) are moved aside first."""
@@ -928,7 +970,7 @@ def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dic
     try:
         accelerator.load_state(str(resume_path))
     except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
-        raise RuntimeError(f"Could not load checkpoint {resume_path}: {error}") from error
+        raise InputError(f"Could not load checkpoint {resume_path}: {error}") from error
     return json.loads((resume_path / STATE_FILE).read_text())
 
 
