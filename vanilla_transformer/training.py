@@ -897,16 +897,21 @@ def build_model(
     return model, optimizer, peak_lr
 
 
+def changes_since(resume_path: Path, record: str, current: dict[str, Any]) -> list[str]:
+    """ "name old -> new" for each value of the checkpoint's `record` that `current` changes (none for
+    checkpoints from before that record was kept: they are resumed as they are)."""
+    saved = json.loads((resume_path / STATE_FILE).read_text()).get(record)
+    if saved is None:
+        return []
+    return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in current.items() if saved.get(k) != v]
+
+
 def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
     """Refuse to resume where the settings that fix the batches differ from the checkpoint's: the
     resumed epoch skips the batches already trained on by count, so with other batches (another process
     count, batch size, seed or training set) some pairs of that epoch would be trained on twice and
-    others never, and each update would have another size, without a word. (Checkpoints from before
-    this check carry no record and are resumed as they are.)"""
-    saved = json.loads((resume_path / STATE_FILE).read_text()).get("data_order")
-    if saved is None:
-        return
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in data_order.items() if saved.get(k) != v]
+    others never, and each update would have another size, without a word."""
+    changed = changes_since(resume_path, "data_order", data_order)
     if changed:
         raise InputError(
             f"Cannot continue {resume_path} exactly: it was trained with other settings that decide the "
@@ -919,37 +924,18 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
 # What the weights compute: a checkpoint's weights resumed under another value of one of these would
 # load (where the shapes agree) and silently mean something else.
 ARCHITECTURE_FIELDS = (
-    "vocab_size",
-    "decoder_vocab_size",
-    "d_model",
-    "num_heads",
-    "d_ff",
-    "num_encoder_layers",
-    "num_decoder_layers",
-    "activation_function",
-    "layer_norm_eps",
-    "norm_first",
-    "scale_embedding",
-    "tie_word_embeddings",
-    "share_encoder_decoder_embeddings",
-    "add_final_logits_bias",
-    "position_encoding_layout",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "decoder_start_token_id",
+    *("vocab_size", "decoder_vocab_size", "d_model", "num_heads", "d_ff"),
+    *("num_encoder_layers", "num_decoder_layers", "activation_function", "layer_norm_eps", "norm_first"),
+    *("scale_embedding", "tie_word_embeddings", "share_encoder_decoder_embeddings", "add_final_logits_bias"),
+    *("position_encoding_layout", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"),
 )
 
 
 def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint into another network (`--config_overrides`, `--preset`): weights of
     the same shapes would load without a word and be trained as a different model (ReLU weights under
-    GELU, positions in another layout); other shapes would fail deep inside the weight loading.
-    (Checkpoints from before this check carry no record and are resumed as they are.)"""
-    saved = json.loads((resume_path / STATE_FILE).read_text()).get("architecture")
-    if saved is None:
-        return
-    changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in architecture.items() if saved.get(k) != v]
+    GELU, positions in another layout); other shapes would fail deep inside the weight loading."""
+    changed = changes_since(resume_path, "architecture", architecture)
     if changed:
         raise InputError(
             f"Cannot continue {resume_path}: it holds the weights of another model ({'; '.join(changed)}). "
