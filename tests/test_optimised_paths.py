@@ -339,8 +339,13 @@ def test_eval_outputs_do_not_depend_on_labels():
             attention_mask=batch["attention_mask"],
             decoder_input_ids=decoder_input_ids,
         )
-    assert torch.equal(with_labels.logits, without.logits)
-    assert torch.equal(with_labels.encoder_last_hidden_state, without.encoder_last_hidden_state)
+    # Equal up to rounding, not bit for bit: with labels the padded target positions are not computed,
+    # and products of other row counts may be blocked, hence rounded, differently (they were with
+    # torch's AVX2 kernels, `ATEN_CPU_CAPABILITY=avx2`).
+    assert_same_up_to_rounding(with_labels.logits, without.logits, TINY_TERMS)
+    assert_same_up_to_rounding(
+        with_labels.encoder_last_hidden_state, without.encoder_last_hidden_state, TINY_TERMS
+    )
 
 
 class RecordedOps(TorchDispatchMode):
