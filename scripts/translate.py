@@ -11,6 +11,7 @@ or Ctrl-C leaves the file as it was. Standard output gets each line as it is tra
 import argparse
 import contextlib
 import math
+import os
 import sys
 from collections.abc import Iterator
 
@@ -116,3 +117,6 @@ except (ValueError, RuntimeError) as error:  # not UTF-8; a sentence longer than
     sys.exit(f"error: {error}")
 except KeyboardInterrupt:
     sys.exit(130)
+except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+    sys.exit(141)

@@ -9,6 +9,7 @@ translation (beam search, its generation config) is used. Logic in vanilla_trans
 """
 
 import argparse
+from pathlib import Path
 
 from vanilla_transformer.evaluation import load_model_folder
 from vanilla_transformer.visualization import (
@@ -28,6 +29,10 @@ parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available
 args = parser.parse_args()
 if not 2 <= args.positions <= MAX_ENCODING_POSITIONS:
     parser.error(f"--positions must be between 2 and {MAX_ENCODING_POSITIONS}, got {args.positions}.")
+# Checked before the model loads and runs: the first folder on the way that exists must be a folder.
+existing = next(p for p in (Path(args.output_dir), *Path(args.output_dir).absolute().parents) if p.exists())
+if not existing.is_dir():
+    parser.error(f"--output_dir {args.output_dir}: {existing} is a file, not a folder.")
 try:
     model, tokenizer = load_model_folder(args.model, args.device)
     maps = attention_maps(model, tokenizer, args.source, args.target)

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from vanilla_transformer.batching import TokenBatchSampler
-from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
+from vanilla_transformer.parallel_data import DataError, load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 
 SENTENCES = [
@@ -95,6 +95,8 @@ def test_bad_data_gives_clear_errors(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "l1.tsv", "en\tes\nhi\thola\nno\tadiós\n", "latin-1"))
     with pytest.raises(ValueError, match="has no column 'de'"):
         load_parallel_data(train_file=good, validation_file=good, source_lang="de")
+    with pytest.raises(DataError, match="the same column, 'en'"):  # once a KeyError inside datasets
+        load_parallel_data(train_file=good, validation_file=good, source_lang="en", target_lang="en")
     with pytest.raises(ValueError, match=r"unsupported file type .\.txt."):
         load_parallel_data(train_file=write(tmp_path / "a.txt", "hi"))
     with pytest.raises(ValueError, match="no usable sentence pairs"):

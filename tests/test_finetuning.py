@@ -1,5 +1,6 @@
 """Fine-tuning with transformers' Seq2SeqTrainer, the path transformers users already know."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +135,25 @@ def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):
     labels = batch["labels"].flatten()
     expected = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=factor)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pairs_left_out_are_reported(start, tmp_path, caplog):
+    """Rows with an empty side and pairs over --max_length left without a word (train.py names them)."""
+    model_dir, data = start
+    rows = data.read_text(encoding="utf-8").splitlines()
+    odd = tmp_path / "odd.tsv"
+    odd.write_text("\n".join([*rows, "\tvacío", "empty\t"]) + "\n", encoding="utf-8")
+    config = FinetuneConfig(
+        model=str(model_dir),
+        train_file=str(odd),
+        output_dir=str(tmp_path / "out"),
+        max_length=48,
+        validation_size=40,
+    )
+    with caplog.at_level("WARNING", logger="vanilla_transformer.finetuning"):
+        build_trainer(config)
+    assert "skipped 2 train rows with an empty source or target" in caplog.text
+    assert re.search(r"skipped \d+ train pairs longer than max_length", caplog.text)
 
 
 def test_bad_finetune_options():

@@ -568,6 +568,20 @@ def test_translate_script_keeps_lines_aligned(trained):
     )
     missing = run_script("translate.py", "--model", str(output_dir / "missing"))
     assert missing.returncode == 2 and "No model folder" in missing.stderr
+    # A reader that leaves early (`| head -1`): a quiet stop, not a BrokenPipeError traceback.
+    command = [sys.executable, str(ROOT / "scripts" / "translate.py"), "--model", str(output_dir)]
+    reader = subprocess.Popen(
+        [*command, "--num_beams", "1", "--batch_size", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    reader.stdin.write(b"Jesus wept.\n" * 200)
+    reader.stdin.close()
+    reader.stdout.readline()
+    reader.stdout.close()
+    assert reader.wait(timeout=300) == 141
+    assert b"Traceback" not in reader.stderr.read()
 
 
 def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path):

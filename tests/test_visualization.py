@@ -188,3 +188,24 @@ def test_script_writes_the_four_pictures(model, tokenizer, tmp_path):
         cwd=ROOT,
     )
     assert missing.returncode == 2 and "No model folder" in missing.stderr
+
+
+def test_script_refuses_an_output_dir_that_is_a_file_before_loading(tmp_path):
+    """It once loaded and ran the model, then failed with a traceback when making the folder."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    script = [
+        sys.executable,
+        str(ROOT / "scripts" / "visualize_attention.py"),
+        "--model",
+        str(tmp_path / "nope"),
+    ]
+    for output_dir in (afile / "sub",):  # the first existing folder on the way is a file
+        result = subprocess.run(
+            [*script, "--source", "x", "--output_dir", str(output_dir)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert result.returncode == 2 and f"{afile} is a file, not a folder" in result.stderr, result.stderr
+    assert afile.read_text() == "mine"

@@ -9,6 +9,7 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
 from .metrics import score_translations
 from .parallel_data import load_parallel_data, tokenize_parallel_data
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,6 +144,8 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         seed=config.seed,
     )
     tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
+    for line in report.lines():  # as the training script does: no pair leaves without a word
+        logger.warning(line)
     columns = ["input_ids", "attention_mask", "labels"]
     validation = tokenized["validation"]
     if config.max_eval_samples is not None:

@@ -174,6 +174,12 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
 
 
 def _to_source_target(data: DatasetDict, source_column: str, target_column: str) -> DatasetDict:
+    if source_column == target_column:
+        raise DataError(
+            f"The source and the target are the same column, {source_column!r}: name two languages (or "
+            "--source_column/--target_column) for the two sides."
+        )
+
     def flatten(batch: dict[str, list]) -> dict[str, list]:
         return {
             "source": [pair.get(source_column) for pair in batch["translation"]],
