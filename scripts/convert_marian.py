@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
 from vanilla_transformer.conversion import convert_from_marian
+from vanilla_transformer.evaluation import looks_local
 from vanilla_transformer.publishing import publish_folder
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -29,6 +30,8 @@ args = parser.parse_args()
 output = Path(args.output)
 if output.exists() and (not output.is_dir() or any(output.iterdir())):
     parser.error(f"--output {args.output} exists and is not an empty folder; name a new one.")
+if looks_local(args.model) and not Path(args.model).exists():
+    parser.error(f"No model folder at {args.model}.")
 try:
     model_type = PretrainedConfig.get_config_dict(args.model)[0].get("model_type")
     if model_type != "marian":

@@ -28,6 +28,10 @@ def test_convert_script_says_when_a_folder_is_not_marian(tmp_path):
     assert result.returncode == 2
     assert "is not a Marian checkpoint: its config.json has model_type 'vanilla_transformer'" in result.stderr
     assert not (tmp_path / "out").exists()
+    # A mistyped local path, not the Hub's rules for repo ids (it used to quote those).
+    missing = [sys.executable, SCRIPT, "--model", "./nope", "--output", str(tmp_path / "out")]
+    result = subprocess.run(missing, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+    assert result.returncode == 2 and "No model folder at ./nope" in result.stderr, result.stderr
 
 
 def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path):

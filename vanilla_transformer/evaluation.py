@@ -16,17 +16,22 @@ from .translation import translate
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def looks_local(path: str | Path) -> bool:
+    """Whether `path` names a local folder rather than a Hub id. "outputs/tiny-en-e" has a Hub id's
+    form, but with a folder "outputs" here it is a mistyped path: asking the Hub would end, offline, in
+    a timeout and a message about the network."""
+    text = str(path)
+    return (
+        text.startswith(("/", ".", "~"))
+        or text.count("/") > 1
+        or (text.count("/") == 1 and Path(text).parent.is_dir())
+    )
+
+
 def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any, Any]:
     """Model and tokenizer of a folder written by the training script (or any seq2seq folder)."""
     folder = Path(path)
-    # "outputs/tiny-en-e" has a Hub id's form, but with a folder "outputs" here it is a mistyped path:
-    # asking the Hub would end, offline, in a timeout and a message about the network.
-    looks_local = (
-        str(path).startswith(("/", ".", "~"))
-        or str(path).count("/") > 1
-        or (str(path).count("/") == 1 and folder.parent.is_dir())
-    )
-    if not folder.exists() and looks_local:
+    if not folder.exists() and looks_local(path):
         raise FileNotFoundError(f"No model folder at {folder}.")
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
@@ -85,4 +90,4 @@ def evaluate_model(
     }
 
 
-__all__ = ["evaluate_model", "load_model_folder"]
+__all__ = ["evaluate_model", "load_model_folder", "looks_local"]
