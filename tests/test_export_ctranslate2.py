@@ -205,3 +205,30 @@ def test_int8_export_scores_within_half_a_bleu_point_of_float32(tmp_path):
     # scores near 0; after these 600 updates 1.9 on one machine, above 2 on another).
     assert scores["float32"] > 1.0, scores
     assert abs(scores["int8"] - scores["float32"]) <= 0.5, scores
+
+
+def test_empty_translations_length_offset_0_and_beam_differences(tmp_path, corpus, caplog):
+    """CTranslate2's default forbids the end token at the first step (and renormalises, shifting beam
+    scores): a translation that `generate()` ends at once came out as a run of tokens. An offset of 0
+    became 50. Settings whose beam search CTranslate2 does not reproduce are named."""
+    model, tokenizer = trained_folder(tmp_path / "model", corpus, add_final_logits_bias=True)
+    sources = list(corpus["test"]["en"][:6])
+    with torch.no_grad():
+        model.final_logits_bias[0, tokenizer.eos_token_id] = 6.0  # some sentences end at once
+    model.generation_config.max_length_offset = 0
+    model.save_pretrained(tmp_path / "model")
+    expected = translate(model, tokenizer, sources)
+    assert "" in expected and any(expected), expected
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
+    assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_length_offset"] == 0
+    assert CTranslate2Translator(tmp_path / "ct2").translate(sources) == expected
+
+    model.generation_config.early_stopping, model.generation_config.no_repeat_ngram_size = False, 3
+    model.save_pretrained(tmp_path / "model")
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
+    assert "early_stopping is False" in caplog.text and "no_repeat_ngram_size 3" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        CTranslate2Translator(tmp_path / "ct2").translate(sources[:2], num_beams=1)
+    assert caplog.text == ""  # greedy search: the engines agree

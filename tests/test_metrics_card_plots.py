@@ -282,7 +282,8 @@ def test_model_card_states_the_recipe_and_the_repetition_share():
     assert "No 3-token sequence may appear twice in an output (n-gram blocking" in " ".join(
         str(blocked).split()
     )
-    assert "length penalty 1.0 in transformers' form (a beam's log-probability over length^1.0)" in text
+    # no decoding settings given: the model's generation config's default, the paper's 0.6
+    assert "length penalty 0.6 in transformers' form (a beam's log-probability over length^0.6)" in text
     paper_form = metrics | {"length_penalty": 0.6, "length_penalty_form": "gnmt"}
     gnmt = " ".join(str(build_model_card(**card_kwargs(metrics=paper_form))).split())
     assert "0.6 in the paper's form (a beam's log-probability over ((5 + length) / 6)^0.6)" in gnmt
@@ -424,6 +425,27 @@ def test_model_card_states_the_architecture_optimiser_and_test_size_of_this_run(
     part = render(metrics=METRICS | {"scored_pairs": 8})
     assert "On the test split (its first 8 of 605 sentence pairs)" in part
     assert "(605 sentence pairs)" in render(metrics=METRICS | {"scored_pairs": 605})
+    # The embeddings, positions and logits of a converted Marian model or of --config_overrides: the
+    # card once said "As in the paper" and "scaled by sqrt(d_model)" for these too.
+    marian_like = render(
+        config=tiny_config(
+            scale_embedding=False,
+            share_encoder_decoder_embeddings=False,
+            decoder_vocab_size=50,
+            position_encoding_layout="concatenated",
+            add_final_logits_bias=True,
+        )
+    )
+    assert "As in the paper, except where marked" in marian_like
+    assert "in the `concatenated` layout (not the paper's interleaved sines and cosines)" in marian_like
+    assert "- **Separate source and target embeddings** (not the paper's" in marian_like
+    assert "not scaled by sqrt(d_model) (the paper scales them)" in marian_like
+    assert "- **A bias on the output logits** (not in the paper" in marian_like
+    assert (
+        "| embeddings | separate source and target matrices; output projection shares the target's"
+        in marian_like
+    )
+    assert "scaled by sqrt(d_model)" not in marian_like.replace("not scaled by sqrt(d_model)", "")
 
 
 def test_usage_examples_translate_the_given_sentences_as_python_literals():

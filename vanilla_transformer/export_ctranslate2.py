@@ -209,17 +209,26 @@ def export_ctranslate2(
             "(it keeps the beam size, the length penalty, n-gram blocking and the source length + "
             f"{DEFAULT_MAX_LENGTH_OFFSET} rule): its translations may differ from generate()'s."
         )
+    offset = getattr(generation, "max_length_offset", None)
     settings = {
         "max_positions": max_positions,
         "quantization": quantization or "float32",
         # unset fields: transformers' defaults (greedy, length penalty 1)
         "num_beams": generation.num_beams or 1,
         "length_penalty": 1.0 if generation.length_penalty is None else generation.length_penalty,
-        "max_length_offset": getattr(generation, "max_length_offset", None) or DEFAULT_MAX_LENGTH_OFFSET,
+        "max_length_offset": DEFAULT_MAX_LENGTH_OFFSET if offset is None else offset,  # 0 stays 0
         "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
+        # transformers' default is False; CTranslate2's beam search always stops as True does
+        "early_stopping": bool(generation.early_stopping)
+        if generation.early_stopping != "never"
+        else "never",
         "not_carried": not_carried,
         "source_model": str(model_dir),
     }
+    for difference in beam_search_differences(
+        settings["num_beams"], settings["early_stopping"], settings["no_repeat_ngram_size"]
+    ):
+        logger.warning(difference)
     output_dir = Path(output_dir)
     with publish_folder(output_dir) as staging:
         spec.save(str(staging))
@@ -269,6 +278,29 @@ def uncarried_generation_settings(generation: Any) -> list[str]:
     ]
 
 
+def beam_search_differences(
+    num_beams: int, early_stopping: bool | str, no_repeat_ngram_size: int
+) -> list[str]:
+    """How CTranslate2's beam search would pick other outputs than `generate()` with these settings
+    (none for greedy search or the paper's settings)."""
+    if num_beams <= 1:
+        return []
+    differences = []
+    if early_stopping is not True:
+        differences.append(
+            f"The generation config's early_stopping is {early_stopping!r}: generate()'s beam search then "
+            "goes on while a longer hypothesis could still rank first, CTranslate2's stops when "
+            f"{num_beams} are finished (early_stopping=True), so some translations differ."
+        )
+    if no_repeat_ngram_size:
+        differences.append(
+            f"With beam search, n-gram blocking (no_repeat_ngram_size {no_repeat_ngram_size}) ranks beams "
+            "differently in the two engines (generate() leaves blocked tokens out after normalising the "
+            "probabilities, CTranslate2 before), so some translations differ."
+        )
+    return differences
+
+
 class CTranslate2Translator:
     """Translate with an exported folder the way `translation.translate` does with `generate()`:
     the folder's tokenizer, beam size and length penalty, each sentence stopped after its own source
@@ -287,6 +319,7 @@ class CTranslate2Translator:
                 f"{export_dir} is not a folder written by export_ctranslate2 (no {SETTINGS_FILE})."
             )
         self.settings = json.loads(settings_file.read_text())
+        self.warned: set[str] = set()  # each difference from generate() once
         self.tokenizer = AutoTokenizer.from_pretrained(export_dir)
         self.translator = ctranslate2.Translator(
             str(export_dir), device=device, compute_type=compute_type, **kwargs
@@ -323,7 +356,17 @@ class CTranslate2Translator:
             if no_repeat_ngram_size is None
             else no_repeat_ngram_size,
             "max_input_length": 0,  # no truncation: checked against the position table above
+            # generate() may end a translation at its first step; CTranslate2's default (1) forbids the
+            # end token there and renormalises, which shifts every beam's score.
+            "min_decoding_length": 0,
         }
+        differences = beam_search_differences(
+            options["beam_size"], settings.get("early_stopping", True), options["no_repeat_ngram_size"]
+        )
+        for difference in differences:
+            if difference not in self.warned:
+                self.warned.add(difference)
+                logger.warning(difference)
         by_length: dict[int, list[int]] = {}
         for index, tokens in enumerate(sources):
             by_length.setdefault(len(tokens), []).append(index)
@@ -341,4 +384,10 @@ class CTranslate2Translator:
         return [outputs[i] for i in range(len(sources))]
 
 
-__all__ = ["CTranslate2Translator", "check_exportable", "ctranslate2_spec", "export_ctranslate2"]
+__all__ = [
+    "CTranslate2Translator",
+    "beam_search_differences",
+    "check_exportable",
+    "ctranslate2_spec",
+    "export_ctranslate2",
+]

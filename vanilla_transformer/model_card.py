@@ -22,7 +22,7 @@ REQUIRED_METRICS = ("bleu", "chrf", "bleu_signature")
 # Decoding defaults of the paper (Section 6.1) and of the model's generation config.
 DEFAULT_DECODING = {
     "num_beams": 4,
-    "length_penalty": 1.0,
+    "length_penalty": 0.6,
     "length_penalty_form": "power",
     "max_length_offset": 50,
 }
@@ -154,7 +154,14 @@ def _template_variables(
         adam_epsilon=training.get("adam_epsilon", 1e-9),
         paper_architecture=not config.norm_first
         and config.activation_function == "relu"
-        and config.tie_word_embeddings is not False,
+        and config.tie_word_embeddings is not False
+        and config.scale_embedding
+        and config.share_encoder_decoder_embeddings
+        and config.position_encoding_layout == "interleaved"
+        and not config.add_final_logits_bias,
+        scale_embedding=config.scale_embedding,
+        share_encoder_decoder_embeddings=config.share_encoder_decoder_embeddings,
+        add_final_logits_bias=config.add_final_logits_bias,
         scored_pairs=metrics.get("scored_pairs"),
         command=training.get("command"),
         bleu=float(metrics["bleu"]),
