@@ -109,6 +109,8 @@ def test_bad_data_gives_clear_errors(tmp_path):
         )
     with pytest.raises(ValueError, match=r"k\.jsonl, line 1: a JSON list, not an object"):
         load_parallel_data(train_file=write(tmp_path / "k.jsonl", '["a", "b"]\n'))
+    with pytest.raises(DataError, match=r"h\.tsv has a header row and no sentence pairs"):  # once "Could not
+        load_parallel_data(train_file=write(tmp_path / "h.tsv", "en\tes\n\n"))  # parse: ... no data!"
     with pytest.raises(ValueError, match=r"e\.jsonl is empty"):
         load_parallel_data(train_file=write(tmp_path / "e.jsonl", "\n"))
     with pytest.raises(ValueError, match="same type"):

@@ -83,12 +83,14 @@ def check_delimited(path: Path) -> None:
             reader = csv.reader(handle)
             rows = ((reader.line_num, row) for row in reader)
         header: list[str] | None = None
+        pairs = 0
         for line, row in rows:
             if header is None:
                 header = row
                 continue
             if row == [""] or not row:  # a blank line
                 continue
+            pairs += 1
             if row == header:
                 raise DataError(f"{path}, line {line}: repeats the header row {header}; remove it.")
             if path.suffix == ".tsv" and (quoted := next(filter(_csv_quoted, row), None)) is not None:
@@ -110,6 +112,8 @@ def check_delimited(path: Path) -> None:
                 )
         if header is None:
             raise DataError(f"{path} is empty: it needs a header row naming the columns.")
+        if pairs == 0:
+            raise DataError(f"{path} has a header row and no sentence pairs under it.")
 
 
 def _csv_quoted(field: str) -> bool:
