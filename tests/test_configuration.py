@@ -112,3 +112,7 @@ def test_loading_overrides_are_checked_like_constructor_arguments(tmp_path, over
             loader(tmp_path, **overrides)
     good = AutoConfig.from_pretrained(tmp_path, label_smoothing=0.2, return_unused_kwargs=True, other=1)
     assert good[0].label_smoothing == 0.2 and good[1] == {"other": 1}
+    # A new size for the one shared vocabulary sizes both sides, as the constructor does (the saved
+    # decoder_vocab_size once made this override fail the check).
+    resized = AutoConfig.from_pretrained(tmp_path, vocab_size=80)
+    assert (resized.vocab_size, resized.decoder_vocab_size) == (80, 80)

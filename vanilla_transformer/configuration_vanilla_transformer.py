@@ -117,8 +117,10 @@ class VanillaTransformerConfig(PretrainedConfig):
         """
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
-        if config.decoder_vocab_size is None:
-            config.decoder_vocab_size = config.vocab_size
+        named = {config.attribute_map.get(key, key) for key in kwargs}
+        resized = "vocab_size" in named and "decoder_vocab_size" not in named
+        if config.decoder_vocab_size is None or (resized and config.share_encoder_decoder_embeddings):
+            config.decoder_vocab_size = config.vocab_size  # one shared matrix: the new size, as built
         config._check_values()
         return loaded
 

@@ -828,7 +828,9 @@ def start(config: TrainingConfig) -> Run:
         "seed": config.seed,
         "train_pairs": len(tokenized["train"]),
     }
-    architecture = {name: getattr(model.config, name) for name in ARCHITECTURE_FIELDS}
+    architecture = {
+        name: getattr(accelerator.unwrap_model(model).config, name) for name in ARCHITECTURE_FIELDS
+    }
     if resume_path is not None:
         check_data_order(resume_path, data_order)
         check_architecture(resume_path, architecture)
