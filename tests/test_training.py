@@ -621,6 +621,8 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypat
     output_dir, _ = trained
     with pytest.raises(ValueError, match="Unknown device 'bogus'"):
         load_model_folder(output_dir, "bogus")
+    with pytest.raises(ValueError, match="Device 'meta' holds shapes, not values"):  # once Tensor.item()
+        load_model_folder(output_dir, "meta")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             load_model_folder(output_dir, "cuda")

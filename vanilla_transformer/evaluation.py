@@ -43,6 +43,8 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         raise ValueError(f"Unknown device {device!r}: {error}") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Device {device!r}: this machine's torch has no CUDA device.")
+    if target.type == "meta":
+        raise ValueError(f"Device {device!r} holds shapes, not values: it cannot translate.")
     try:
         model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
     except Exception as error:  # e.g. a truncated model.safetensors: say which folder, keep the cause
