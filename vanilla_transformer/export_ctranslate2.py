@@ -219,9 +219,9 @@ def export_ctranslate2(
         "max_length_offset": DEFAULT_MAX_LENGTH_OFFSET if offset is None else offset,  # 0 stays 0
         "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
         # transformers' default is False; CTranslate2's beam search always stops as True does
-        "early_stopping": bool(generation.early_stopping)
-        if generation.early_stopping != "never"
-        else "never",
+        "early_stopping": "never"
+        if generation.early_stopping == "never"
+        else bool(generation.early_stopping),
         "not_carried": not_carried,
         "source_model": str(model_dir),
     }

@@ -159,8 +159,8 @@ def _mode_from_environment() -> str:
     return _parse_mode(value)
 
 
-# `generate()` calls so far (`new_generate_call`): kept weight copies are checked against their sources'
-# values once per call.
+# Decodings started so far (`new_generate_call`: each `generate()` call and each first cached forward):
+# kept weight copies are checked against their sources' values once per decoding.
 _GENERATE_CALLS = [0]
 CHECKSUM_CHUNK = 1 << 20  # elements of a narrower-than-float32 tensor widened at once by `value_checksum`
 _PROBES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}

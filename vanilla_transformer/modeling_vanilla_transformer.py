@@ -1099,7 +1099,9 @@ class VanillaTransformerForConditionalGeneration(
         finished beams as transformers does, by log P(Y) / |Y|^length_penalty; "gnmt" by the paper's
         log P(Y) / ((5 + |Y|) / 6)^length_penalty (`GNMTLengthPenalty`).
         """
-        new_generate_call()  # kept weight copies are checked against the weights' values once per call
+        # Kept weight copies are checked against the weights' values once per call. (The decoder also
+        # starts a check at its first cached forward, but cannot tell a static cache's first step.)
+        new_generate_call()
         config = generation_config if generation_config is not None else self.generation_config
         form = kwargs.pop("length_penalty_form", None)
         if form is None:

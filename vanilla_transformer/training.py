@@ -804,6 +804,7 @@ def start(config: TrainingConfig) -> Run:
     log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}; {memory()}")
 
     model, optimizer, peak_lr = build_model(config, tokenizer)
+    architecture = {name: getattr(model.config, name) for name in ARCHITECTURE_FIELDS}  # before wrapping
     log(
         f"model: {config.preset}, {model.num_parameters():,} parameters, vocabulary {len(tokenizer):,}; "
         f"peak lr {peak_lr:.2e}, {config.lr_schedule} schedule"
@@ -827,9 +828,6 @@ def start(config: TrainingConfig) -> Run:
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "seed": config.seed,
         "train_pairs": len(tokenized["train"]),
-    }
-    architecture = {
-        name: getattr(accelerator.unwrap_model(model).config, name) for name in ARCHITECTURE_FIELDS
     }
     if resume_path is not None:
         check_data_order(resume_path, data_order)
