@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test_file")
     parser.add_argument("--source_lang", default="en")
     parser.add_argument("--target_lang", default="es")
-    parser.add_argument("--minutes", type=float, default=8.5, help="training minutes of each run")
+    parser.add_argument("--minutes", type=float, default=8.0, help="training minutes of each run")
     parser.add_argument("--output_dir", type=Path, required=True)
     parser.add_argument("--marian_vocab_size", type=int, default=8000)
     parser.add_argument("--ours_args", default="", help="extra scripts/train.py flags, one string")
