@@ -2,9 +2,12 @@
 
 import torch
 
-from vanilla_transformer.machine import ISA_FLAGS, cpu_flags, describe_machine, format_machine
+from vanilla_transformer.machine import ISA_FLAGS, cpu_flags, cpu_model, describe_machine, format_machine
 
 CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
 model name\t: AMD EPYC 7B13
 flags\t\t: fpu sse avx avx2 fma bmi2 sha_ni
 processor\t: 1
@@ -21,6 +24,13 @@ def test_flags_are_read_off_cpuinfo():
         "avx512_bf16",
         "amx_tile",
     ]
+
+
+def test_model_name_carries_family_and_model_numbers():
+    # Virtual machines may name only the vendor's line; the numbers tell a Zen 1 from a Zen 3.
+    assert cpu_model(CPUINFO) == "AMD EPYC 7B13 (family 25 model 1)"
+    assert cpu_model(CPUINFO.replace("25", "23").replace(" 7B13", "")) == "AMD EPYC (family 23 model 1)"
+    assert cpu_model("model name\t: Some CPU\n") == "Some CPU"  # no numbers: the name alone
 
 
 def test_this_machine_is_described_consistently_with_torch():

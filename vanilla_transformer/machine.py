@@ -20,15 +20,34 @@ import torch
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _cpuinfo_field(lines: list[str], name: str) -> str | None:
+    """The first value of `name` in /proc/cpuinfo's lines ("model name", "cpu family", ...)."""
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name with its family and model numbers (Linux: /proc/cpuinfo's text), else what
+    `platform` knows.
+
+    Virtual machines often name only the vendor's line ("AMD EPYC"), which covers CPUs three times apart
+    in speed; the numbers tell them apart (family 23 is AMD's Zen 1 and 2, family 25 Zen 3 and 4)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    lines = cpuinfo.splitlines()
+    name = _cpuinfo_field(lines, "model name")
+    if not name:
+        return platform.processor() or platform.machine()
+    family, model = _cpuinfo_field(lines, "cpu family"), _cpuinfo_field(lines, "model")
+    if family and model and f"family {family}" not in name:
+        name += f" (family {family} model {model})"
+    return name
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
