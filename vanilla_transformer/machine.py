@@ -20,9 +20,15 @@ import torch
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
-def _cpuinfo_field(lines: list[str], name: str) -> str | None:
-    """The first value of `name` in /proc/cpuinfo's lines ("model name", "cpu family", ...)."""
-    for line in lines:
+def _cpuinfo_field(name: str, cpuinfo: str | None) -> str | None:
+    """The first value of `name` ("model name", "cpu family", "flags", ...) in /proc/cpuinfo's text (read
+    from the file when None; None where the file or the field is missing)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() == name:
             return value.strip()
@@ -35,30 +41,16 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
     Virtual machines often name only the vendor's line ("AMD EPYC"), which covers CPUs three times apart
     in speed; the numbers tell them apart (family 23 is AMD's Zen 1 and 2, family 25 Zen 3 and 4)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    lines = cpuinfo.splitlines()
-    name = _cpuinfo_field(lines, "model name")
+    name = _cpuinfo_field("model name", cpuinfo)
     if not name:
         return platform.processor() or platform.machine()
-    family, model = _cpuinfo_field(lines, "cpu family"), _cpuinfo_field(lines, "model")
-    if family and model and f"family {family}" not in name:
-        name += f" (family {family} model {model})"
-    return name
+    family, model = _cpuinfo_field("cpu family", cpuinfo), _cpuinfo_field("model", cpuinfo)
+    return f"{name} (family {family} model {model})" if family and model else name
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     """Which of `ISA_FLAGS` this CPU has, from /proc/cpuinfo's text (empty where it cannot be read)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    lines = cpuinfo.splitlines()
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    flags = (_cpuinfo_field("flags", cpuinfo) or "").split()
     return [flag for flag in ISA_FLAGS if flag in flags]
 
 
