@@ -440,6 +440,19 @@ def test_matmul_attention_is_equation_1(mask_kind):
     assert_same_up_to_rounding(got, sdpa, 8 + 5)
 
 
+def test_matmul_attention_gives_zeros_where_no_key_is_kept():
+    """An all-padding source row leaves a query nothing to attend to: SDPA returns zeros for it (a
+    softmax over -inf alone would be NaN), and so do the matrix products; other rows are unchanged."""
+    query, key, value = single_query()
+    keep = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+    keep[1] = False
+    keep[2, ..., 2:] = False
+    got = kernels.matmul_attention(query, key, value, keep, 8**-0.5)
+    assert not got.isnan().any() and torch.equal(got[1], torch.zeros_like(got[1]))
+    sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=keep)
+    assert_same_up_to_rounding(got, sdpa, 8 + 5)
+
+
 def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatch):
     """One probe per class; the measured choice computes later calls; several queries, gradients and
     dropout always go to SDPA."""
@@ -476,9 +489,11 @@ def test_attention_probe_fails_closed(attention_policy, monkeypatch, failure):
     assert attention_policy.decisions == {(16, 8, 8, "none"): False}
 
 
-def test_generated_tokens_agree_between_attention_kernels(attention_policy, monkeypatch):
-    """Greedy and beam search over padded sources (a boolean cross-attention mask) give the same tokens
-    with every decoding step's attention on SDPA and on the matrix products."""
+@pytest.mark.parametrize("empty_row", [False, True])
+def test_generated_tokens_agree_between_attention_kernels(attention_policy, monkeypatch, empty_row):
+    """Greedy and beam search over padded sources (a boolean cross-attention mask), one of them all
+    padding, give the same tokens with every decoding step's attention on SDPA and on the matrix
+    products."""
     calls = []
     products = kernels.matmul_attention
     monkeypatch.setattr(kernels, "matmul_attention", lambda *a: (calls.append(1), products(*a))[1])
@@ -487,6 +502,11 @@ def test_generated_tokens_agree_between_attention_kernels(attention_policy, monk
     attention_mask = torch.ones_like(source)
     attention_mask[1, 4:] = attention_mask[2, 2:] = 0
     results = {}
+    if empty_row:  # a source row that is all padding: nothing for cross-attention to attend to
+        source, attention_mask = (
+            torch.cat([source, source[:1]]),
+            torch.cat([attention_mask, 0 * attention_mask[:1]]),
+        )
     for mode in ("sdpa", "matmul"):
         kernels.set_attention_kernel(mode)
         with torch.inference_mode():

@@ -605,11 +605,18 @@ def matmul_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> torch.Tensor:
     """softmax(Q K^T * scaling + mask) V as two batched matrix products (Equation 1); a boolean mask
-    keeps its True positions, a float mask is added to the scores. (B, H, T, Dh) in and out."""
+    keeps its True positions, a float mask is added to the scores. (B, H, T, Dh) in and out.
+
+    A query whose boolean mask keeps no key (an all-padding source row) gets zeros, as from SDPA, not
+    the NaN of a softmax over -inf alone: masked scores are the lowest finite value, whose exponential
+    is exactly 0 beside any kept score, and the probabilities are multiplied by the mask."""
     scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype is torch.bool else scores + mask
-    return torch.matmul(scores.softmax(-1), value)
+    if mask is None:
+        return torch.matmul(scores.softmax(-1), value)
+    if mask.dtype is not torch.bool:
+        return torch.matmul((scores + mask).softmax(-1), value)
+    probabilities = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1).mul_(mask)
+    return torch.matmul(probabilities, value)
 
 
 def _sdpa(
