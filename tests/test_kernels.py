@@ -447,10 +447,13 @@ def test_matmul_attention_gives_zeros_where_no_key_is_kept():
     keep = torch.ones(3, 1, 1, 5, dtype=torch.bool)
     keep[1] = False
     keep[2, ..., 2:] = False
+    query.requires_grad_()
     got = kernels.matmul_attention(query, key, value, keep, 8**-0.5)
     assert not got.isnan().any() and torch.equal(got[1], torch.zeros_like(got[1]))
     sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=keep)
     assert_same_up_to_rounding(got, sdpa, 8 + 5)
+    got.sum().backward()  # nothing the backward pass needs was overwritten in place
+    assert query.grad.isfinite().all() and torch.equal(query.grad[1], torch.zeros_like(query.grad[1]))
 
 
 def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatch):

@@ -615,7 +615,7 @@ def matmul_attention(
         return torch.matmul(scores.softmax(-1), value)
     if mask.dtype is not torch.bool:
         return torch.matmul((scores + mask).softmax(-1), value)
-    probabilities = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1).mul_(mask)
+    probabilities = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1).mul(mask)
     return torch.matmul(probabilities, value)
 
 
