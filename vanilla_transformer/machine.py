@@ -20,14 +20,18 @@ import torch
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
-def _cpuinfo_field(name: str, cpuinfo: str | None) -> str | None:
-    """The first value of `name` ("model name", "cpu family", "flags", ...) in /proc/cpuinfo's text (read
-    from the file when None; None where the file or the field is missing)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
+def _cpuinfo_text(cpuinfo: str | None) -> str:
+    """`cpuinfo`, or /proc/cpuinfo's text when None ("" where it cannot be read)."""
+    if cpuinfo is not None:
+        return cpuinfo
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _cpuinfo_field(name: str, cpuinfo: str) -> str | None:
+    """The first value of `name` ("model name", "cpu family", "flags", ...) in /proc/cpuinfo's text."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() == name:
@@ -41,6 +45,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
     Virtual machines often name only the vendor's line ("AMD EPYC"), which covers CPUs three times apart
     in speed; the numbers tell them apart (family 23 is AMD's Zen 1 and 2, family 25 Zen 3 and 4)."""
+    cpuinfo = _cpuinfo_text(cpuinfo)  # read once for the three fields
     name = _cpuinfo_field("model name", cpuinfo)
     if not name:
         return platform.processor() or platform.machine()
@@ -50,7 +55,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     """Which of `ISA_FLAGS` this CPU has, from /proc/cpuinfo's text (empty where it cannot be read)."""
-    flags = (_cpuinfo_field("flags", cpuinfo) or "").split()
+    flags = (_cpuinfo_field("flags", _cpuinfo_text(cpuinfo)) or "").split()
     return [flag for flag in ISA_FLAGS if flag in flags]
 
 
