@@ -494,9 +494,9 @@ def test_attention_probe_fails_closed(attention_policy, monkeypatch, failure):
 
 @pytest.mark.parametrize("empty_row", [False, True])
 def test_generated_tokens_agree_between_attention_kernels(attention_policy, monkeypatch, empty_row):
-    """Greedy and beam search over padded sources (a boolean cross-attention mask), one of them all
-    padding, give the same tokens with every decoding step's attention on SDPA and on the matrix
-    products."""
+    """Greedy and beam search over padded sources (a boolean cross-attention mask), with and without a
+    source that is all padding, give the same tokens with every decoding step's attention on SDPA and on
+    the matrix products."""
     calls = []
     products = kernels.matmul_attention
     monkeypatch.setattr(kernels, "matmul_attention", lambda *a: (calls.append(1), products(*a))[1])
