@@ -62,6 +62,8 @@ def test_standard_attribute_names_are_aliases():
         ),
         ({"layer_norm_eps": 0.0}, "`layer_norm_eps`"),
         ({"layer_norm_eps": float("nan")}, "`layer_norm_eps`"),
+        ({"qkv_init_gain": 0.0}, "`qkv_init_gain` must be a positive number"),
+        ({"qkv_init_gain": float("inf")}, "`qkv_init_gain`"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):

@@ -71,7 +71,7 @@ def test_greedy_stops_at_eos_and_pads_finished_rows(source):
 
     model = tiny_model(seed=1, tie_word_embeddings=False)
     with torch.no_grad():
-        model.lm_head.weight[EOS] *= 3  # the end token likelier, so that these rows end within 12
+        model.lm_head.weight[EOS] *= 5  # the end token likelier, so that these rows end within 12
     generated = model.generate(source, num_beams=1, do_sample=False, max_new_tokens=12)
     torch.testing.assert_close(generated, greedy_by_hand(model, source, 12))
     ends = [int((row == EOS).nonzero()[0, 0]) for row in generated]  # every row has ended
@@ -135,7 +135,7 @@ def test_length_penalty_forms_rank_beams_by_their_formula(source, form):
     form comes from the call or from the generation config."""
     model = tiny_model(add_final_logits_bias=True)
     with torch.no_grad():
-        model.final_logits_bias[0, EOS] = 2.0  # so that some beams end early, others run to the limit
+        model.final_logits_bias[0, EOS] = 1.3  # so that some beams end early, others run to the limit
     options = {"num_beams": 4, "num_return_sequences": 2, "max_new_tokens": 9, "length_penalty": 0.6}
     if form == "gnmt":
         model.generation_config.length_penalty_form = "gnmt"
@@ -169,7 +169,7 @@ def test_paper_length_penalty_form_takes_the_alpha_in_force(source, caplog):
 
     model = tiny_model(add_final_logits_bias=True)
     with torch.no_grad():
-        model.final_logits_bias[0, EOS] = 2.0
+        model.final_logits_bias[0, EOS] = 1.0
     options = {"max_new_tokens": 9, "output_scores": True, "return_dict_in_generate": True}
 
     def scores(**kwargs: object) -> torch.Tensor:
@@ -491,7 +491,8 @@ def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Te
 
 def test_a_hand_written_decoding_loop_follows_weights_written_through_data(source):
     """The kept copies were checked against the weights' values in `generate()` only: after a `.data`
-    write, a decoding loop of the user's own kept decoding with the old weights."""
+    write, a decoding loop of the user's own kept decoding with the old weights, and a forward without
+    a cache could run on a copy kept for its row count."""
     model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
     target = torch.randint(3, 99, (3, 6), generator=torch.Generator().manual_seed(1))
     before = cached_logits(model, source, target)
@@ -499,6 +500,14 @@ def test_a_hand_written_decoding_loop_follows_weights_written_through_data(sourc
         for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
             mine.data.copy_(theirs)
         expected = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
+        # A forward without a cache follows the write too, also one with a decoding step's row count
+        # (3 target tokens: the class whose copies the decoding above kept).
+        for length in (1, target.shape[1]):
+            assert_same_up_to_rounding(
+                model(input_ids=source, decoder_input_ids=target[:, :length], use_cache=False).logits,
+                other(input_ids=source, decoder_input_ids=target[:, :length], use_cache=False).logits,
+                TINY_TERMS,
+            )
     after = cached_logits(model, source, target)
     assert not torch.allclose(after, before)
     assert_same_up_to_rounding(after, expected, TINY_TERMS)

@@ -267,16 +267,30 @@ def test_attention_scaling_gives_unit_variance_scores():
     torch.testing.assert_close(weights, torch.softmax(query @ key.transpose(-1, -2) / 8.0, -1))
 
 
-def test_initialisation_follows_tensor2tensor_and_fairseq():
+@pytest.mark.parametrize("qkv_init_gain", [None, 1.0])
+def test_initialisation_follows_fairseq(qkv_init_gain):
+    """Embeddings N(0, d_model^-0.5); Xavier-uniform linear layers, U(-b, b) with b = gain *
+    sqrt(6 / (fan_in + fan_out)), standard deviation b / sqrt(3); gain 2**-0.5 by default for the
+    attention's query, key and value projections (self- and cross-attention), 1 for the others."""
     torch.manual_seed(0)
-    config = VanillaTransformerConfig.from_preset("tiny")
+    overrides = {} if qkv_init_gain is None else {"qkv_init_gain": qkv_init_gain}
+    config = VanillaTransformerConfig.from_preset("tiny", **overrides)
     model = VanillaTransformerForConditionalGeneration(config)
     embedding = model.model.shared.weight
     assert embedding[PAD].abs().max() == 0
     assert embedding[3:].std().item() == pytest.approx(config.d_model**-0.5, rel=0.02)
-    fc1 = model.model.encoder.layers[0].fc1.weight  # (d_ff, d_model)
-    bound = math.sqrt(6 / (config.d_model + config.d_ff))
-    assert fc1.abs().max() <= bound and fc1.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
+
+    def check_xavier(weight, gain):
+        bound = gain * math.sqrt(6 / sum(weight.shape))
+        assert weight.abs().max() <= bound
+        assert weight.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.02)
+
+    check_xavier(model.model.encoder.layers[0].fc1.weight, 1.0)  # (d_ff, d_model)
+    qkv_gain = 2**-0.5 if qkv_init_gain is None else qkv_init_gain
+    for attention in (model.model.encoder.layers[0].self_attn, model.model.decoder.layers[1].encoder_attn):
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+            check_xavier(projection.weight, qkv_gain)
+        check_xavier(attention.out_proj.weight, 1.0)
     assert model.model.decoder.layers[1].encoder_attn.q_proj.bias.abs().max() == 0
 
 

@@ -148,6 +148,7 @@ def _template_variables(
         lr_cooldown=training.get("lr_cooldown"),
         label_smoothing=training.get("label_smoothing", config.label_smoothing),
         dropout_training=training.get("dropout", config.dropout),
+        qkv_init_gain=training.get("qkv_init_gain"),
         averaged_checkpoints=training.get("averaged_checkpoints"),
         adam_beta1=training.get("adam_beta1", 0.9),
         adam_beta2=training.get("adam_beta2", 0.98),

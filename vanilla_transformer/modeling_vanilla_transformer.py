@@ -150,6 +150,8 @@ class VanillaTransformerAttention(nn.Module):
         self.k_proj = Linear(config.d_model, config.d_model)
         self.v_proj = Linear(config.d_model, config.d_model)
         self.out_proj = Linear(config.d_model, config.d_model)
+        for projection in (self.q_proj, self.k_proj, self.v_proj):
+            projection.init_gain = config.qkv_init_gain  # read by `_init_weights`
 
     def forward(
         self,
@@ -407,8 +409,9 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
 class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
     """Weight initialisation and loading glue shared by the models below.
 
-    Initialisation follows tensor2tensor and fairseq: embeddings N(0, d_model^-0.5), so that embeddings
-    scaled by sqrt(d_model) have unit variance; Xavier-uniform linear layers with zero biases.
+    Initialisation follows fairseq: embeddings N(0, d_model^-0.5), so that embeddings scaled by
+    sqrt(d_model) have unit variance; Xavier-uniform linear layers with zero biases, with the gain
+    `config.qkv_init_gain` (2**-0.5) for attention's query, key and value projections.
     """
 
     config_class = VanillaTransformerConfig
@@ -424,7 +427,7 @@ class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            init.xavier_uniform_(module.weight)
+            init.xavier_uniform_(module.weight, gain=getattr(module, "init_gain", 1.0))
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):

@@ -1369,6 +1369,7 @@ def write_model_folder(
         "lr_cooldown": config.lr_cooldown,
         "label_smoothing": model.config.label_smoothing,
         "dropout": model.config.dropout,
+        "qkv_init_gain": model.config.qkv_init_gain,
         "averaged_checkpoints": len(metrics["averaged_checkpoints"]),
         "adam_beta1": config.adam_beta1,
         "adam_beta2": config.adam_beta2,
