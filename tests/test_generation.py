@@ -491,8 +491,8 @@ def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Te
 
 def test_a_hand_written_decoding_loop_follows_weights_written_through_data(source):
     """The kept copies were checked against the weights' values in `generate()` only: after a `.data`
-    write, a decoding loop of the user's own kept decoding with the old weights, and a forward without
-    a cache could run on a copy kept for its row count."""
+    write, a decoding loop of the user's own kept decoding with the old weights. Forwards without a
+    cache, one of them at the decoding's row count (whose copies it kept), follow the write too."""
     model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
     target = torch.randint(3, 99, (3, 6), generator=torch.Generator().manual_seed(1))
     before = cached_logits(model, source, target)

@@ -864,7 +864,8 @@ def format_tables(results: dict[str, Any]) -> str:
                 cells.append(f"{value['seconds'] * 1e3:,.1f} ({value['sentences_per_s']:,.1f}/s{threads})")
             speedup = engines["marian"]["seconds"] / engines["ctranslate2 float32"]["seconds"]
             differing = engines.get("float32 export rows differing")  # absent from older JSON files
-            identical = "yes" if engines["float32 export identical"] else f"NO ({differing} rows differ)"
+            identical = "yes" if engines["float32 export identical"] else "NO"
+            identical += f" ({differing} rows differ)" if differing else ""
             lines.append(f"| {setting} | " + " | ".join(cells) + f" | {speedup:.1f}x | {identical} |")
     if "linear_kernel" in results:
         kernel = results["linear_kernel"]
