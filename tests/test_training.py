@@ -178,6 +178,38 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     assert whole["metrics"]["parameter_checksums"] == parts["metrics"]["parameter_checksums"]
 
 
+def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path):
+    """scripts/average_checkpoints.py on the run's three checkpoints writes the weights the run itself
+    averaged into its folder, in a folder that loads; it refuses what it cannot average soundly."""
+    output_dir, _ = trained
+    checkpoints = [str(p) for p in list_checkpoints(output_dir)]
+
+    def average(output: Path, *paths: str) -> subprocess.CompletedProcess:
+        command = [
+            sys.executable,
+            str(ROOT / "scripts" / "average_checkpoints.py"),
+            "--model",
+            str(output_dir),
+        ]
+        command += ["--checkpoints", *paths, "--output", str(output)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+    result = average(tmp_path / "averaged", *checkpoints)
+    assert result.returncode == 0, result.stderr
+    written = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "averaged").state_dict()
+    run_model = AutoModelForSeq2SeqLM.from_pretrained(output_dir).state_dict()
+    assert written.keys() == run_model.keys()
+    assert all(torch.equal(written[name], run_model[name]) for name in written)
+    assert (tmp_path / "averaged" / "tokenizer.json").is_file()
+    assert not (tmp_path / "averaged" / "README.md").exists()  # the run's card scores the run's model
+
+    refused = average(tmp_path / "other", checkpoints[0], str(output_dir / "logs"))
+    assert refused.returncode == 2 and "is not a complete checkpoint" in refused.stderr
+    assert not (tmp_path / "other").exists()
+    refused = average(tmp_path / "averaged", *checkpoints)
+    assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
+
+
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):
     """A checkpoint between two log lines carries the updates not yet logged: the first line after a
     resume averages the same updates as the uninterrupted run's (it used to leave out those before the

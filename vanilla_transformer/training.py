@@ -549,6 +549,16 @@ def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
     return {name: (tensor / len(paths)).float() for name, tensor in total.items()}
 
 
+def load_averaged_weights(model: VanillaTransformerForConditionalGeneration, paths: Sequence[Path]) -> None:
+    """Load the average of the checkpoints in `paths` into `model`; every weight must match one of the
+    model's (tied copies, which checkpoints leave out, are tied again)."""
+    result = model.load_state_dict(average_checkpoints(paths), strict=False)
+    untied = set(result.missing_keys) - set(model.all_tied_weights_keys)
+    if untied or result.unexpected_keys:
+        raise RuntimeError(f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}")
+    model.tie_weights()
+
+
 # Batches, loss and evaluation ----------------------------------------------------------------------
 
 
@@ -1179,13 +1189,7 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
         # cost as much as validating the average again, for a number nobody decides on).
         last = validation_loss(final_model, run.valid_loader, accelerator, final.config.label_smoothing)
         metrics |= {"last_val_loss": last["loss"], "last_val_ppl": last["ppl"]}
-        result = final.load_state_dict(average_checkpoints(averaged), strict=False)
-        untied = set(result.missing_keys) - set(final.all_tied_weights_keys)
-        if untied or result.unexpected_keys:
-            raise RuntimeError(
-                f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}"
-            )
-        final.tie_weights()
+        load_averaged_weights(final, averaged)
     metrics |= run.validate(final_model)
     metrics["averaged_checkpoints"] = [p.name for p in averaged] if len(averaged) > 1 else []
     state["history"].append(
@@ -1388,4 +1392,11 @@ def write_model_folder(
     )
 
 
-__all__ = ["TrainingConfig", "average_checkpoints", "format_summary", "parse_config", "train"]
+__all__ = [
+    "TrainingConfig",
+    "average_checkpoints",
+    "format_summary",
+    "load_averaged_weights",
+    "parse_config",
+    "train",
+]
