@@ -208,6 +208,8 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert not (tmp_path / "other").exists()
     refused = average(tmp_path / "averaged", *checkpoints)
     assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
+    refused = average(tmp_path / "twice", checkpoints[0], checkpoints[0] + "/")
+    assert refused.returncode == 2 and "names a folder twice" in refused.stderr
 
 
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):
