@@ -31,12 +31,22 @@ def start(tmp_path_factory) -> tuple[Path, Path]:
     return model_dir, data
 
 
+def small_config(model: Path, train_file: Path, output_dir: Path, **overrides) -> FinetuneConfig:
+    """The fine-tuning settings these tests share (40 validation pairs held out), with `overrides`."""
+    return FinetuneConfig(
+        model=str(model),
+        train_file=str(train_file),
+        output_dir=str(output_dir),
+        **{"validation_size": 40, **overrides},
+    )
+
+
 def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
     model_dir, data = start
-    config = FinetuneConfig(
-        model=str(model_dir),
-        train_file=str(data),
-        output_dir=str(tmp_path / "tuned"),
+    config = small_config(
+        model_dir,
+        data,
+        tmp_path / "tuned",
         max_steps=30,
         learning_rate=2e-3,
         warmup_steps=5,
@@ -45,7 +55,6 @@ def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
         eval_steps=30,
         num_beams=2,
         max_eval_samples=12,
-        validation_size=40,
     )
     metrics = finetune(config)
     assert metrics["after_loss"] < metrics["before_loss"] - 0.5, metrics
@@ -55,15 +64,14 @@ def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
 
 def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
     model_dir, data = start
-    config = FinetuneConfig(
-        model=str(model_dir),
-        train_file=str(data),
-        output_dir=str(tmp_path / "out"),
+    config = small_config(
+        model_dir,
+        data,
+        tmp_path / "out",
         max_steps=1,
         num_beams=2,
         max_eval_samples=4,
         per_device_eval_batch_size=2,
-        validation_size=40,
     )
     trainer = build_trainer(config)
     trainer.model.generation_config.suppress_tokens = [trainer.processing_class.eos_token_id]
@@ -112,14 +120,8 @@ def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):
     was once not smoothed at all: the training loss is now the cross entropy against (1 - factor)
     one-hot + factor / V targets, computed independently here, for either model."""
     model_dir, data = start
-    config = FinetuneConfig(
-        model=str(model_dir if kind == "ours" else marian_start),
-        train_file=str(data),
-        output_dir=str(tmp_path / "out"),
-        max_steps=1,
-        label_smoothing_factor=factor,
-        validation_size=40,
-    )
+    model = model_dir if kind == "ours" else marian_start
+    config = small_config(model, data, tmp_path / "out", max_steps=1, label_smoothing_factor=factor)
     trainer = build_trainer(config)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     batch.pop("source_length")  # Trainer drops columns the model's forward does not take
@@ -143,13 +145,7 @@ def test_pairs_left_out_are_reported(start, tmp_path, caplog):
     rows = data.read_text(encoding="utf-8").splitlines()
     odd = tmp_path / "odd.tsv"
     odd.write_text("\n".join([*rows, "\tvacío", "empty\t"]) + "\n", encoding="utf-8")
-    config = FinetuneConfig(
-        model=str(model_dir),
-        train_file=str(odd),
-        output_dir=str(tmp_path / "out"),
-        max_length=48,
-        validation_size=40,
-    )
+    config = small_config(model_dir, odd, tmp_path / "out", max_length=48)
     with caplog.at_level("WARNING", logger="vanilla_transformer.finetuning"):
         build_trainer(config)
     assert "skipped 2 train rows with an empty source or target" in caplog.text
