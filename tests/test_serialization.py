@@ -94,6 +94,7 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch
             batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=6
         )
         assert torch.equal(generated, io["expected"]), (generated, io["expected"])
+        model.save_pretrained({str(tmp_path / "resaved")!r})  # the pipeline never used in this process
         print("remote code OK", type(model).__module__)
         """
     )
@@ -102,6 +103,14 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "remote code OK transformers_modules" in result.stdout
+    # Saved again from the remote code, the folder still carries all its code and its pipeline entry.
+    original, resaved = tmp_path / "model", tmp_path / "resaved"
+    for name in ("modeling", "kernels", "configuration", "pipeline"):
+        code = f"{name}_vanilla_transformer.py"
+        assert (resaved / code).read_bytes() == (original / code).read_bytes(), code
+    pipelines = json.loads((resaved / "config.json").read_text())["custom_pipelines"]
+    assert pipelines == json.loads((original / "config.json").read_text())["custom_pipelines"]
+    assert pipelines["translation"]["impl"] == "pipeline_vanilla_transformer.TranslationPipeline"
 
 
 def test_untied_output_projection_survives_save_and_load(tmp_path):

@@ -63,13 +63,11 @@ is read when the new variable is unset. Only summation order differs between the
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
@@ -1071,22 +1069,6 @@ class LeanGenerationSteps:
         return cache
 
 
-# The translation pipeline's module, saved next to every model (see `save_pretrained`).
-PIPELINE_FILE = "pipeline_vanilla_transformer.py"
-
-
-# `save_pretrained(push_to_hub=True, ...)` options meant for the upload (see `PushToHubMixin.push_to_hub`).
-_PUSH_ARGUMENTS = (
-    "repo_id",
-    "commit_message",
-    "commit_description",
-    "private",
-    "revision",
-    "create_pr",
-    "tags",
-)
-
-
 class RemoteCodeFolder:
     """`save_pretrained` for a folder that works where this package is not installed."""
 
@@ -1097,18 +1079,7 @@ class RemoteCodeFolder:
         `AutoModelForSeq2SeqLM` under `trust_remote_code=True`; and the translation pipeline's code is
         copied next to the model with `custom_pipelines` in config.json, so that
         `pipeline("translation", model=folder, trust_remote_code=True)` works (transformers 5 has none).
-
-        With `push_to_hub=True` the folder is written whole first, then uploaded by `push_to_hub`:
-        transformers uploads inside its `save_pretrained`, before the pipeline file is copied, which left
-        the repository's config naming a pipeline that it did not hold.
         """
-        if kwargs.pop("push_to_hub", False):
-            hub = {name: kwargs.pop(name) for name in _PUSH_ARGUMENTS if name in kwargs}
-            self.save_pretrained(save_directory, *args, **kwargs)
-            if kwargs.get("is_main_process", True):
-                repo_id = hub.pop("repo_id", Path(save_directory).name)
-                self.push_to_hub(repo_id, token=kwargs.get("token"), **hub)
-            return None
         module = type(self).__module__.rsplit(".", 1)[-1]
         if self._auto_class is not None:
             self.config.auto_map = {
@@ -1116,22 +1087,21 @@ class RemoteCodeFolder:
                 "AutoModel": f"{module}.VanillaTransformerModel",
                 "AutoModelForSeq2SeqLM": f"{module}.VanillaTransformerForConditionalGeneration",
             }
-        # Beside this file in the package, and in a remote-code cache once the pipeline has been used.
-        pipeline_file = Path(__file__).with_name(PIPELINE_FILE)
-        pipelines = dict(getattr(self.config, "custom_pipelines", None) or {})
-        if pipeline_file.is_file():
-            pipelines["translation"] = {
-                "impl": f"{pipeline_file.stem}.TranslationPipeline",
+        # A relative import, which transformers follows: it copies the pipeline's module into every folder
+        # saved (as it copies this one) and into the remote-code cache wherever a folder is loaded with
+        # `trust_remote_code`. Found only where the pipeline had been used, a model loaded that way and
+        # saved again once lost its `custom_pipelines` entry, and with it `pipeline("translation")`.
+        from .pipeline_vanilla_transformer import TranslationPipeline
+
+        self.config.custom_pipelines = {
+            **(getattr(self.config, "custom_pipelines", None) or {}),
+            "translation": {
+                "impl": f"{TranslationPipeline.__module__.rsplit('.', 1)[-1]}.TranslationPipeline",
                 "pt": ["AutoModelForSeq2SeqLM"],
                 "type": "text",
-            }
-        else:
-            pipelines.pop("translation", None)  # never point at code the folder does not carry
-        self.config.custom_pipelines = pipelines
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        if pipeline_file.is_file() and kwargs.get("is_main_process", True):
-            shutil.copyfile(pipeline_file, Path(save_directory) / PIPELINE_FILE)
-        return result
+            },
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 __all__ = [
