@@ -260,13 +260,16 @@ def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, cor
 
 
 def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files):
-    """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict."""
+    """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict.
+    --unlikelihood_weight reaches the model's configuration and its card."""
     args = small_args(tmp_path / "run", corpus_files, max_steps=1, eval_steps=0, test_samples=1)
     args[args.index("--config_overrides") + 1] += ",dropout=0.2,label_smoothing=0.05"
     args[args.index("--dropout") : args.index("--dropout") + 2] = []
-    train(parse_config(args))
+    train(parse_config([*args, "--unlikelihood_weight", "0.5"]))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["dropout"] == 0.2 and saved["label_smoothing"] == 0.05
+    assert saved["unlikelihood_weight"] == 0.5  # the flag reaches the model, whose loss reads it
+    assert "**Unlikelihood training** (not in the paper" in (tmp_path / "run" / "README.md").read_text()
 
 
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
@@ -553,6 +556,9 @@ def test_bad_flags_are_rejected():
     assert "no_repeat_ngram_size" not in TrainingConfig().decoding()  # off by default: not the paper's
     with pytest.raises(ValueError, match="--no_repeat_ngram_size must not be negative"):
         TrainingConfig(no_repeat_ngram_size=-1)
+    with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative number"):
+        TrainingConfig(unlikelihood_weight=-1)
+    assert TrainingConfig(preset="base").model_fields().get("unlikelihood_weight", 0) == 0  # the paper's loss
     for holding in (".", "..", "../" + Path.cwd().name):  # ".." once passed, then failed after training
         with pytest.raises(ValueError, match="is the current folder or holds it"):
             TrainingConfig(output_dir=holding)

@@ -57,6 +57,10 @@ class VanillaTransformerConfig(PretrainedConfig):
         position_encoding_layout: "interleaved" (sin on even, cos on odd dimensions: the paper) or
             "concatenated" (all sines then all cosines: transformers' Marian).
         label_smoothing: epsilon_ls of the training loss (paper Section 5.4).
+        unlikelihood_weight: weight of a token-level unlikelihood term added to the training loss (Welleck
+            et al., 2019; not in the paper, 0 = off): at each target position, -log(1 - p(c)) for every
+            distinct earlier token c of the target other than the label, a push against repeating
+            what the translation already said.
         qkv_init_gain: gain of the Xavier-uniform initialisation of the attention's query, key and value
             projections. The paper does not say how it initialised weights; 2**-0.5 is fairseq's (the
             three initialised as one (3 d_model, d_model) matrix would be), with which the tiny recipe
@@ -99,6 +103,7 @@ class VanillaTransformerConfig(PretrainedConfig):
     add_final_logits_bias: bool = False
     position_encoding_layout: str = "interleaved"
     label_smoothing: float | int = 0.1
+    unlikelihood_weight: float | int = 0.0
     qkv_init_gain: float | int = 2**-0.5
     use_cache: bool = True
     is_encoder_decoder: bool = True
@@ -160,6 +165,10 @@ class VanillaTransformerConfig(PretrainedConfig):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+        if not 0 <= self.unlikelihood_weight < float("inf"):  # NaN included
+            raise ValueError(
+                f"`unlikelihood_weight` must be a non-negative number, got {self.unlikelihood_weight}."
+            )
         if not 0 < self.qkv_init_gain < float("inf"):  # NaN included
             raise ValueError(f"`qkv_init_gain` must be a positive number, got {self.qkv_init_gain}.")
         if not 0 < self.layer_norm_eps < float("inf"):  # NaN included

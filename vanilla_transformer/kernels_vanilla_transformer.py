@@ -873,6 +873,11 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
     multiplied into the gradients of hidden, W and b. Backward only scales them. This saves the
     memory of the logits, log-probabilities and their gradient (3 x N x V floats) and two passes over
     them, the largest tensors of a training step.
+
+    With `candidates` (N, K) and a positive `unlikelihood` weight it adds the token-level unlikelihood
+    term, `unlikelihood * -sum_c log(max(1 - p_c, UNLIKELIHOOD_FLOOR))` over each token's candidates
+    (ids >= 0), whose gradient with respect to the logits is sum_c w_c (onehot_c - softmax) with
+    w_c = p_c / (1 - p_c) (0 where the floor holds).
     """
 
     @staticmethod
@@ -884,8 +889,12 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
         labels: torch.Tensor,
         smoothing: float,
         with_gradients: bool,
+        candidates: torch.Tensor | None = None,
+        unlikelihood: float = 0.0,
     ) -> torch.Tensor:
         vocab_size = weight.shape[0]
+        if not unlikelihood:
+            candidates = None
         chunk = max(1, 2**22 // vocab_size)  # ~16 MiB of float32 logits at a time
         compute = loss_dtype(hidden.dtype)
         total = torch.zeros((), device=hidden.device, dtype=compute)
@@ -909,9 +918,23 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             # -(1 - eps) log p_y - eps / V sum_v log p_v, with log p_v = logit_v - log_normalizer
             losses = log_normalizer - (1.0 - smoothing) * target_logits - smoothing * mean_logits
             total += losses.sum()
+            if candidates is not None:
+                ids = candidates[start : start + chunk]  # (C, K), -1: no candidate
+                present = ids >= 0
+                ids = ids.clamp(min=0)
+                probs = exponentials.gather(1, ids) / normalizer[:, None]  # p_c
+                complement = 1.0 - probs
+                usable = present & (complement >= UNLIKELIHOOD_FLOOR)
+                floored = torch.where(present, complement.clamp(min=UNLIKELIHOOD_FLOOR), 1.0)
+                total -= unlikelihood * floored.log().sum()
+                odds = torch.where(usable, probs / floored, 0.0)  # w_c, (C, K)
             if grads is None:
                 continue
-            grad_logits = exponentials.div_(normalizer[:, None]).sub_(smoothing / vocab_size)
+            grad_logits = exponentials.div_(normalizer[:, None])  # softmax
+            if candidates is not None:
+                grad_logits.mul_(1.0 - unlikelihood * odds.sum(1, keepdim=True))
+                grad_logits.scatter_add_(1, ids, unlikelihood * odds)
+            grad_logits.sub_(smoothing / vocab_size)
             grad_logits[torch.arange(len(targets), device=targets.device), targets] -= 1.0 - smoothing
             grads[1].addmm_(grad_logits.t(), part.to(compute))  # (V, D)
             if grads[2] is not None:
@@ -935,6 +958,8 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
 
 
@@ -945,14 +970,46 @@ def projected_label_smoothed_loss(
     labels: torch.Tensor,
     smoothing: float,
     num_items_in_batch: int | torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
+    unlikelihood: float = 0.0,
 ) -> torch.Tensor:
     """`label_smoothed_cross_entropy(F.linear(hidden, weight, bias), labels, ...)` for labels without -100,
-    in bounded memory (`_ProjectedLabelSmoothedLoss`). hidden: (N, D); weight: (V, D); labels: (N,)."""
+    in bounded memory (`_ProjectedLabelSmoothedLoss`). hidden: (N, D); weight: (V, D); labels: (N,);
+    candidates: (N, K) unlikelihood candidates (see `unlikelihood_candidates`)."""
     with_gradients = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    total = _ProjectedLabelSmoothedLoss.apply(hidden, weight, bias, labels, smoothing, with_gradients)
+    total = _ProjectedLabelSmoothedLoss.apply(
+        hidden, weight, bias, labels, smoothing, with_gradients, candidates, unlikelihood
+    )
     return per_item(total, labels, num_items_in_batch)
+
+
+# Token-level unlikelihood training (Welleck et al., 2019, "Neural Text Generation with Unlikelihood
+# Training", Section 4): besides raising p(y_t), push down p(c) for each distinct token c of the target
+# prefix y_<t other than y_t, by -log(1 - p(c)) (floored as in the paper's code). Not in the Transformer
+# paper; off unless `unlikelihood_weight` is set.
+UNLIKELIHOOD_FLOOR = 1e-5
+
+
+def unlikelihood_candidates(labels: torch.Tensor) -> torch.Tensor:
+    """The negative candidates of each target position of `labels` (B, T): the distinct tokens earlier in
+    its row, other than its own label. Returns (B, T, T) token ids, -1 where none (and on rows of -100)."""
+    length = labels.shape[1]
+    earlier = torch.ones(length, length, dtype=torch.bool, device=labels.device).tril(-1)  # [t, j]: j < t
+    same = labels[:, :, None] == labels[:, None, :]  # (B, T, T)
+    repeated = (same & earlier).any(-1)  # (B, T): the token at j occurred before j
+    labelled = labels != -100
+    keep = earlier & ~same & ~repeated[:, None, :] & labelled[:, None, :] & labelled[:, :, None]
+    return torch.where(keep, labels[:, None, :], -1)
+
+
+def unlikelihood_loss(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Summed token-level unlikelihood term of logits (N, V) for candidates (N, K) (-1: none)."""
+    log_probs = logits.to(loss_dtype(logits.dtype)).log_softmax(-1)
+    probs = log_probs.gather(1, candidates.clamp(min=0)).exp()
+    complement = (1.0 - probs).clamp(min=UNLIKELIHOOD_FLOOR)
+    return -(complement.log() * (candidates >= 0)).sum()
 
 
 # Input checks at the model's boundary.
@@ -1009,18 +1066,28 @@ def loss_without_logits(
     the output projection is a plain linear layer, in chunks without keeping (N, V) logits."""
     targets = labels.to(hidden_states.device)
     smoothing = model.config.label_smoothing
+    unlikelihood = model.config.unlikelihood_weight
+    candidates = unlikelihood_candidates(targets) if unlikelihood else None  # (B, T, T)
     if reads_are_free(targets):
         kept = targets != -100
         hidden_states, targets = hidden_states[kept], targets[kept]  # (N, D), (N,)
+        candidates = None if candidates is None else candidates[kept]  # (N, T)
         if plain_linear(model.lm_head):
             bias = None if model.final_logits_bias is None else model.final_logits_bias[0]
             weight = model.lm_head.weight
             return projected_label_smoothed_loss(
-                hidden_states, weight, bias, targets, smoothing, num_items_in_batch
+                hidden_states, weight, bias, targets, smoothing, num_items_in_batch, candidates, unlikelihood
             )
     logits = model.project(hidden_states)
+    if candidates is not None:
+        candidates = candidates.reshape(-1, candidates.shape[-1])
     return label_smoothed_cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), smoothing, num_items_in_batch
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        smoothing,
+        num_items_in_batch,
+        candidates,
+        unlikelihood,
     )
 
 

@@ -69,6 +69,8 @@ from .kernels_vanilla_transformer import (
     per_item,
     reads_are_free,
     split_heads,
+    unlikelihood_candidates,
+    unlikelihood_loss,
     unwrapped,
 )
 
@@ -852,12 +854,16 @@ def label_smoothed_cross_entropy(
     labels: torch.Tensor,
     smoothing: float,
     num_items_in_batch: int | torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
+    unlikelihood: float = 0.0,
 ) -> torch.Tensor:
     """Cross entropy against (1 - eps) one-hot + eps / V uniform targets, over labels != -100 (Section 5.4).
 
     logits: (N, V); labels: (N,). Averaged over the non-ignored tokens, or summed and divided by
     `num_items_in_batch` (the token count of the whole accumulated batch) when it is given, so that
-    gradient accumulation gives the same gradient as one large batch.
+    gradient accumulation gives the same gradient as one large batch. With a positive `unlikelihood`
+    weight, plus that times the token-level unlikelihood term of `candidates` (N, K)
+    (`unlikelihood_candidates`; not in the paper).
     """
     loss = F.cross_entropy(
         logits.to(loss_dtype(logits.dtype)),
@@ -866,6 +872,8 @@ def label_smoothed_cross_entropy(
         label_smoothing=smoothing,
         reduction="sum",
     )
+    if unlikelihood and candidates is not None:
+        loss = loss + unlikelihood * unlikelihood_loss(logits, candidates)
     return per_item(loss, labels, num_items_in_batch)
 
 
@@ -1011,11 +1019,16 @@ class VanillaTransformerForConditionalGeneration(
         else:
             logits = self.project(hidden_states)  # (B, T, V)
             if labels is not None:
+                labels = labels.to(logits.device)
+                unlikelihood = self.config.unlikelihood_weight
+                candidates = unlikelihood_candidates(labels).flatten(0, 1) if unlikelihood else None
                 loss = label_smoothed_cross_entropy(
                     logits.flatten(0, 1),
-                    labels.flatten().to(logits.device),
+                    labels.flatten(),
                     self.config.label_smoothing,
                     num_items_in_batch,
+                    candidates,
+                    unlikelihood,
                 )
 
         return Seq2SeqLMOutput(

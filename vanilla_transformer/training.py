@@ -68,9 +68,11 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # GFLOP/s matmul rate finishes in 10 minutes, and chosen by measurement in that budget (see README):
 # small batches, no dropout (a short run underfits: dropout only slowed it), the paper's learning-rate
 # formula x 0.6 with 600 warm-up updates (a lower peak, or a shorter warm-up, learned less on both test
-# corpora), checkpoints every 50 updates so that the average spans the last 200. The time limit stops it
-# on slower machines: 8 minutes leaves the start-up, averaging, validation and test translation 1.5
-# minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
+# corpora), unlikelihood training with weight 1 (a quarter of the looping outputs on both corpora, BLEU
+# within seed noise), checkpoints every 50 updates so that the average spans the last 200. The time
+# limit stops it on slower machines: 8 minutes leaves the start-up, averaging, validation and test
+# translation 1.5 minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they
+# took 94 s).
 RECIPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "lr_schedule": "inverse_sqrt",
@@ -80,6 +82,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         "warmup_steps": 600,
         "lr_scale": 0.6,
         "dropout": 0.0,
+        "unlikelihood_weight": 1.0,
         "eval_steps": 0,
         "save_steps": 50,
         "keep_checkpoints": 5,
@@ -183,6 +186,13 @@ class TrainingConfig:
     adam_epsilon: float = 1e-9
     label_smoothing: float = field(default=0.1, metadata={"help": "epsilon_ls of the loss"})
     dropout: float | None = field(default=None, metadata={"help": "override the preset's dropout"})
+    unlikelihood_weight: float | None = field(
+        default=None,
+        metadata={
+            "help": "weight of a token-level unlikelihood term in the loss against repeating earlier target "
+            "tokens (Welleck et al., 2019; not in the paper; 0: off) (default: recipe, else 0)"
+        },
+    )
     gradient_accumulation_steps: int = 1
     max_grad_norm: float | None = field(
         default=None, metadata={"help": "clip gradients (the paper does not)"}
@@ -230,6 +240,14 @@ class TrainingConfig:
     hub_model_id: str | None = field(default=None, metadata={"help": "namespace/name (default: output name)"})
     hub_private: bool = field(default=False, metadata={"help": "create the Hub repo as private"})
     report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker, or 'none'"})
+
+    def model_fields(self) -> dict[str, Any]:
+        """The model configuration fields these options set (precedence in `build_model`)."""
+        fields: dict[str, Any] = {"label_smoothing": self.label_smoothing}
+        for name in ("dropout", "unlikelihood_weight"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return fields
 
     def decoding(self) -> dict[str, Any]:
         """The generation settings for BLEU and for the model folder: beam search stops when every beam
@@ -297,8 +315,7 @@ class TrainingConfig:
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"--{split}_file {path} is not a file.")
         # Everything checkable is checked here, before data loading and BPE training take minutes.
-        model_fields = {"label_smoothing": self.label_smoothing}
-        model_fields |= {} if self.dropout is None else {"dropout": self.dropout}
+        model_fields = self.model_fields()
         VanillaTransformerConfig.from_preset(
             self.preset, **model_fields | parse_overrides(self.config_overrides)
         )
@@ -879,10 +896,8 @@ def build_model(
     """The model for `tokenizer`'s vocabulary, Adam and the peak learning rate (Section 5.3).
 
     Precedence: the tokenizer's ids, then fields named in --config_overrides, then --dropout (or the
-    recipe's) and --label_smoothing, then the preset."""
-    overrides: dict[str, Any] = {"label_smoothing": config.label_smoothing}
-    if config.dropout is not None:
-        overrides["dropout"] = config.dropout
+    recipe's), --unlikelihood_weight and --label_smoothing, then the preset."""
+    overrides = config.model_fields()
     overrides |= parse_overrides(config.config_overrides) | {
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
@@ -1372,6 +1387,7 @@ def write_model_folder(
         "lr_scale": config.lr_scale,
         "lr_cooldown": config.lr_cooldown,
         "label_smoothing": model.config.label_smoothing,
+        "unlikelihood_weight": model.config.unlikelihood_weight,
         "dropout": model.config.dropout,
         "qkv_init_gain": model.config.qkv_init_gain,
         "averaged_checkpoints": len(metrics["averaged_checkpoints"]),
