@@ -1005,9 +1005,11 @@ def unlikelihood_candidates(labels: torch.Tensor) -> torch.Tensor:
 
 
 def unlikelihood_loss(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """Summed token-level unlikelihood term of logits (N, V) for candidates (N, K) (-1: none)."""
-    log_probs = logits.to(loss_dtype(logits.dtype)).log_softmax(-1)
-    probs = log_probs.gather(1, candidates.clamp(min=0)).exp()
+    """Summed token-level unlikelihood term of logits (N, V) for candidates (N, K) (-1: none). Only the
+    candidates' probabilities are formed: (N, K) and a log-normaliser, not another (N, V) tensor."""
+    logits = logits.to(loss_dtype(logits.dtype))
+    log_normalizer = logits.logsumexp(-1, keepdim=True)  # (N, 1)
+    probs = (logits.gather(1, candidates.clamp(min=0)) - log_normalizer).exp()
     complement = (1.0 - probs).clamp(min=UNLIKELIHOOD_FLOOR)
     return -(complement.log() * (candidates >= 0)).sum()
 
