@@ -68,8 +68,8 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # GFLOP/s matmul rate finishes in 10 minutes, and chosen by measurement in that budget (see README):
 # small batches, no dropout (a short run underfits: dropout only slowed it), the paper's learning-rate
 # formula x 0.6 with 600 warm-up updates (a lower peak, or a shorter warm-up, learned less on both test
-# corpora), unlikelihood training with weight 1 (a quarter of the looping outputs on both corpora, BLEU
-# within seed noise), checkpoints every 50 updates so that the average spans the last 200. The time
+# corpora), unlikelihood training with weight 1 (half the looping outputs or fewer on both corpora, for
+# about 0.3 BLEU on average), checkpoints every 50 updates so that the average spans the last 200. The time
 # limit stops it on slower machines: 8 minutes leaves the start-up, averaging, validation and test
 # translation 1.5 minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they
 # took 94 s).
