@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_unlikelihood import per_token_formula
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.finetuning import FinetuneConfig, bleu_metric_fn, build_trainer, finetune
@@ -137,6 +138,37 @@ def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):
     labels = batch["labels"].flatten()
     expected = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=factor)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unlikelihood_weight_option(start, marian_start, tmp_path):
+    """`--unlikelihood_weight` replaces the model's own weight in the loss Trainer optimises (the term
+    written out per token, independently), is kept when not given, and is refused for a MarianMTModel."""
+    model_dir, data = start
+    kept = build_trainer(small_config(model_dir, data, tmp_path / "kept", max_steps=1))
+    assert kept.model.config.unlikelihood_weight == 0.0  # the starting folder's
+    trainer = build_trainer(
+        small_config(model_dir, data, tmp_path / "out", max_steps=1, unlikelihood_weight=0.5)
+    )
+    assert trainer.model.config.unlikelihood_weight == 0.5
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    batch.pop("source_length")
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        logits = trainer.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            decoder_input_ids=batch["decoder_input_ids"],
+        ).logits
+    labels = batch["labels"]
+    expected = per_token_formula(logits, labels, 0.1, 0.5, int((labels != -100).sum()))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert loss > per_token_formula(logits, labels, 0.1, 0.0, int((labels != -100).sum())) + 1e-3
+    with pytest.raises(ValueError, match="this package's models only"):
+        build_trainer(small_config(marian_start, data, tmp_path / "m", max_steps=1, unlikelihood_weight=1.0))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--unlikelihood_weight must be a non-negative number"):
+            FinetuneConfig(model="m", train_file="t", output_dir="o", unlikelihood_weight=bad)
 
 
 def test_pairs_left_out_are_reported(start, tmp_path, caplog):

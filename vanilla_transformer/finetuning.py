@@ -51,6 +51,9 @@ class FinetuneConfig:
     per_device_eval_batch_size: int = 32
     gradient_accumulation_steps: int = 1
     label_smoothing_factor: float = field(default=0.1, metadata={"help": "the paper's epsilon_ls"})
+    unlikelihood_weight: float | None = field(
+        default=None, metadata={"help": "unlikelihood term's weight (default: the model's own)"}
+    )
     eval_steps: int = 100
     num_beams: int = field(default=4, metadata={"help": "beam size when evaluating"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "evaluate on the first N pairs"})
@@ -70,6 +73,12 @@ class FinetuneConfig:
             raise ValueError(f"--learning_rate must be a positive number, got {self.learning_rate}.")
         if not 0 <= self.label_smoothing_factor < 1:  # NaN included
             raise ValueError("--label_smoothing_factor must be in [0, 1).")
+        if self.unlikelihood_weight is not None and not (
+            math.isfinite(self.unlikelihood_weight) and self.unlikelihood_weight >= 0
+        ):
+            raise ValueError(
+                f"--unlikelihood_weight must be a non-negative number, got {self.unlikelihood_weight}."
+            )
         # The fine-tuned model must not overwrite the one it starts from, nor land beside another model's
         # files (its card and scores would describe the wrong weights).
         output = Path(self.output_dir)
@@ -133,6 +142,13 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     own_loss = model.config.model_type == VanillaTransformerConfig.model_type
     if own_loss:
         model.config.label_smoothing = config.label_smoothing_factor
+        if config.unlikelihood_weight is not None:
+            model.config.unlikelihood_weight = config.unlikelihood_weight
+    elif config.unlikelihood_weight:
+        raise ValueError(
+            f"--unlikelihood_weight applies to this package's models only; {config.model} is a "
+            f"{model.config.model_type} model, whose loss Trainer computes."
+        )
     data, report = load_parallel_data(
         train_file=config.train_file,
         validation_file=config.validation_file,

@@ -634,7 +634,8 @@ def validation_loss(model: Any, loader: Any, accelerator: Accelerator, smoothing
     model.eval()
     sums = torch.zeros(3, device=accelerator.device, dtype=torch.float64)  # smoothed, nll, tokens
     for batch in loader:
-        logits = model(**batch).logits.float()
+        # The collator's decoder inputs, without labels: the model's own loss would go unused here.
+        logits = model(**{name: value for name, value in batch.items() if name != "labels"}).logits.float()
         labels = batch["labels"]
         flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
         sums[0] += torch.nn.functional.cross_entropy(
