@@ -14,12 +14,14 @@ from accelerate import Accelerator
 from huggingface_hub import ModelCard
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
+from vanilla_transformer import training as training_module
 from vanilla_transformer.batching import TokenBatchSampler
 from vanilla_transformer.cli import InputError
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.training import (
     TrainingConfig,
+    add_stutters,
     average_checkpoints,
     checkpoint_problems,
     checkpoint_weights,
@@ -262,17 +264,84 @@ def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, cor
     )
 
 
-def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files):
+def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files, monkeypatch):
     """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict.
-    --unlikelihood_weight reaches the model's configuration and its card."""
+    --unlikelihood_weight reaches the model's configuration and its card, --stutter_rate every
+    micro-batch of the update and the card."""
+    rates = []
+
+    def spy(batch, rate, *args):
+        rates.append(rate)
+        return add_stutters(batch, rate, *args)
+
+    monkeypatch.setattr(training_module, "add_stutters", spy)
     args = small_args(tmp_path / "run", corpus_files, max_steps=1, eval_steps=0, test_samples=1)
     args[args.index("--config_overrides") + 1] += ",dropout=0.2,label_smoothing=0.05"
     args[args.index("--dropout") : args.index("--dropout") + 2] = []
-    train(parse_config([*args, "--unlikelihood_weight", "0.5"]))
+    flags = ["--unlikelihood_weight", "0.5", "--stutter_rate", "0.5", "--gradient_accumulation_steps", "2"]
+    train(parse_config([*args, *flags]))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["dropout"] == 0.2 and saved["label_smoothing"] == 0.05
     assert saved["unlikelihood_weight"] == 0.5  # the flag reaches the model, whose loss reads it
-    assert "**Unlikelihood training** (not in the paper" in (tmp_path / "run" / "README.md").read_text()
+    assert rates == [0.5, 0.5]  # both micro-batches of the one update
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "**Unlikelihood training** (not in the paper" in card
+    assert "**Stutter augmentation**" in card and "50% of the" in card
+
+
+def test_stutters_repeat_one_span_of_the_decoder_input():
+    """Each target of three or more tokens comes back as itself with exactly one span of 1-3 decoder
+    inputs (never the start token) repeated right after itself, the labels inside the repeat ignored
+    and the one after it the token that follows the span; found by trying every span, not by the
+    function's own arithmetic."""
+    pad, start, width = 1, 2, 14
+    lengths = [2, 3, 5, 9, 14]
+    labels = torch.full((len(lengths), width), -100)
+    for row, length in enumerate(lengths):
+        labels[row, :length] = torch.randperm(60, generator=torch.Generator().manual_seed(row))[:length] + 4
+    inputs = torch.cat([torch.full((len(lengths), 1), start), labels[:, :-1]], 1).masked_fill(
+        torch.cat([torch.zeros(len(lengths), 1, dtype=torch.bool), labels[:, :-1] == -100], 1), pad
+    )
+    batch = {"input_ids": torch.arange(len(lengths)), "decoder_input_ids": inputs, "labels": labels}
+
+    def padded(values: list[int], fill: int, size: int) -> list[int]:
+        return values + [fill] * (size - len(values))
+
+    unchanged = add_stutters(batch, 0.0, torch.Generator().manual_seed(0), pad)
+    assert torch.equal(unchanged["decoder_input_ids"], inputs) and torch.equal(unchanged["labels"], labels)
+    spans: dict[int, set[tuple[int, int]]] = {length: set() for length in lengths}
+    for seed in range(60):
+        out = add_stutters(batch, 1.0, torch.Generator().manual_seed(seed), pad)
+        assert out["input_ids"] is batch["input_ids"]
+        size = out["labels"].shape[1]
+        assert out["decoder_input_ids"].shape == out["labels"].shape
+        for row, length in enumerate(lengths):
+            given, target = inputs[row, : length + 1].tolist(), labels[row, :length].tolist()
+            got = (out["decoder_input_ids"][row].tolist(), out["labels"][row].tolist())
+            if length < 3:
+                assert got == (padded(given, pad, size), padded(target, -100, size))
+                continue
+            matches = [
+                (k, g)
+                for k in range(1, length)
+                for g in range(1, 4)
+                if g <= k
+                and got
+                == (
+                    padded(given[: k + 1] + given[k + 1 - g : k + 1] + given[k + 1 :], pad, size),
+                    padded(target[: k + 1] + [-100] * (g - 1) + target[k:], -100, size),
+                )
+            ]
+            assert len(matches) == 1, (seed, row, got)
+            spans[length] |= set(matches)
+    assert all(k <= length - 2 for length in lengths for k, _ in spans[length])  # never after the last token
+    assert {g for _, g in spans[14]} == {1, 2, 3} and {k for k, _ in spans[14]} >= {1, 6, 12}
+    assert spans[3] == {(1, 1)}
+    changed = 0  # a stuttered target has one more label: the token after the span, taught twice
+    for seed in range(20):
+        some = add_stutters(batch, 0.5, torch.Generator().manual_seed(seed), pad)
+        changed += sum(int((some["labels"][row] != -100).sum()) == lengths[row] + 1 for row in range(2, 5))
+    assert 15 <= changed <= 45, changed  # about half of the 60 eligible targets
 
 
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
@@ -562,6 +631,10 @@ def test_bad_flags_are_rejected():
     with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative number"):
         TrainingConfig(unlikelihood_weight=-1)
     assert TrainingConfig(preset="base").model_fields().get("unlikelihood_weight", 0) == 0  # the paper's loss
+    assert TrainingConfig().stutter_rate == 0.25 and TrainingConfig(preset="base").stutter_rate == 0
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--stutter_rate must be between 0 and 1"):
+            TrainingConfig(stutter_rate=bad)
     for holding in (".", "..", "../" + Path.cwd().name):  # ".." once passed, then failed after training
         with pytest.raises(ValueError, match="is the current folder or holds it"):
             TrainingConfig(output_dir=holding)
