@@ -342,6 +342,27 @@ def test_stutters_repeat_one_span_of_the_decoder_input():
         some = add_stutters(batch, 0.5, torch.Generator().manual_seed(seed), pad)
         changed += sum(int((some["labels"][row] != -100).sum()) == lengths[row] + 1 for row in range(2, 5))
     assert 15 <= changed <= 45, changed  # about half of the 60 eligible targets
+    # With up to 4 repeats (the README's screen), the end of every repeat teaches the token after the span.
+    repeats = set()
+    for seed in range(60):
+        out = add_stutters(batch, 1.0, torch.Generator().manual_seed(seed), pad, longest_repeat=4)
+        size = out["labels"].shape[1]
+        given, target = inputs[4, :15].tolist(), labels[4, :14].tolist()
+        got = (out["decoder_input_ids"][4].tolist(), out["labels"][4].tolist())
+        matches = [
+            (k, g, r)
+            for k in range(1, 13)
+            for g in range(1, min(3, k) + 1)
+            for r in range(1, 5)
+            if got
+            == (
+                padded(given[: k + 1] + given[k + 1 - g : k + 1] * r + given[k + 1 :], pad, size),
+                padded(target[: k + 1] + ([-100] * (g - 1) + [target[k]]) * r + target[k + 1 :], -100, size),
+            )
+        ]
+        assert len(matches) == 1, (seed, got)
+        repeats.add(matches[0][2])
+    assert repeats == {1, 2, 3, 4}
 
 
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
