@@ -268,25 +268,27 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict.
     --unlikelihood_weight reaches the model's configuration and its card, --stutter_rate every
     micro-batch of the update and the card."""
-    rates = []
+    rates, repeats = [], []
 
-    def spy(batch, rate, *args):
+    def spy(batch, rate, *args, **kwargs):
         rates.append(rate)
-        return add_stutters(batch, rate, *args)
+        repeats.append(kwargs.get("longest_repeat"))
+        return add_stutters(batch, rate, *args, **kwargs)
 
     monkeypatch.setattr(training_module, "add_stutters", spy)
     args = small_args(tmp_path / "run", corpus_files, max_steps=1, eval_steps=0, test_samples=1)
     args[args.index("--config_overrides") + 1] += ",dropout=0.2,label_smoothing=0.05"
     args[args.index("--dropout") : args.index("--dropout") + 2] = []
-    flags = ["--unlikelihood_weight", "0.5", "--stutter_rate", "0.5", "--gradient_accumulation_steps", "2"]
+    flags = ["--unlikelihood_weight", "0.5", "--stutter_rate", "0.5", "--stutter_repeats", "3"]
+    flags += ["--gradient_accumulation_steps", "2"]
     train(parse_config([*args, *flags]))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["dropout"] == 0.2 and saved["label_smoothing"] == 0.05
     assert saved["unlikelihood_weight"] == 0.5  # the flag reaches the model, whose loss reads it
-    assert rates == [0.5, 0.5]  # both micro-batches of the one update
+    assert rates == [0.5, 0.5] and repeats == [3, 3]  # both micro-batches of the one update
     card = (tmp_path / "run" / "README.md").read_text()
     assert "**Unlikelihood training** (not in the paper" in card
-    assert "**Stutter augmentation**" in card and "50% of the" in card
+    assert "**Stutter augmentation**" in card and "50% of the" in card and "1 to 3 times" in card
 
 
 def test_stutters_repeat_one_span_of_the_decoder_input():
@@ -656,6 +658,9 @@ def test_bad_flags_are_rejected():
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="--stutter_rate must be between 0 and 1"):
             TrainingConfig(stutter_rate=bad)
+    assert TrainingConfig(preset="base").stutter_repeats == 1
+    with pytest.raises(ValueError, match="--stutter_repeats must be positive"):
+        TrainingConfig(stutter_repeats=0)
     for holding in (".", "..", "../" + Path.cwd().name):  # ".." once passed, then failed after training
         with pytest.raises(ValueError, match="is the current folder or holds it"):
             TrainingConfig(output_dir=holding)

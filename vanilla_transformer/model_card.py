@@ -149,6 +149,7 @@ def _template_variables(
         label_smoothing=training.get("label_smoothing", config.label_smoothing),
         unlikelihood_weight=training.get("unlikelihood_weight", config.unlikelihood_weight),
         stutter_rate=training.get("stutter_rate"),
+        stutter_repeats=training.get("stutter_repeats", 1),
         dropout_training=training.get("dropout", config.dropout),
         qkv_init_gain=training.get("qkv_init_gain"),
         averaged_checkpoints=training.get("averaged_checkpoints"),

@@ -203,6 +203,13 @@ class TrainingConfig:
             "the model to continue past a stutter (not in the paper; 0: off) (default: recipe, else 0)"
         },
     )
+    stutter_repeats: int | None = field(
+        default=None,
+        metadata={
+            "help": "a stuttered span is repeated 1 to this many times, drawn per target (default: recipe, "
+            "else 1)"
+        },
+    )
     gradient_accumulation_steps: int = 1
     max_grad_norm: float | None = field(
         default=None, metadata={"help": "clip gradients (the paper does not)"}
@@ -279,10 +286,12 @@ class TrainingConfig:
             self.stutter_rate = 0.0
         if not 0 <= self.stutter_rate <= 1:  # NaN included
             raise ValueError(f"--stutter_rate must be between 0 and 1, got {self.stutter_rate}.")
+        if self.stutter_repeats is None:
+            self.stutter_repeats = 1
         positive = ["max_length", "max_tokens", "max_steps", "gradient_accumulation_steps"]
         positive += [] if self.vocab_size is None else ["vocab_size"]
         positive += ["save_steps", "keep_checkpoints", "average_checkpoints", "num_beams", "eval_batch_size"]
-        positive += ["logging_steps", "eval_samples"]
+        positive += ["logging_steps", "eval_samples", "stutter_repeats"]
         positive += [] if self.test_samples is None else ["test_samples"]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -1091,7 +1100,8 @@ def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[
             run.config.seed * 1_000_003 + run.state["step"] + (accelerator.process_index << 40)
         )
         pad = accelerator.unwrap_model(model).config.pad_token_id
-        window = [add_stutters(b, run.config.stutter_rate, generator, pad) for b in window]
+        rate, repeats = run.config.stutter_rate, run.config.stutter_repeats
+        window = [add_stutters(b, rate, generator, pad, longest_repeat=repeats) for b in window]
     # Normalise by the target tokens of the whole update, on every process (exact accumulation).
     local_tokens = sum(int((b["labels"] != -100).sum()) for b in window)
     tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
@@ -1461,6 +1471,7 @@ def write_model_folder(
         "label_smoothing": model.config.label_smoothing,
         "unlikelihood_weight": model.config.unlikelihood_weight,
         "stutter_rate": config.stutter_rate,
+        "stutter_repeats": config.stutter_repeats,
         "dropout": model.config.dropout,
         "qkv_init_gain": model.config.qkv_init_gain,
         "averaged_checkpoints": len(metrics["averaged_checkpoints"]),
