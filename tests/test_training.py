@@ -344,7 +344,7 @@ def test_stutters_repeat_one_span_of_the_decoder_input():
         some = add_stutters(batch, 0.5, torch.Generator().manual_seed(seed), pad)
         changed += sum(int((some["labels"][row] != -100).sum()) == lengths[row] + 1 for row in range(2, 5))
     assert 15 <= changed <= 45, changed  # about half of the 60 eligible targets
-    # With up to 4 repeats (the README's screen), the end of every repeat teaches the token after the span.
+    # With up to 4 repeats (`--stutter_repeats 4`), the end of every repeat teaches the token after the span.
     repeats = set()
     for seed in range(60):
         out = add_stutters(batch, 1.0, torch.Generator().manual_seed(seed), pad, longest_repeat=4)
