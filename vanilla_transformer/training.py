@@ -71,8 +71,9 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # formula x 0.6 with 600 warm-up updates (a lower peak, or a shorter warm-up, learned less on both test
 # corpora), unlikelihood training with weight 1 (half the looping outputs or fewer on both corpora, for
 # about 0.3 BLEU on average) and stutter augmentation in a quarter of the targets (+0.4 BLEU on
-# average over five paired runs on two corpora, loops unchanged; repeating a stutter more often cost
-# BLEU on the second corpus and did not remove the loops on every Bible run: README, sixth round),
+# average over five paired runs on two corpora, loops unchanged; up to 4 repeats removed the Bible loops
+# on three seeds but cost about 1 BLEU on the second corpus and looped there, and variants that insert
+# or label less did no better: README, sixth round),
 # checkpoints every 50 updates so that the average spans the last 200. The time limit stops it on
 # slower machines: 8 minutes leaves the start-up, averaging, validation and test translation 1.5
 # minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
@@ -1055,8 +1056,8 @@ def add_stutters(
     the start token nor the final token): with one repeat the decoder input becomes
     `d[:k+1] + d[k+1-g:k+1] + d[k+1:]` and the labels `l[:k+1] + [-100] * (g - 1) + l[k:]`. With
     `longest_repeat` r > 1 the span is repeated 1 to r times (drawn per target), and the end of every
-    repeat is labelled with the token after the span (more repeats cost BLEU on one corpus and did not
-    remove the loops on every run of the other: README, sixth round)."""
+    repeat is labelled with the token after the span (up to 4 repeats removed the loops on three runs of
+    one corpus but cost BLEU on another and looped there: README, sixth round)."""
     decoder_inputs, labels = batch["decoder_input_ids"], batch["labels"]
     lengths = (labels != -100).sum(1).tolist()
     chosen = (torch.rand(len(lengths), generator=generator) < rate).tolist()
