@@ -16,6 +16,7 @@ from vanilla_transformer.cli import (
     positive_int,
     replaced_when_complete,
 )
+from vanilla_transformer.corpus import default_corpus_path
 from vanilla_transformer.evaluation import evaluate_model
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,7 +44,7 @@ if args.test_file and args.split != "test":
     parser.error("--split names a split of the embedded corpus; a --test_file is scored whole")
 if args.hypotheses is not None:  # checked now, not after the whole evaluation
     try:
-        check_output_file(args.hypotheses, args.test_file)
+        check_output_file(args.hypotheses, args.test_file or default_corpus_path(), args.model)
     except ValueError as error:
         parser.error(str(error))
 

@@ -49,7 +49,7 @@ parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available
 args = parser.parse_args()
 if args.output != "-":
     try:
-        check_output_file(args.output, args.input.name)
+        check_output_file(args.output, args.input.name, args.model)
     except ValueError as error:
         parser.error(str(error))
 if args.length_penalty is not None and not math.isfinite(args.length_penalty):

@@ -16,8 +16,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSe
 
 from vanilla_transformer import training as training_module
 from vanilla_transformer.batching import TokenBatchSampler
-from vanilla_transformer.cli import InputError
-from vanilla_transformer.corpus import load_default_corpus
+from vanilla_transformer.cli import InputError, check_output_file
+from vanilla_transformer.corpus import default_corpus_path, load_default_corpus
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.training import (
     TrainingConfig,
@@ -726,6 +726,23 @@ def test_translate_script_keeps_lines_aligned(trained):
     assert b"Traceback" not in reader.stderr.read()
 
 
+def test_check_output_file_protects_input_files_and_folders(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    data = tmp_path / "data.txt"
+    data.write_text("x\n")
+    with pytest.raises(ValueError, match="is also an input"):
+        check_output_file(data, folder, data)
+    with pytest.raises(ValueError, match="is a file of the input folder"):
+        check_output_file(folder / "config.json", data, folder)
+    with pytest.raises(ValueError, match="is a folder"):
+        check_output_file(folder, data)
+    # A new file in the model folder destroys nothing; nor does an existing file outside the inputs.
+    assert check_output_file(folder / "hypotheses.txt", data, folder) == folder / "hypotheses.txt"
+    assert check_output_file(data, folder, None, tmp_path / "missing") == data
+
+
 def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path):
     """`--output` was opened (emptied) while the flags were parsed: naming the input, or any later
     error, lost the file's contents; a failure part way left half a translation."""
@@ -737,6 +754,12 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
     )
     assert same.returncode == 2 and "is also an input" in same.stderr
     assert source.read_text() == "In the beginning.\nJesus wept.\n"
+    tokenizer_text = (output_dir / "tokenizer.json").read_text()
+    into_model = run_script(
+        "translate.py", "--model", str(output_dir), "--output", str(output_dir / "tokenizer.json"), stdin="x"
+    )
+    assert into_model.returncode == 2 and "is a file of the input folder" in into_model.stderr
+    assert (output_dir / "tokenizer.json").read_text() == tokenizer_text
     earlier = tmp_path / "earlier.txt"
     earlier.write_text("keep me\n")
     failed = run_script(
@@ -836,6 +859,17 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     clash = run_script("evaluate_model.py", *args, "--hypotheses", corpus_files["test_file"])
     assert clash.returncode == 2 and "is also an input" in clash.stderr
     assert Path(corpus_files["test_file"]).read_text() == before
+    # Without --test_file the embedded corpus is the input, and the model folder always is: naming one
+    # of their files once replaced it with the translations.
+    corpus = default_corpus_path()
+    corpus_bytes = corpus.read_bytes()
+    embedded = run_script("evaluate_model.py", "--model", str(output_dir), "--hypotheses", str(corpus))
+    assert embedded.returncode == 2 and "is also an input" in embedded.stderr
+    assert corpus.read_bytes() == corpus_bytes
+    config_text = (output_dir / "config.json").read_text()
+    inside = run_script("evaluate_model.py", *args, "--hypotheses", str(output_dir / "config.json"))
+    assert inside.returncode == 2 and "is a file of the input folder" in inside.stderr
+    assert (output_dir / "config.json").read_text() == config_text
     nowhere = run_script("evaluate_model.py", *args, "--hypotheses", str(tmp_path / "no" / "h.txt"))
     assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr and "BLEU" not in nowhere.stdout
     ignored = run_script("evaluate_model.py", *args, "--split", "validation")  # was silently ignored

@@ -54,15 +54,26 @@ def positive_int(text: str) -> int:
 
 
 def check_output_file(output: str | Path, *inputs: str | Path | None) -> Path:
-    """An output file's path, checked before any work: its folder exists, it is not a folder, and it is
-    none of the `inputs` (writing it would destroy them). Raises ValueError saying which."""
+    """An output file's path, checked before any work: its folder exists, it is not a folder, it is none
+    of the `inputs` and no existing file inside an input that is a folder (a model folder: writing it
+    would destroy them). Raises ValueError saying which. A new file inside an input folder is allowed."""
     path = Path(output)
     if path.is_dir():
         raise ValueError(f"{output} is a folder; name a file to write.")
     if not path.absolute().parent.is_dir():
         raise ValueError(f"{output}: the folder {path.absolute().parent} does not exist.")
+    if not path.exists():
+        return path
     for given in inputs:
-        if given is not None and Path(given).exists() and path.exists() and os.path.samefile(path, given):
+        if given is None or not Path(given).exists():
+            continue
+        if Path(given).is_dir():
+            if Path(given).resolve() in path.resolve().parents:
+                raise ValueError(
+                    f"{output} is a file of the input folder {given}; writing it would destroy it. Name "
+                    "a new file."
+                )
+        elif os.path.samefile(path, given):
             raise ValueError(f"{output} is also an input ({given}); writing it would destroy it.")
     return path
 
