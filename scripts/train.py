@@ -20,5 +20,7 @@ if __name__ == "__main__":
         result = train(config)
     except InputError as error:  # data files, columns or a checkpoint found unusable once read
         sys.exit(f"error: {error}")
+    except FloatingPointError as error:  # a non-finite loss, stopped before it reached the weights
+        sys.exit(f"error: {error}")
     if PartialState().is_main_process:  # one report, not one per process
         print(format_summary(result))

@@ -427,8 +427,9 @@ def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path
 
     monkeypatch.setattr(Model, "forward", poisoned)
     args = small_args(tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, test_samples=1)
-    with pytest.raises(FloatingPointError, match="training loss of update 6 is nan; stopped before"):
+    with pytest.raises(FloatingPointError, match="training loss of update 6 is nan; stopped before") as error:
         train(parse_config(args))
+    assert "the last checkpoint, step-00000004, is intact" in str(error.value)
     # The update was not applied: the model's weights in memory are finite, and nothing was saved after.
     (model,) = models
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -903,3 +904,14 @@ def test_train_script_reports_data_errors_without_traceback(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "error: The train data has no column 'es' (columns: ['en', 'fr'])" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_train_script_reports_a_diverged_loss_without_traceback(tmp_path, corpus_files):
+    """A learning rate far too high makes the loss non-finite within a few updates: the script says so
+    in one line, with what to change, instead of a traceback."""
+    args = small_args(
+        tmp_path / "run", corpus_files, lr_scale=1e8, warmup_steps=1, eval_steps=0, max_steps=40
+    )
+    result = run_script("train.py", *args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: The training loss of update" in result.stderr and "Lower --lr_scale" in result.stderr

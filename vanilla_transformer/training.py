@@ -1117,10 +1117,12 @@ def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[
     # A non-finite loss would turn every weight into NaN at this step and in every later checkpoint:
     # stop before the update, on every process alike.
     if not torch.isfinite(accelerator.reduce(losses.clone(), "sum")):
+        saved = list_checkpoints(run.output_dir)
+        kept = f"the last checkpoint, {saved[-1].name}, is intact" if saved else "no checkpoint yet"
         raise FloatingPointError(
             f"The training loss of update {run.state['step'] + 1} is {float(losses)}; stopped before "
-            "applying it, the last checkpoint is intact. Lower --lr_scale, set --max_grad_norm, or check "
-            "the configuration (e.g. --config_overrides) and data."
+            f"applying it ({kept}). Lower --lr_scale, set --max_grad_norm, or check the configuration "
+            "(e.g. --config_overrides) and data."
         )
     if run.config.max_grad_norm is not None:
         accelerator.clip_grad_norm_(model.parameters(), run.config.max_grad_norm)
