@@ -185,6 +185,11 @@ def test_scripts_export_and_translate_a_file(tmp_path, corpus):
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line per input line, blank kept
     expected = CTranslate2Translator(tmp_path / "ct2").translate(["In the beginning.", "And God said."])
     assert [lines[0], lines[2]] == expected
+    # Without --engine ctranslate2 the export was read as a transformers folder ("Unrecognized model").
+    plain = subprocess.run(
+        [*command[:4], "--input", str(tmp_path / "en.txt")], capture_output=True, text=True
+    )
+    assert plain.returncode == 2 and "is a CTranslate2 export" in plain.stderr and "--engine" in plain.stderr
 
 
 @pytest.mark.slow

@@ -205,6 +205,9 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
     (tmp_path / "other" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="already holds a model"):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "other"))
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="is a file; name a folder"):
+        FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt"))
 
 
 def test_scores_are_against_the_reference_texts_not_the_decoded_labels():

@@ -684,6 +684,8 @@ def test_bad_flags_are_rejected():
         train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="latest"))
     with pytest.raises(InputError, match="is not a checkpoint written by this trainer"):
         train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint=str(ROOT)))
+    with pytest.raises(InputError, match="/nonexistent/step-9: no such folder"):
+        train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="/nonexistent/step-9"))
 
 
 def run_script(name: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
 from .parallel_data import load_parallel_data
 from .translation import translate
@@ -33,6 +34,11 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
     folder = Path(path)
     if not folder.exists() and looks_local(path):
         raise FileNotFoundError(f"No model folder at {folder}.")
+    if (folder / SETTINGS_FILE).is_file() and (folder / "model.bin").is_file():
+        raise ValueError(
+            f"{folder} is a CTranslate2 export: translate with it through `scripts/translate.py --engine "
+            "ctranslate2` or `CTranslate2Translator`, or name the model folder it was exported from."
+        )
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
     if folder.exists() and not any((folder / name).is_file() for name in TOKENIZER_FILES):

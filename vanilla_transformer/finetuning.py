@@ -82,6 +82,8 @@ class FinetuneConfig:
         # The fine-tuned model must not overwrite the one it starts from, nor land beside another model's
         # files (its card and scores would describe the wrong weights).
         output = Path(self.output_dir)
+        if output.exists() and not output.is_dir():
+            raise ValueError(f"--output_dir {self.output_dir} is a file; name a folder.")
         if Path(self.model).exists() and output.exists() and output.resolve() == Path(self.model).resolve():
             raise ValueError(f"--output_dir {self.output_dir} is the --model folder; name a new folder.")
         if (output / "config.json").exists() or (output / "model.safetensors").exists():

@@ -274,7 +274,8 @@ def load_parallel_data(
         if len(data["train"]) <= 2 * validation_size:
             raise DataError(
                 f"No validation split, and train ({len(data['train'])} pairs) is too small to hold out "
-                f"{validation_size}; pass validation_file."
+                f"{validation_size} for validation; pass a validation file (--validation_file) or hold out "
+                "fewer pairs (validation_size; --validation_size in scripts/finetune.py)."
             )
         held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
         # A pair the file repeats ("Thank you." is common in OPUS data) could land on both sides, and

@@ -501,6 +501,11 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
             f"--resume_from_checkpoint latest: every checkpoint in {output_dir}/checkpoints is damaged."
         )
     path = Path(name)
+    if not path.exists():
+        raise InputError(
+            f"--resume_from_checkpoint {name}: no such folder. Name a checkpoint folder (e.g. "
+            f"{Path(output_dir) / 'checkpoints' / 'step-00000050'}) or 'latest'."
+        )
     if not (path / STATE_FILE).is_file():
         raise InputError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
     problems = checkpoint_problems(path)
