@@ -20,9 +20,11 @@ from vanilla_transformer.cli import InputError, check_output_file
 from vanilla_transformer.corpus import default_corpus_path, load_default_corpus
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.training import (
+    STATE_FILE,
     TrainingConfig,
     add_stutters,
     average_checkpoints,
+    check_data_order,
     checkpoint_problems,
     checkpoint_weights,
     list_checkpoints,
@@ -386,8 +388,9 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
             )
     # Other batches than the checkpoint's: its epoch position (a count of batches) would skip the wrong
     # ones. Refused before anything is moved.
-    with pytest.raises(InputError, match=r"Cannot continue .* exactly: .*max_tokens 600 -> 500"):
+    with pytest.raises(InputError, match=r"Cannot continue .* exactly: .*max_tokens 600 -> 500") as error:
         train(parse_config([*args, "--resume_from_checkpoint", str(older), "--max_tokens", "500"]))
+    assert "'processes' is" not in str(error.value)  # what a setting means only where it changed
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == names
     result = train(parse_config([*args, "--resume_from_checkpoint", str(older), "--max_steps", "6"]))
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004", "step-00000006"]
@@ -411,6 +414,13 @@ def test_checkpoints_that_do_not_lead_to_the_resumed_one_are_retired(tmp_path):
     backup.mkdir(parents=True)
     moved = retire_later_checkpoints(run, backup)
     assert sorted(p.name for p in moved) == ["step-00000004", "step-00000008"] and not list_checkpoints(run)
+
+
+def test_a_changed_process_count_is_explained_when_resuming_is_refused(tmp_path):
+    (tmp_path / STATE_FILE).write_text(json.dumps({"data_order": {"processes": 1, "max_tokens": 600}}))
+    with pytest.raises(InputError, match=r"processes 1 -> 2; 'processes' is the number of launched"):
+        check_data_order(tmp_path, {"processes": 2, "max_tokens": 600})
+    check_data_order(tmp_path, {"processes": 1, "max_tokens": 600})  # the same settings: resumed
 
 
 def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path, corpus_files, monkeypatch):

@@ -969,11 +969,15 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
     others never, and each update would have another size, without a word."""
     changed = changes_since(resume_path, "data_order", data_order)
     if changed:
+        meanings = {
+            "processes": "'processes' is the number of launched processes",
+            "train_pairs": "'train_pairs' the training pairs after filtering",
+        }
+        explained = [text for key, text in meanings.items() if any(c.startswith(f"{key} ") for c in changed)]
         raise InputError(
             f"Cannot continue {resume_path} exactly: it was trained with other settings that decide the "
-            f"batches ({'; '.join(changed)}; 'processes' is the number of launched processes, "
-            "'train_pairs' the training pairs after filtering). Resume with the checkpoint's settings, "
-            "or start a fresh run in another --output_dir."
+            f"batches ({'; '.join(changed + explained)}). Resume with the checkpoint's settings, or start a "
+            "fresh run in another --output_dir."
         )
 
 
