@@ -44,6 +44,13 @@ except (OSError, ValueError) as error:
     parser.error(str(error))
 tokenizer = None
 if args.tokenizer:
+    # A local folder without a tokenizer's files: say so (the loader's error would blame sentencepiece).
+    files = ("source.spm", "target.spm", "vocab.json", "tokenizer.json", "tokenizer_config.json")
+    if Path(args.model).is_dir() and not any((Path(args.model) / name).is_file() for name in files):
+        parser.error(
+            f"{args.model} has no tokenizer files (none of {', '.join(files)}); --no-tokenizer converts "
+            "the model alone"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError, ImportError) as error:

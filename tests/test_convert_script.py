@@ -54,10 +54,14 @@ def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path):
     failed = convert(tmp_path / "out")
     assert (
         failed.returncode == 2
-        and "could not be loaded" in failed.stderr
+        and "has no tokenizer files" in failed.stderr
         and "--no-tokenizer" in failed.stderr
     )
     assert not (tmp_path / "out").exists()
+    (tmp_path / "marian" / "source.spm").write_bytes(b"not a sentencepiece model")
+    unreadable = convert(tmp_path / "out")
+    assert unreadable.returncode == 2 and "could not be loaded" in unreadable.stderr
+    assert "--no-tokenizer" in unreadable.stderr and not (tmp_path / "out").exists()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "tokenizer.json").write_text("{}")
     taken = convert(tmp_path / "taken", "--no-tokenizer")
