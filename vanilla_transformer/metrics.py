@@ -50,7 +50,8 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
 def repeats_ngram(text: str, n: int = 4, times: int = 3) -> bool:
     """Whether some word n-gram occurs at least `times` times in `text` (a decoding loop's signature:
     with n = 4 and 3 times, "más más más más más más", or a 3-word phrase said four times, "de la casa
-    de la casa de la casa de la casa"; three times is not enough there, each 4-gram occurs twice)."""
+    de la casa de la casa de la casa"; three times is not enough there, each 4-gram occurs twice).
+    Words are what whitespace separates: a run of punctuation without spaces (",,,,,,") is one word."""
     words = text.split()
     counts = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
     return any(count >= times for count in counts.values())
