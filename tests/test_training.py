@@ -927,3 +927,17 @@ def test_train_script_reports_a_diverged_loss_without_traceback(tmp_path, corpus
     result = run_script("train.py", *args)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "error: The training loss of update" in result.stderr and "Lower --lr_scale" in result.stderr
+
+
+def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch):
+    """A bad repo id or a missing token are found before training (not after it) and reported as input
+    errors, which the script prints in one line; they once ended in a traceback naming a --token flag
+    that train.py does not have."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no_token_home"))
+    with pytest.raises(InputError, match=r"--push_to_hub: No Hugging Face token: .*hf auth login`\.$"):
+        train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="someone/tiny"))
+    monkeypatch.setenv("HF_TOKEN", "hf_dummy")
+    with pytest.raises(InputError, match="--push_to_hub: Invalid Hub repo id 'bad id//x'"):
+        train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="bad id//x"))
+    assert not (tmp_path / "run" / "checkpoints").exists()

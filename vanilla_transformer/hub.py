@@ -35,11 +35,13 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
-def resolve_token(token: str | None = None) -> str:
-    """The token to publish with: the argument, else HF_TOKEN or the one saved by `hf auth login`."""
+def resolve_token(token: str | None = None, flag: str | None = "--token") -> str:
+    """The token to publish with: the argument, else HF_TOKEN or the one saved by `hf auth login`.
+    `flag`: the caller's option that passes a token, named in the error (None: it has none)."""
     token = token or get_token()
     if not token:
-        raise ValueError("No Hugging Face token: set HF_TOKEN, run `hf auth login`, or pass --token.")
+        also = f", or pass {flag}" if flag else ""
+        raise ValueError(f"No Hugging Face token: set HF_TOKEN or run `hf auth login`{also}.")
     return token
 
 

@@ -788,8 +788,11 @@ def train(config: TrainingConfig) -> dict[str, Any]:
 def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     """The Accelerator for this launch (one process, DDP, FSDP), after checks that fail before any work."""
     if config.push_to_hub:  # fail now, not after training
-        check_repo_id(config.hub_model_id or output_dir.name)
-        resolve_token()
+        try:
+            check_repo_id(config.hub_model_id or output_dir.name)
+            resolve_token(flag=None)
+        except ValueError as error:
+            raise InputError(f"--push_to_hub: {error}") from None
     accelerator = Accelerator(
         # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
         # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs.
