@@ -38,7 +38,9 @@ MARIAN = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--train_file", help="local .tsv/.csv/.jsonl (default: the embedded corpus)")
     parser.add_argument("--validation_file")
     parser.add_argument("--test_file")

@@ -941,3 +941,12 @@ def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch
     with pytest.raises(InputError, match="--push_to_hub: Invalid Hub repo id 'bad id//x'"):
         train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="bad id//x"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_help_states_each_default_once():
+    """Options whose help names their default ("(default: recipe)") once also got "(default: None)"."""
+    from vanilla_transformer.cli import dataclass_parser
+
+    text = " ".join(dataclass_parser(TrainingConfig, "train").format_help().split())
+    assert "(default: recipe)" in text and "(default: recipe) (default:" not in text
+    assert "(default: outputs/tiny-en-es)" in text

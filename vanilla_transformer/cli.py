@@ -37,7 +37,9 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
                 if isinstance(kind, types.UnionType)
                 else kind
             )
-        options["help"] = f"{item.metadata.get('help', '')} (default: {default})".lstrip()
+        text = item.metadata.get("help", "")
+        # A help text that states its default itself ("(default: recipe)") is not given a second one.
+        options["help"] = text if "(default:" in text else f"{text} (default: {default})".lstrip()
         parser.add_argument(f"--{item.name}", **options)
     return parser
 

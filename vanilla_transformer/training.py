@@ -811,7 +811,11 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     if accelerator.is_main_process:  # a run killed while publishing its folder left it half moved
         finish_interrupted_publish(output_dir)
     accelerator.wait_for_everyone()
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not sharded:
+    if (
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        and not sharded
+        and accelerator.is_main_process
+    ):
         logger.warning(
             "FSDP was asked for, but Accelerate runs it only on GPUs and other accelerators: on CPUs it "
             "runs plain data parallelism (DDP over gloo), which trains the same model with full copies."
