@@ -210,3 +210,17 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
     assert ("Thank you.", "Gracias.") in train and not train & set(validation)
     assert report.held_out_in_train == 30 - len(validation) > 0
     assert f"dropped {report.held_out_in_train} held-out validation pairs" in report.lines()[0]
+
+
+def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
+    """Without network access `--dataset_name` ended in datasets' ConnectionError traceback."""
+    from vanilla_transformer import parallel_data
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(parallel_data, "load_dataset", offline)
+    with pytest.raises(
+        parallel_data.DataError, match=r"'wmt/wmt14' could not be loaded .*local --train_file"
+    ):
+        load_parallel_data(dataset_name="wmt/wmt14", dataset_config="de-en")

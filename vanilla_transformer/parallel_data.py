@@ -257,7 +257,14 @@ def load_parallel_data(
     if dataset_name and files:
         raise DataError("Pass either dataset_name or data files, not both.")
     if dataset_name:
-        data = load_dataset(dataset_name, dataset_config)
+        try:
+            data = load_dataset(dataset_name, dataset_config)
+        except OSError as error:  # not found, or no network (ConnectionError is an OSError)
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+            raise DataError(
+                f"The dataset {dataset_name!r} could not be loaded from the Hub or its cache: {first_line}. "
+                "Without Hub access, pass local --train_file/--validation_file/--test_file instead."
+            ) from None
     elif files:
         data = _load_files(files)
     else:
