@@ -38,23 +38,25 @@ try:
         parser.error(
             f"{args.model} is not a Marian checkpoint: its config.json has model_type {model_type!r}."
         )
+    # A local folder without a tokenizer's files: said before the weights are read (the tokenizer
+    # loader's own error would blame sentencepiece).
+    files = ("source.spm", "target.spm", "vocab.json", "tokenizer.json", "tokenizer_config.json")
+    folder = Path(args.model)
+    if args.tokenizer and folder.is_dir() and not any((folder / name).is_file() for name in files):
+        parser.error(
+            f"{args.model} has no tokenizer files (none of {', '.join(files)}); --no-tokenizer converts "
+            "the model alone"
+        )
     marian = MarianMTModel.from_pretrained(args.model)
     model = convert_from_marian(marian)
 except (OSError, ValueError) as error:
     parser.error(str(error))
 tokenizer = None
 if args.tokenizer:
-    # A local folder without a tokenizer's files: say so (the loader's error would blame sentencepiece).
-    files = ("source.spm", "target.spm", "vocab.json", "tokenizer.json", "tokenizer_config.json")
-    if Path(args.model).is_dir() and not any((Path(args.model) / name).is_file() for name in files):
-        parser.error(
-            f"{args.model} has no tokenizer files (none of {', '.join(files)}); --no-tokenizer converts "
-            "the model alone"
-        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError, ImportError) as error:
-        first_line = str(error).strip().splitlines()[0][:300]
+    except Exception as error:  # sentencepiece missing, or files it cannot read (TypeError, RuntimeError)
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         parser.error(
             f"the Marian tokenizer of {args.model} could not be loaded (it needs sentencepiece; "
             f"--no-tokenizer converts the model alone): {first_line}"

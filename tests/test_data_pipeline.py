@@ -213,7 +213,8 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
 
 
 def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
-    """Without network access `--dataset_name` ended in datasets' ConnectionError traceback."""
+    """Without network access, or with a config name the dataset lacks, `--dataset_name` ended in a
+    traceback."""
     from vanilla_transformer import parallel_data
 
     def offline(*args, **kwargs):
@@ -224,3 +225,12 @@ def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
         parallel_data.DataError, match=r"'wmt/wmt14' could not be loaded .*local --train_file"
     ):
         load_parallel_data(dataset_name="wmt/wmt14", dataset_config="de-en")
+
+    def no_such_config(*args, **kwargs):
+        raise ValueError("BuilderConfig 'xx-yy' not found. Available: ['de-en', 'fr-en']")
+
+    monkeypatch.setattr(parallel_data, "load_dataset", no_such_config)
+    with pytest.raises(
+        parallel_data.DataError, match=r"not found\. Available: \['de-en', 'fr-en'\]\. Without"
+    ):
+        load_parallel_data(dataset_name="wmt/wmt14", dataset_config="xx-yy")

@@ -754,6 +754,15 @@ def test_check_output_file_protects_input_files_and_folders(tmp_path):
     # A new file in the model folder destroys nothing; nor does an existing file outside the inputs.
     assert check_output_file(folder / "hypotheses.txt", data, folder) == folder / "hypotheses.txt"
     assert check_output_file(data, folder, None, tmp_path / "missing") == data
+    # Writing replaces the entry at that name: a symlink in the model folder (as in a Hub cache's
+    # snapshots) is the folder's file wherever it points; a link elsewhere pointing into it is not.
+    elsewhere = tmp_path / "weights.bin"
+    elsewhere.write_text("w")
+    (folder / "model.bin").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="is a file of the input folder"):
+        check_output_file(folder / "model.bin", data, folder)
+    (tmp_path / "link.txt").symlink_to(folder / "config.json")
+    assert check_output_file(tmp_path / "link.txt", folder) == tmp_path / "link.txt"
 
 
 def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path):
@@ -876,9 +885,13 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     # of their files once replaced it with the translations.
     corpus = default_corpus_path()
     corpus_bytes = corpus.read_bytes()
-    embedded = run_script("evaluate_model.py", "--model", str(output_dir), "--hypotheses", str(corpus))
-    assert embedded.returncode == 2 and "is also an input" in embedded.stderr
-    assert corpus.read_bytes() == corpus_bytes
+    try:
+        embedded = run_script("evaluate_model.py", "--model", str(output_dir), "--hypotheses", str(corpus))
+        assert embedded.returncode == 2 and "is also an input" in embedded.stderr
+        assert corpus.read_bytes() == corpus_bytes
+    finally:  # were the protection ever lost, every later test would read a broken corpus
+        if corpus.read_bytes() != corpus_bytes:
+            corpus.write_bytes(corpus_bytes)
     config_text = (output_dir / "config.json").read_text()
     inside = run_script("evaluate_model.py", *args, "--hypotheses", str(output_dir / "config.json"))
     assert inside.returncode == 2 and "is a file of the input folder" in inside.stderr
@@ -933,11 +946,13 @@ def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch
     """A bad repo id or a missing token are found before training (not after it) and reported as input
     errors, which the script prints in one line; they once ended in a traceback naming a --token flag
     that train.py does not have."""
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "no_token_home"))
+    from vanilla_transformer import hub
+
+    # No token from anywhere (the environment, or a login saved on this machine).
+    monkeypatch.setattr(hub, "get_token", lambda: None)
     with pytest.raises(InputError, match=r"--push_to_hub: No Hugging Face token: .*hf auth login`\.$"):
         train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="someone/tiny"))
-    monkeypatch.setenv("HF_TOKEN", "hf_dummy")
+    monkeypatch.setattr(hub, "get_token", lambda: "hf_dummy")
     with pytest.raises(InputError, match="--push_to_hub: Invalid Hub repo id 'bad id//x'"):
         train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="bad id//x"))
     assert not (tmp_path / "run" / "checkpoints").exists()

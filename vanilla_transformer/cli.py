@@ -66,11 +66,16 @@ def check_output_file(output: str | Path, *inputs: str | Path | None) -> Path:
         raise ValueError(f"{output}: the folder {path.absolute().parent} does not exist.")
     if not path.exists():
         return path
+    # The output replaces the entry named `path` (a symlink there is replaced, not what it points to), so
+    # what counts is the folder that entry lives in and that folder's parents.
+    folders = [
+        folder for folder in (path.absolute().parent, *path.absolute().parent.parents) if folder.exists()
+    ]
     for given in inputs:
         if given is None or not Path(given).exists():
             continue
         if Path(given).is_dir():
-            if Path(given).resolve() in path.resolve().parents:
+            if any(os.path.samefile(folder, given) for folder in folders):
                 raise ValueError(
                     f"{output} is a file of the input folder {given}; writing it would destroy it. Name "
                     "a new file."

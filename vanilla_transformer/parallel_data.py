@@ -259,8 +259,8 @@ def load_parallel_data(
     if dataset_name:
         try:
             data = load_dataset(dataset_name, dataset_config)
-        except OSError as error:  # not found, or no network (ConnectionError is an OSError)
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        except (OSError, ValueError) as error:  # not found, no network, a malformed id or config name
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300].rstrip(".")
             raise DataError(
                 f"The dataset {dataset_name!r} could not be loaded from the Hub or its cache: {first_line}. "
                 "Without Hub access, pass local --train_file/--validation_file/--test_file instead."

@@ -978,7 +978,7 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
     if changed:
         meanings = {
             "processes": "'processes' is the number of launched processes",
-            "train_pairs": "'train_pairs' the training pairs after filtering",
+            "train_pairs": "'train_pairs' is the number of training pairs after filtering",
         }
         explained = [text for key, text in meanings.items() if any(c.startswith(f"{key} ") for c in changed)]
         raise InputError(
@@ -1134,7 +1134,12 @@ def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[
     # stop before the update, on every process alike.
     if not torch.isfinite(accelerator.reduce(losses.clone(), "sum")):
         saved = list_checkpoints(run.output_dir)
-        kept = f"the last checkpoint, {saved[-1].name}, is intact" if saved else "no checkpoint yet"
+        if saved:
+            kept = f"the last checkpoint, {saved[-1].name}, is intact"
+        elif run.config.resume_from_checkpoint:
+            kept = f"the checkpoint it resumed from, {run.config.resume_from_checkpoint}, is intact"
+        else:
+            kept = "no checkpoint yet"
         raise FloatingPointError(
             f"The training loss of update {run.state['step'] + 1} is {float(losses)}; stopped before "
             f"applying it ({kept}). Lower --lr_scale, set --max_grad_norm, or check the configuration "
