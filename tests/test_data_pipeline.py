@@ -212,25 +212,27 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
     assert f"dropped {report.held_out_in_train} held-out validation pairs" in report.lines()[0]
 
 
-def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (
+            ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub"),
+            r"could not be loaded .*local --train_file",
+        ),
+        (
+            ValueError("BuilderConfig 'xx-yy' not found. Available: ['de-en', 'fr-en']"),
+            r"not found\. Available: \['de-en', 'fr-en'\]\. Without",
+        ),
+    ],
+)
+def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch, error, message):
     """Without network access, or with a config name the dataset lacks, `--dataset_name` ended in a
     traceback."""
     from vanilla_transformer import parallel_data
 
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'wmt/wmt14' on the Hub (LocalEntryNotFoundError)")
+    def failing(*args, **kwargs):
+        raise error
 
-    monkeypatch.setattr(parallel_data, "load_dataset", offline)
-    with pytest.raises(
-        parallel_data.DataError, match=r"'wmt/wmt14' could not be loaded .*local --train_file"
-    ):
-        load_parallel_data(dataset_name="wmt/wmt14", dataset_config="de-en")
-
-    def no_such_config(*args, **kwargs):
-        raise ValueError("BuilderConfig 'xx-yy' not found. Available: ['de-en', 'fr-en']")
-
-    monkeypatch.setattr(parallel_data, "load_dataset", no_such_config)
-    with pytest.raises(
-        parallel_data.DataError, match=r"not found\. Available: \['de-en', 'fr-en'\]\. Without"
-    ):
+    monkeypatch.setattr(parallel_data, "load_dataset", failing)
+    with pytest.raises(parallel_data.DataError, match=message):
         load_parallel_data(dataset_name="wmt/wmt14", dataset_config="xx-yy")
