@@ -37,17 +37,9 @@ MARIAN = {
 }
 
 
-class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default in its help, unless the help states it already or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default:" in text or action.required or action.default in (None, "", argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from vanilla_transformer.cli import DefaultsOnce
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce)
     parser.add_argument("--train_file", help="local .tsv/.csv/.jsonl (default: the embedded corpus)")
     parser.add_argument("--validation_file")

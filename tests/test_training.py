@@ -964,4 +964,5 @@ def test_help_states_each_default_once():
 
     text = " ".join(dataclass_parser(TrainingConfig, "train").format_help().split())
     assert "(default: recipe)" in text and "(default: recipe) (default:" not in text
-    assert "(default: outputs/tiny-en-es)" in text
+    assert "(default: outputs/tiny-en-es)" in text and "(default: 0)" in text  # seed: no help text of its own
+    assert "(default: None)" not in text  # nothing to state

@@ -21,9 +21,20 @@ class InputError(ValueError):
     says why. Scripts print it alone: a traceback would point at this package, not at the input."""
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends with each option's default, unless the help states it already ("(default:
+    recipe)"), the option is required, or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.required or action.default in (None, "", argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
     """An argparse parser for the fields of dataclass `cls`; help from `field(metadata={"help": ...})`."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=DefaultsOnce)
     hints = typing.get_type_hints(cls)
     for item in dataclasses.fields(cls):
         kind = hints[item.name]
@@ -37,9 +48,8 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
                 if isinstance(kind, types.UnionType)
                 else kind
             )
-        text = item.metadata.get("help", "")
-        # A help text that states its default itself ("(default: recipe)") is not given a second one.
-        options["help"] = text if "(default:" in text else f"{text} (default: {default})".lstrip()
+        # argparse prints no help line for an empty help, so a field without one shows its default alone.
+        options["help"] = item.metadata.get("help") or "(default: %(default)s)"
         parser.add_argument(f"--{item.name}", **options)
     return parser
 
@@ -124,6 +134,7 @@ def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None =
 
 
 __all__ = [
+    "DefaultsOnce",
     "add_length_penalty_form",
     "check_output_file",
     "dataclass_parser",

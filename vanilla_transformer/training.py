@@ -72,12 +72,12 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # corpora), unlikelihood training with weight 1 (half the looping outputs or fewer on both corpora, for
 # about 0.3 BLEU on average; weight 2 looped in 1 of 7 runs against 3, as much BLEU on the Bible but
 # 0.3-0.9 less and ~0.6 chrF less on the second corpus: README, seventh round; weight 3 on the token
-# just written left loops in other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood on
-# greedy outputs decoded in training moved loops between seeds for up to 1.1 BLEU and 12-40% more
-# training time: ninth round) and stutter augmentation in a
-# quarter of the targets (+0.4 BLEU on average over five paired runs on two corpora, loops unchanged; up to 4
-# repeats removed the Bible loops on three seeds but cost about 1 BLEU on the second corpus and looped
-# there, and variants that insert or label less did no better: README, sixth round),
+# just written left loops in other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood
+# on greedy outputs decoded in training moved loops between seeds for up to 1.1 BLEU and 12-40% more
+# training time: ninth round) and stutter augmentation in a quarter of the targets (+0.4 BLEU on
+# average over five paired runs on two corpora, loops unchanged; up to 4 repeats removed the Bible
+# loops on three seeds but cost about 1 BLEU on the second corpus and looped there, and variants that
+# insert or label less did no better: README, sixth round),
 # checkpoints every 50 updates so that the average spans the last 200. The time limit stops it on
 # slower machines: 8 minutes leaves the start-up, averaging, validation and test translation 1.5
 # minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
