@@ -44,11 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train_file", help="local .tsv/.csv/.jsonl (default: the embedded corpus)")
     parser.add_argument("--validation_file")
     parser.add_argument("--test_file")
-    parser.add_argument("--source_lang", default="en")
-    parser.add_argument("--target_lang", default="es")
+    parser.add_argument("--source_lang", default="en", help="source column")
+    parser.add_argument("--target_lang", default="es", help="target column")
     parser.add_argument("--minutes", type=float, default=8.0, help="training minutes of each run")
     parser.add_argument("--output_dir", type=Path, required=True)
-    parser.add_argument("--marian_vocab_size", type=int, default=8000)
+    parser.add_argument(
+        "--marian_vocab_size", type=int, default=8000, help="BPE vocabulary of the MarianMTModel side"
+    )
     parser.add_argument("--ours_args", default="", help="extra scripts/train.py flags, one string")
     parser.add_argument("--only", choices=("ours", "marian"), help="run one side (in this process)")
     args = parser.parse_args(argv)
