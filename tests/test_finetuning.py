@@ -127,6 +127,7 @@ def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     batch.pop("source_length")  # Trainer drops columns the model's forward does not take
     assert set(batch) == {"input_ids", "attention_mask", "labels", "decoder_input_ids"}  # as in training
+    batch = {name: values.to(trainer.model.device) for name, values in batch.items()}  # a GPU, if any
     trainer.model.eval()  # no dropout, so that the two computations see the same function
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, dict(batch))  # Trainer pops the labels it smooths
@@ -152,6 +153,7 @@ def test_unlikelihood_weight_option(start, marian_start, tmp_path):
     assert trainer.model.config.unlikelihood_weight == 0.5
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     batch.pop("source_length")
+    batch = {name: values.to(trainer.model.device) for name, values in batch.items()}
     trainer.model.eval()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, dict(batch))

@@ -1,8 +1,18 @@
 """Figures name their machine: CPU model, the instruction sets that matter, cores, measured matmul rate."""
 
+import pytest
 import torch
 
-from vanilla_transformer.machine import ISA_FLAGS, cpu_flags, cpu_model, describe_machine, format_machine
+from vanilla_transformer.machine import (
+    ISA_FLAGS,
+    cpu_flags,
+    cpu_model,
+    describe_gpu,
+    describe_machine,
+    format_gpu,
+    format_machine,
+    processes_without_a_gpu,
+)
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -47,3 +57,38 @@ def test_this_machine_is_described_consistently_with_torch():
     assert line.startswith(f"{description['cpu']}, {description['cores']} cores")
     assert f"{description['matmul_gflops']:.0f} GFLOP/s" in line
     assert "GFLOP/s" not in format_machine(describe_machine(measure=False))
+
+
+def test_a_gpu_is_named_with_its_measured_rate():
+    """Training on a GPU records the GPU and its matmul rate in the training precision (the CPU's rate
+    says nothing about a GPU run's time)."""
+    description = describe_machine(measure=False) | {
+        "gpu": "Some GPU",
+        "gpu_matmul_tflops": 712.4,
+        "gpu_matmul_dtype": "bfloat16",
+    }
+    assert format_gpu(description) == "Some GPU, measured bfloat16 matmul 712 TFLOP/s"
+    assert format_machine(description).endswith("; Some GPU, measured bfloat16 matmul 712 TFLOP/s")
+    assert format_gpu({"gpu": "Some GPU"}) == "Some GPU"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_this_gpu_is_described():
+    description = describe_gpu("cuda", torch.bfloat16)
+    assert description["gpu"] == torch.cuda.get_device_name(0)
+    assert description["gpu_matmul_tflops"] > 0 and description["gpu_matmul_dtype"] == "bfloat16"
+
+
+def test_more_processes_than_gpus_is_refused_with_the_fix():
+    """`accelerate launch --multi_gpu --num_processes 2` on a one-GPU machine put both processes on one
+    GPU, which NCCL refused with a message that named neither the flag nor the fix."""
+    launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    message = processes_without_a_gpu(launch, gpus=1)
+    assert message and "2 processes" in message and "1 GPU:" in message
+    assert "--num_processes 1" in message and "--cpu" in message
+    assert processes_without_a_gpu(launch, gpus=2) is None  # one GPU each
+    assert processes_without_a_gpu(launch, gpus=0) is None  # CPU processes (gloo)
+    assert processes_without_a_gpu(launch | {"ACCELERATE_USE_CPU": "True"}, gpus=1) is None  # --cpu
+    assert processes_without_a_gpu({}, gpus=1) is None  # one process
+    # Several machines: only this machine's processes need this machine's GPUs.
+    assert processes_without_a_gpu({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, gpus=4) is None

@@ -70,7 +70,7 @@ def test_several_translations_per_sentence_stay_with_their_sentence(saved):
     options = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 6}
     results = translator(SENTENCES, batch_size=2, **options)
     for sentence, result in zip(SENTENCES, results, strict=True):
-        inputs = tokenizer([sentence], return_tensors="pt")
+        inputs = tokenizer([sentence], return_tensors="pt").to(model.device)  # the pipeline's device
         with torch.inference_mode():
             ids = model.eval().generate(**inputs, **options)
         expected = tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -82,7 +82,8 @@ def test_a_model_in_training_mode_translates_without_dropout(saved):
     with dropout on."""
     _, model, tokenizer = saved
     expected = TranslationPipeline(model=model, tokenizer=tokenizer)(SENTENCES, num_beams=2)
-    noisy = tiny_model(seed=4, dropout=0.5).train()  # the same weights, with dropout
+    # The same weights, with dropout (pipelines move a model to the GPU, where there is one).
+    noisy = tiny_model(seed=4, dropout=0.5).to(model.device).train()
     assert all(torch.equal(a, b) for a, b in zip(noisy.parameters(), model.parameters(), strict=True))
     assert TranslationPipeline(model=noisy, tokenizer=tokenizer)(SENTENCES, num_beams=2) == expected
     assert noisy.training  # handed back as it came

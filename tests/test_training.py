@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -138,9 +139,14 @@ def test_training_writes_a_complete_model_folder(trained):
         "chrf": round(metrics["test_chrf"], 2),
     }
     assert metrics["test_bleu_signature"] in card.text
-    # Times come with their machine: CPU model and measured matmul rate, in the metrics and the card.
-    assert metrics["machine"]["cpu"] and metrics["machine"]["matmul_gflops"] > 0
-    assert metrics["machine"]["cpu"] in card.text and "GFLOP/s" in card.text
+    # Times come with their machine: CPU model and measured matmul rate, in the metrics and the card;
+    # on a GPU, the GPU and its rate.
+    machine = metrics["machine"]
+    if "gpu" in machine:
+        assert machine["gpu_matmul_tflops"] > 0 and machine["gpu"] in card.text and "TFLOP/s" in card.text
+    else:
+        assert machine["cpu"] and machine["matmul_gflops"] > 0
+        assert machine["cpu"] in card.text and "GFLOP/s" in card.text
     assert metrics["peak_resident_mib"] > 0 and metrics["stopped_by"] == "max_steps"
     assert card.data.pipeline_tag == "translation" and card.data.language == ["en", "es"]
 
@@ -556,6 +562,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The two-process tests run CPU processes (gloo) on any machine: on one with a single GPU, two processes
+# would be refused (`processes_without_a_gpu`).
+CPU_ONLY = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory, corpus_files) -> tuple[Path, subprocess.CompletedProcess]:
     """Two CPU processes (DDP over gloo) through `accelerate launch`, as the README shows."""
@@ -567,7 +578,7 @@ def ddp_run(tmp_path_factory, corpus_files) -> tuple[Path, subprocess.CompletedP
         *small_args(output_dir, corpus_files, max_steps=12, eval_steps=0),
     ]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, check=False, cwd=output_dir.parent
+        command, capture_output=True, text=True, timeout=600, check=False, cwd=output_dir.parent, env=CPU_ONLY
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir, result
@@ -600,7 +611,9 @@ def test_fsdp2_on_two_cpu_processes(tmp_path, corpus_files, ddp_run):
         str(ROOT / "tests/fsdp_on_cpu.py"),
         *small_args(output_dir, corpus_files, max_steps=12, eval_steps=0),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path, env=CPU_ONLY
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Saving FSDP model" in result.stderr  # Accelerate's FSDP path wrote the checkpoints
     checkpoint = list_checkpoints(output_dir)[-1]
@@ -956,6 +969,22 @@ def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch
     with pytest.raises(InputError, match="--push_to_hub: Invalid Hub repo id 'bad id//x'"):
         train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="bad id//x"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_more_processes_than_gpus_end_training_before_any_work(tmp_path, monkeypatch):
+    """Two processes launched on a one-GPU machine: one clear input error before the Accelerator starts,
+    in train.py and finetune.py alike (NCCL's own error named neither the flag nor the fix)."""
+    from vanilla_transformer.finetuning import FinetuneConfig, build_trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InputError, match=r"2 processes .* 1 GPU: .*--num_processes 1, or add --cpu"):
+        train(TrainingConfig(output_dir=str(tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"2 processes .* 1 GPU: .*--num_processes 1, or add --cpu"):
+        build_trainer(FinetuneConfig(model="m", train_file="t", output_dir=str(tmp_path / "ft")))
+    assert not (tmp_path / "run").exists()
 
 
 def test_help_states_each_default_once():

@@ -25,6 +25,7 @@ from transformers import (
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
+from .machine import processes_without_a_gpu
 from .metrics import score_translations
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 
@@ -137,6 +138,9 @@ class GenerationConfigKeepingTrainer(Seq2SeqTrainer):
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
+    problem = processes_without_a_gpu()
+    if problem:
+        raise ValueError(problem)
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
     # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)
     # logits kept) with the fine-tuning's factor, and Trainer's smoother, which would need the logits,

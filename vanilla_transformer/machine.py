@@ -109,22 +109,66 @@ def describe_machine(measure: bool = True) -> dict[str, Any]:
     return description
 
 
+def describe_gpu(device: torch.device | str, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The GPU's name and its matmul rate measured now in `dtype` (the precision training computes in),
+    in TFLOP/s: 4096 x 4096 products, milliseconds on a data-centre GPU."""
+    device = torch.device(device)
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "gpu_matmul_tflops": round(matmul_rate(str(device), dtype, size=4096) / 1e12, 1),
+        "gpu_matmul_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def format_machine(description: dict[str, Any]) -> str:
-    """One line: 'AMD EPYC, 2 cores (2 threads), avx2 fma avx512f, matmul 178 GFLOP/s (float32)'."""
+    """One line: 'AMD EPYC, 2 cores (2 threads), avx2 fma avx512f, matmul 178 GFLOP/s (float32)', then
+    the GPU and its measured matmul rate where the description has one."""
     isa = " ".join(description.get("isa") or []) or "no AVX2"
     threads = description["torch_threads"]
     line = f"{description['cpu']}, {description['cores']} cores ({threads} threads), {isa}"
     if "matmul_gflops" in description:
         line += f", measured float32 matmul {description['matmul_gflops']:.0f} GFLOP/s"
+    return line + (f"; {format_gpu(description)}" if "gpu" in description else "")
+
+
+def format_gpu(description: dict[str, Any]) -> str:
+    """'NVIDIA H200, measured bfloat16 matmul 780 TFLOP/s' (the rate where it was measured)."""
+    line = description["gpu"]
+    if "gpu_matmul_tflops" in description:
+        rate = description["gpu_matmul_tflops"]
+        line += f", measured {description['gpu_matmul_dtype']} matmul {rate:.0f} TFLOP/s"
     return line
+
+
+def processes_without_a_gpu(environ: dict[str, str] | None = None, gpus: int | None = None) -> str | None:
+    """Why this launch cannot give each of its processes a GPU of its own, or None when it can.
+
+    `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine with fewer than N GPUs
+    puts two processes on one GPU, which NCCL refuses with an error that names neither the flag nor the
+    fix. Launches on CPUs (`--cpu`, or no GPU at all) are fine."""
+    environ = os.environ if environ is None else environ
+    local = int(environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine (torchrun sets it)
+    if local <= 1 or environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
+    if gpus == 0 or gpus >= local:
+        return None
+    return (
+        f"{local} processes were launched on this machine, but it has {gpus} GPU{'s' * (gpus != 1)}: each "
+        f"process needs a GPU of its own. Launch with --num_processes {gpus}, or add --cpu to run the "
+        "processes on CPUs."
+    )
 
 
 __all__ = [
     "cpu_flags",
     "cpu_model",
+    "describe_gpu",
     "describe_machine",
+    "format_gpu",
     "format_machine",
     "matmul_rate",
+    "processes_without_a_gpu",
     "reset_peak_resident",
     "resident_bytes",
 ]

@@ -44,7 +44,14 @@ from .batching import TokenBatchSampler
 from .cli import InputError, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .hub import check_repo_id, push_model_folder, resolve_token
-from .machine import describe_machine, format_machine, resident_bytes
+from .machine import (
+    describe_gpu,
+    describe_machine,
+    format_gpu,
+    format_machine,
+    processes_without_a_gpu,
+    resident_bytes,
+)
 from .metrics import repetition_rate, score_translations
 from .model_card import write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
@@ -793,6 +800,9 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
             resolve_token(flag=None)
         except ValueError as error:
             raise InputError(f"--push_to_hub: {error}") from None
+    problem = processes_without_a_gpu()
+    if problem:
+        raise InputError(problem)
     accelerator = Accelerator(
         # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
         # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs.
@@ -838,14 +848,16 @@ def start(config: TrainingConfig) -> Run:
         else None
     )
     # Times and speeds mean little without the machine: CPU model, ISA, cores, measured matmul rate.
+    # On a GPU: its name and matmul rate in the precision the products run in.
     machine = describe_machine(measure=accelerator.device.type == "cpu" and accelerator.is_main_process)
     if accelerator.device.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(accelerator.device)
+        precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+        machine |= describe_gpu(accelerator.device, precision or torch.float32)
 
     def log(message: str) -> None:
         log_main(accelerator, message)
 
-    log(f"machine: {format_machine(machine)}" + (f", {machine['gpu']}" if "gpu" in machine else ""))
+    log(f"machine: {format_machine(machine)}")
     set_seed(config.seed)
 
     with accelerator.main_process_first():
@@ -1487,7 +1499,7 @@ def write_model_folder(
         "epochs": round(metrics["epochs"], 2),
         "train_time_s": round(metrics["train_time_s"]),
         "hardware": f"{accelerator.num_processes} x "
-        + (metrics["machine"].get("gpu") or format_machine(metrics["machine"])),
+        + (format_gpu if "gpu" in metrics["machine"] else format_machine)(metrics["machine"]),
         "batch_tokens": config.max_tokens * accelerator.num_processes * config.gradient_accumulation_steps,
         "warmup_steps": config.warmup_steps,
         "lr_peak": paper_peak_lr(model.config.d_model, config.warmup_steps, config.lr_scale),
