@@ -276,8 +276,12 @@ def benchmark_training(
 ) -> dict[str, dict[str, float]]:
     """Target tokens per second of full training steps, the models taking turns batch by batch."""
     steps = {kind: train_step_fn(model, device, loss_fn) for kind, model in models.items()}
-    for kind in models:  # warm-up
-        for batch in batches[:2]:
+    # Warm-up: every batch once per model, so that costs paid once per new shape in a process (CUDA
+    # loading the kernels it meets first, oneDNN building a primitive per shape) stay out of the timed
+    # rounds. With two batches of warm-up, they once made this model 0.08x MarianMTModel on a GPU, where
+    # warm steps were equally fast (`tools/training_steps_cold_warm.py`).
+    for kind in models:
+        for batch in batches:
             steps[kind](batch)
     times: dict[str, list[float]] = {kind: [] for kind in models}
     for _ in range(rounds):
@@ -430,7 +434,7 @@ def benchmark_compiled_training(
     for batch in batches:
         steps["compiled"](batch)
     first_pass = time.perf_counter() - started
-    for batch in batches[:2]:
+    for batch in batches:
         steps["eager"](batch)
     times: dict[str, list[float]] = {kind: [] for kind in steps}
     for _ in range(rounds):
