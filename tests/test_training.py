@@ -867,6 +867,8 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
         str(tmp_path / "beam3"),
         "--hypotheses",
         str(tmp_path / "own.txt"),
+        "--device",
+        "cpu",  # as `translate` below: the same outputs on a machine with a GPU too
     )
     assert own.returncode == 0, own.stderr[-3000:]
     assert (tmp_path / "own.txt").read_text().splitlines() == translate(model, tokenizer, sources)
