@@ -145,7 +145,9 @@ def processes_without_a_gpu(environ: dict[str, str] | None = None, gpus: int | N
 
     `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine with fewer than N GPUs
     puts two processes on one GPU, which NCCL refuses with an error that names neither the flag nor the
-    fix. Launches on CPUs (`--cpu`, or no GPU at all) are fine."""
+    fix. Launches on CPUs (`--cpu`, or no GPU at all) are fine. Like Accelerate, which gives local
+    process i GPU i modulo the GPUs it sees, this assumes that a machine's processes all see its GPUs
+    (as under `accelerate launch` and torchrun)."""
     environ = os.environ if environ is None else environ
     local = int(environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine (torchrun sets it)
     if local <= 1 or environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
