@@ -251,7 +251,7 @@ def test_push_and_load_by_repo_id_without_the_package(model_folder, local_hub, t
         batch.pop("token_type_ids", None)
         output_ids = model.generate(**batch, max_new_tokens=9)
         generated = tokenizer.batch_decode(output_ids, skip_special_tokens=True)
-        translator = pipeline("translation", model=repo, trust_remote_code=True)
+        translator = pipeline("translation", model=repo, trust_remote_code=True, device="cpu")  # as generate
         piped = [out["translation_text"] for out in translator({SENTENCES!r}, max_new_tokens=9)]
         print(json.dumps({{"type": config.model_type, "generated": generated, "piped": piped}}))
         """

@@ -85,10 +85,13 @@ def test_more_processes_than_gpus_is_refused_with_the_fix():
     launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     message = processes_without_a_gpu(launch, gpus=1)
     assert message and "2 processes" in message and "1 GPU:" in message
-    assert "--num_processes 1" in message and "--cpu" in message
+    assert "--num_processes 1" in message and "--nproc_per_node 1" in message
+    assert "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu" in message
     assert processes_without_a_gpu(launch, gpus=2) is None  # one GPU each
     assert processes_without_a_gpu(launch, gpus=0) is None  # CPU processes (gloo)
-    assert processes_without_a_gpu(launch | {"ACCELERATE_USE_CPU": "True"}, gpus=1) is None  # --cpu
+    for flag in ("True", "1", "on"):  # torchrun with ACCELERATE_USE_CPU set: CPU processes
+        assert processes_without_a_gpu(launch | {"ACCELERATE_USE_CPU": flag}, gpus=1) is None
+    assert processes_without_a_gpu(launch | {"ACCELERATE_USE_CPU": "False"}, gpus=1) == message
     assert processes_without_a_gpu({}, gpus=1) is None  # one process
     # Several machines: only this machine's processes need this machine's GPUs.
     assert processes_without_a_gpu({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, gpus=4) is None

@@ -91,7 +91,8 @@ def test_a_model_in_training_mode_translates_without_dropout(saved):
 
 def test_pipeline_task_by_name_from_the_folder(saved):
     folder, model, tokenizer = saved
-    translator = pipeline("translation", model=str(folder), trust_remote_code=True)
+    # On the fixture model's device (a GPU, once a pipeline has put it there), so that outputs compare.
+    translator = pipeline("translation", model=str(folder), trust_remote_code=True, device=model.device)
     expected = translate(model, tokenizer, SENTENCES, num_beams=2, max_new_tokens=5)
     assert translator(SENTENCES, num_beams=2, max_new_tokens=5) == [{"translation_text": t} for t in expected]
     with pytest.raises(KeyError, match="removed"):
@@ -106,7 +107,8 @@ def test_pipeline_without_the_package_installed(saved, tmp_path):
         import json, sys
         sys.modules["vanilla_transformer"] = None
         from transformers import pipeline
-        translator = pipeline("translation", model={str(folder)!r}, trust_remote_code=True)
+        device = {str(model.device)!r}  # the fixture model's, which computes the expected outputs
+        translator = pipeline("translation", model={str(folder)!r}, trust_remote_code=True, device=device)
         assert type(translator).__module__.startswith("transformers_modules"), type(translator).__module__
         print(json.dumps([translator(SENTENCE, max_new_tokens=7) for SENTENCE in {SENTENCES!r}]))
         """

@@ -562,9 +562,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# The two-process tests run CPU processes (gloo) on any machine: on one with a single GPU, two processes
-# would be refused (`processes_without_a_gpu`).
-CPU_ONLY = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+def cpu_only() -> dict[str, str]:
+    """The environment with no GPU visible: the two-process tests run CPU processes (gloo) on any machine
+    (on one with a single GPU, two processes would be refused: `processes_without_a_gpu`)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.fixture(scope="module")
@@ -578,7 +579,13 @@ def ddp_run(tmp_path_factory, corpus_files) -> tuple[Path, subprocess.CompletedP
         *small_args(output_dir, corpus_files, max_steps=12, eval_steps=0),
     ]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, check=False, cwd=output_dir.parent, env=CPU_ONLY
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=output_dir.parent,
+        env=cpu_only(),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return output_dir, result
@@ -612,7 +619,7 @@ def test_fsdp2_on_two_cpu_processes(tmp_path, corpus_files, ddp_run):
         *small_args(output_dir, corpus_files, max_steps=12, eval_steps=0),
     ]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path, env=CPU_ONLY
+        command, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path, env=cpu_only()
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Saving FSDP model" in result.stderr  # Accelerate's FSDP path wrote the checkpoints
@@ -982,10 +989,17 @@ def test_more_processes_than_gpus_end_training_before_any_work(tmp_path, monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(InputError, match=r"2 processes .* 1 GPU: .*--num_processes 1, or add --cpu"):
+    with pytest.raises(
+        InputError, match=r"2 processes .* sees 1 GPU: .*--num_processes 1 .*CUDA_VISIBLE_DEVICES="
+    ):
         train(TrainingConfig(output_dir=str(tmp_path / "run")))
-    with pytest.raises(ValueError, match=r"2 processes .* 1 GPU: .*--num_processes 1, or add --cpu"):
-        build_trainer(FinetuneConfig(model="m", train_file="t", output_dir=str(tmp_path / "ft")))
+    finetune = FinetuneConfig(model="m", train_file="t", output_dir=str(tmp_path / "ft"))
+    with pytest.raises(
+        ValueError, match=r"2 processes .* sees 1 GPU: .*--num_processes 1 .*CUDA_VISIBLE_DEVICES="
+    ):
+        build_trainer(finetune)
+    with pytest.raises(OSError):  # `use_cpu` (Trainer's own CPU switch) passes the check: the model is read
+        build_trainer(finetune, use_cpu=True)
     assert not (tmp_path / "run").exists()
 
 

@@ -189,11 +189,13 @@ def median_time(fn: Callable[[], Any], device: str, repeats: int) -> float:
 
 
 def matmul_peak_flops(
-    device: str, dtype: torch.dtype, size: int = 2048, repeats: int = 5
+    device: str, dtype: torch.dtype, size: int | None = None, repeats: int = 5
 ) -> dict[str, float]:
     """The machine's measured matrix-multiply rate (FLOP/s) at this dtype, per kernel: `torch.matmul`
     (the BLAS transformers' models use) and, on CPU, oneDNN (what this package's `linear` uses). The
-    faster one is the MFU denominator."""
+    faster one is the MFU denominator. Products of 2048 x 2048 on a CPU; 4096 x 4096 on an accelerator,
+    where a 2048 product takes tens of microseconds and its launch would count (as `describe_gpu`)."""
+    size = size or (2048 if device == "cpu" else 4096)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     kernels = {"torch.matmul": lambda: torch.matmul(a, b)}
@@ -276,10 +278,11 @@ def benchmark_training(
 ) -> dict[str, dict[str, float]]:
     """Target tokens per second of full training steps, the models taking turns batch by batch."""
     steps = {kind: train_step_fn(model, device, loss_fn) for kind, model in models.items()}
-    # Warm-up: every batch once per model, so that costs paid once per new shape in a process (CUDA
-    # loading the kernels it meets first, oneDNN building a primitive per shape) stay out of the timed
-    # rounds. With two batches of warm-up, they once made this model 0.08x MarianMTModel on a GPU, where
-    # warm steps were equally fast (`tools/training_steps_cold_warm.py`).
+    # Warm-up: every batch once per model, so that costs paid once per new shape in a process (kernels
+    # met for the first time, oneDNN building a primitive per shape) stay out of the timed rounds: these
+    # are warm-step figures. With two batches of warm-up, such costs once made this model 0.08x
+    # MarianMTModel on a GPU, where warm steps were equally fast; `tools/training_steps_cold_warm.py`
+    # times the cold pass too.
     for kind in models:
         for batch in batches:
             steps[kind](batch)

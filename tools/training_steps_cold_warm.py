@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,11 +35,13 @@ from tools.benchmark import (
 )
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.corpus import load_default_corpus
-from vanilla_transformer.machine import describe_machine, format_machine
+from vanilla_transformer.machine import describe_gpu, describe_machine, format_machine
 from vanilla_transformer.tokenization import train_bpe_tokenizer
 
+Step = Callable[[dict[str, torch.Tensor]], None]
 
-def timed(step, batch: dict[str, torch.Tensor], device: str) -> float:
+
+def timed(step: Step, batch: dict[str, torch.Tensor], device: str) -> float:
     synchronize(device)
     started = time.perf_counter()
     step(batch)
@@ -50,12 +53,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", type=int, default=8, help="length-bucketed batches of 4,096 tokens")
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    dtypes = ["bfloat16", "float32"]
+    parser.add_argument("--dtypes", nargs="+", default=dtypes, choices=dtypes)
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables (CUDA)")
     args = parser.parse_args()
-    print(f"machine: {format_machine(describe_machine(measure=False))}; device {args.device}")
+    machine = describe_machine(measure=False)
     if args.device.startswith("cuda"):
-        print(f"GPU: {torch.cuda.get_device_name(torch.device(args.device))}, torch {torch.__version__}")
+        machine |= describe_gpu(args.device, torch.bfloat16)
+    print(f"machine: {format_machine(machine)}; device {args.device}, torch {torch.__version__}")
     train = load_default_corpus()["train"]
     tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), BENCHMARK_VOCABULARY)
     cpu_batches = corpus_batches(tokenizer, 4096, args.batches, padding_heavy=False)
@@ -66,7 +71,7 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         batches = [to_device(batch, args.device) for batch in cpu_batches]
         tokens = sum(int((batch["labels"] != -100).sum()) for batch in batches)
-        steps = {}
+        steps: dict[str, Step] = {}
         for kind, label in (("ours", "this model"), ("marian", "MarianMTModel")):
             for path, loss in (("training script", training_loss), ("Trainer path", trainer_loss)):
                 model = build_model(kind, config, args.device, dtype)
@@ -87,7 +92,7 @@ def main() -> None:
                         step(batch)
                     synchronize(args.device)
                 print(f"\n{dtype_name}, {name}: heaviest operations on the GPU")
-                print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+                print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=8))
 
 
 if __name__ == "__main__":

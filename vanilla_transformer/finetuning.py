@@ -138,7 +138,7 @@ class GenerationConfigKeepingTrainer(Seq2SeqTrainer):
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
-    problem = processes_without_a_gpu()
+    problem = None if argument_overrides.get("use_cpu") else processes_without_a_gpu()
     if problem:
         raise ValueError(problem)
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it

@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def format_machine(description: dict[str, Any]) -> str:
 
 
 def format_gpu(description: dict[str, Any]) -> str:
-    """'NVIDIA H200, measured bfloat16 matmul 780 TFLOP/s' (the rate where it was measured)."""
+    """'<GPU name>, measured bfloat16 matmul <rate> TFLOP/s' (the rate where it was measured)."""
     line = description["gpu"]
     if "gpu_matmul_tflops" in description:
         rate = description["gpu_matmul_tflops"]
@@ -140,25 +141,30 @@ def format_gpu(description: dict[str, Any]) -> str:
     return line
 
 
-def processes_without_a_gpu(environ: dict[str, str] | None = None, gpus: int | None = None) -> str | None:
+def processes_without_a_gpu(environ: Mapping[str, str] | None = None, gpus: int | None = None) -> str | None:
     """Why this launch cannot give each of its processes a GPU of its own, or None when it can.
 
     `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine with fewer than N GPUs
     puts two processes on one GPU, which NCCL refuses with an error that names neither the flag nor the
-    fix. Launches on CPUs (`--cpu`, or no GPU at all) are fine. Like Accelerate, which gives local
-    process i GPU i modulo the GPUs it sees, this assumes that a machine's processes all see its GPUs
-    (as under `accelerate launch` and torchrun)."""
+    fix. Processes on CPUs (no GPU visible, or `ACCELERATE_USE_CPU` set) are fine. Like Accelerate, which
+    gives local process i GPU i modulo the GPUs it sees, this assumes that a machine's processes all see
+    its GPUs (as under `accelerate launch` and torchrun)."""
     environ = os.environ if environ is None else environ
-    local = int(environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this machine (torchrun sets it)
-    if local <= 1 or environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    try:  # processes on this machine (torchrun sets it)
+        local = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return None  # not a launcher's value: nothing to judge by
+    on_cpus = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "t", "on")
+    if local <= 1 or on_cpus:
         return None
     gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus
     if gpus == 0 or gpus >= local:
         return None
     return (
-        f"{local} processes were launched on this machine, but it has {gpus} GPU{'s' * (gpus != 1)}: each "
-        f"process needs a GPU of its own. Launch with --num_processes {gpus}, or add --cpu to run the "
-        "processes on CPUs."
+        f"{local} processes were launched on this machine, but it sees {gpus} GPU{'s' * (gpus != 1)}: each "
+        f"process needs a GPU of its own. Launch at most {gpus} per machine (accelerate launch "
+        f"--num_processes {gpus} on one machine, torchrun --nproc_per_node {gpus}), or hide the GPUs to run "
+        "the processes on CPUs: CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu ..."
     )
 
 
