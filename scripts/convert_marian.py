@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
+from vanilla_transformer.cli import first_line
 from vanilla_transformer.conversion import convert_from_marian
 from vanilla_transformer.evaluation import looks_local
 from vanilla_transformer.publishing import publish_folder
@@ -56,10 +57,9 @@ if args.tokenizer:
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except Exception as error:  # sentencepiece missing, or files it cannot read (TypeError, RuntimeError)
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         parser.error(
             f"the Marian tokenizer of {args.model} could not be loaded (it needs sentencepiece; "
-            f"--no-tokenizer converts the model alone): {first_line}"
+            f"--no-tokenizer converts the model alone): {first_line(error)}"
         )
 with publish_folder(args.output) as staging:  # the folder appears complete or not at all
     model.save_pretrained(staging)

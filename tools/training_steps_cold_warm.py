@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tools.benchmark import (
     BENCHMARK_VOCABULARY,
     build_model,
     corpus_batches,
+    median_time,
     synchronize,
     to_device,
     train_step_fn,
@@ -42,11 +42,8 @@ Step = Callable[[dict[str, torch.Tensor]], None]
 
 
 def timed(step: Step, batch: dict[str, torch.Tensor], device: str) -> float:
-    synchronize(device)
-    started = time.perf_counter()
-    step(batch)
-    synchronize(device)
-    return time.perf_counter() - started
+    """Seconds of one step on `batch` (the benchmark's timer, with the device synchronised)."""
+    return median_time(lambda: step(batch), device, 1)
 
 
 def main() -> None:

@@ -32,6 +32,12 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message (at most `limit` characters), or its type's name when it
+    has none: enough to name a library's failure in a one-line error."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
 def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
     """An argparse parser for the fields of dataclass `cls`; help from `field(metadata={"help": ...})`."""
     parser = argparse.ArgumentParser(description=description, formatter_class=DefaultsOnce)
@@ -138,6 +144,7 @@ __all__ = [
     "add_length_penalty_form",
     "check_output_file",
     "dataclass_parser",
+    "first_line",
     "parse_dataclass",
     "positive_int",
     "replaced_when_complete",

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import str_to_bool
 
 # CPU flags (as /proc/cpuinfo spells them) that decide which kernels torch, MKL and oneDNN can use.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
@@ -154,7 +155,10 @@ def processes_without_a_gpu(environ: Mapping[str, str] | None = None, gpus: int 
         local = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
         return None  # not a launcher's value: nothing to judge by
-    on_cpus = environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "t", "on")
+    try:  # read as Accelerate reads it
+        on_cpus = bool(str_to_bool(environ.get("ACCELERATE_USE_CPU", "false").strip()))
+    except ValueError:
+        on_cpus = False
     if local <= 1 or on_cpus:
         return None
     gpus = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if gpus is None else gpus

@@ -18,7 +18,7 @@ from typing import Any
 
 from datasets import DatasetDict, Value, load_dataset
 
-from .cli import InputError
+from .cli import InputError, first_line
 from .corpus import load_default_corpus
 
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
@@ -260,9 +260,9 @@ def load_parallel_data(
         try:
             data = load_dataset(dataset_name, dataset_config)
         except (OSError, ValueError) as error:  # not found, no network, a malformed id or config name
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300].rstrip(".")
             raise DataError(
-                f"The dataset {dataset_name!r} could not be loaded from the Hub or its cache: {first_line}. "
+                f"The dataset {dataset_name!r} could not be loaded from the Hub or its cache: "
+                f"{first_line(error).rstrip('.')}. "
                 "Without Hub access, pass local --train_file/--validation_file/--test_file instead."
             ) from None
     elif files:
