@@ -343,8 +343,10 @@ def test_save_pretrained_with_push_to_hub_uploads_the_pipeline(tmp_path, monkeyp
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "create_commit", create_commit)
-    # push_to_hub starts from the repository's card, which would be asked of huggingface.co
-    monkeypatch.setattr(transformers.utils.hub, "create_and_tag_model_card", lambda *a, **k: ModelCard("x"))
+    # push_to_hub starts from the repository's card, which would be asked of huggingface.co (with retries,
+    # 20 s offline); `save_pretrained` calls modeling_utils' own import of that function.
+    for module in (transformers.utils.hub, transformers.modeling_utils):
+        monkeypatch.setattr(module, "create_and_tag_model_card", lambda *a, **k: ModelCard("x"))
     tiny_model().save_pretrained(tmp_path / "model", push_to_hub=True, repo_id="someone/tiny", token="x")
     assert {"config.json", "model.safetensors", "pipeline_vanilla_transformer.py"} <= set(uploaded)
     assert (tmp_path / "model" / "pipeline_vanilla_transformer.py").is_file()  # the local folder too

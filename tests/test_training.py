@@ -993,13 +993,16 @@ def test_more_processes_than_gpus_end_training_before_any_work(tmp_path, monkeyp
         InputError, match=r"2 processes .* sees 1 GPU: .*--num_processes 1 .*CUDA_VISIBLE_DEVICES="
     ):
         train(TrainingConfig(output_dir=str(tmp_path / "run")))
-    finetune = FinetuneConfig(model="m", train_file="t", output_dir=str(tmp_path / "ft"))
+    # A folder that does not exist: the model is read (and not found) at once; a repo id would be tried
+    # on the Hub first, with retries (20 s and more where the machine is offline).
+    missing = str(tmp_path / "no-model")
+    finetune = FinetuneConfig(model=missing, train_file="t", output_dir=str(tmp_path / "ft"))
     with pytest.raises(
         ValueError, match=r"2 processes .* sees 1 GPU: .*--num_processes 1 .*CUDA_VISIBLE_DEVICES="
     ):
         build_trainer(finetune)
-    with pytest.raises(OSError):  # `use_cpu` (Trainer's own CPU switch) passes the check: the model is read
-        build_trainer(finetune, use_cpu=True)
+    with pytest.raises(FileNotFoundError, match="No model folder"):  # `use_cpu` (Trainer's own CPU switch)
+        build_trainer(finetune, use_cpu=True)  # passes the check: the model is read
     assert not (tmp_path / "run").exists()
 
 
