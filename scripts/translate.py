@@ -52,6 +52,9 @@ if args.output != "-":
         check_output_file(args.output, args.input.name, args.model)
     except ValueError as error:
         parser.error(str(error))
+    # `--output F < F`: standard input is the output file under another name than --input's.
+    if os.path.exists(args.output) and os.path.samestat(os.fstat(args.input.fileno()), os.stat(args.output)):
+        parser.error(f"{args.output} is also the input (standard input reads it); writing it destroys it.")
 if args.length_penalty is not None and not math.isfinite(args.length_penalty):
     parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
 options = {
@@ -65,10 +68,11 @@ generate_kwargs = {key: value for key, value in options.items() if value is not 
 
 
 def decoded(stream: Iterator[bytes]) -> Iterator[str]:
-    """The input's lines as text, decoded one by one so that an error names its line."""
+    """The input's lines as text, decoded one by one so that an error names its line; a byte-order mark
+    that starts the input (as Windows editors save UTF-8) is not part of its first line."""
     for number, line in enumerate(stream, 1):
         try:
-            yield line.decode("utf-8")
+            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(
                 f"{args.input.name}: line {number} is not UTF-8 text ({error.reason})."

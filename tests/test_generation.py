@@ -549,3 +549,21 @@ def test_the_length_rule_applies_to_inputs_embeds_and_takes_the_offset_as_a_keyw
     assert model.generate(source, max_length_offset=3, **options).shape[1] == 1 + source.shape[1] + 3
     with pytest.raises(ValueError, match="max_length_offset must be a non-negative integer"):
         model.generate(source, max_length_offset=-1, **options)
+
+
+def test_arguments_generate_cannot_use_are_named(source):
+    """A 1-D `input_ids` once met an IndexError, `num_beams=0` a ZeroDivisionError in transformers'
+    beam search, and `length_penalty=nan` returned cut-off translations without a word."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, length\).*add a batch dimension"):
+        model.generate(source[0])
+    with pytest.raises(ValueError, match="num_beams must be a positive integer, got 0"):
+        model.generate(source, num_beams=0)
+    for alpha in (float("nan"), float("-inf")):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+            model.generate(source, num_beams=2, length_penalty=alpha)
+    model.generation_config.length_penalty = float("nan")  # a saved configuration's value as well
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+        model.generate(source, num_beams=2)
+    model.generation_config.length_penalty = 0.6
+    assert model.generate(source[:1], num_beams=2, max_new_tokens=3).shape[0] == 1

@@ -665,7 +665,12 @@ def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_bad_flags_are_rejected():
+def test_bad_flags_are_rejected(tmp_path):
+    # A tokenizer path that is not one: refused with the flags, not by a traceback after loading the data.
+    with pytest.raises(ValueError, match="--tokenizer_name: no tokenizer folder at /nope"):
+        TrainingConfig(tokenizer_name="/nope")
+    with pytest.raises(ValueError, match=r"holds no tokenizer\.json nor tokenizer_config\.json"):
+        TrainingConfig(tokenizer_name=str(tmp_path))
     with pytest.raises(ValueError, match="--max_steps must be positive"):
         TrainingConfig(max_steps=0)
     with pytest.raises(ValueError, match="--average_checkpoints cannot exceed"):
@@ -731,7 +736,7 @@ def test_translate_script_keeps_lines_aligned(trained):
         str(output_dir),
         "--num_beams",
         "2",
-        stdin="In the beginning.\n\nJesus wept.\n",
+        stdin="\ufeffIn the beginning.\n\nJesus wept.\n",  # a byte-order mark (not part of the first line)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.split("\n")
@@ -795,6 +800,14 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
         "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(source)
     )
     assert same.returncode == 2 and "is also an input" in same.stderr
+    assert source.read_text() == "In the beginning.\nJesus wept.\n"
+    # The same file as standard input (`--output source.txt < source.txt`).
+    with source.open("rb") as stdin:
+        command = [sys.executable, str(ROOT / "scripts" / "translate.py"), "--model", str(output_dir)]
+        redirected = subprocess.run(
+            [*command, "--output", str(source)], stdin=stdin, capture_output=True, text=True, timeout=300
+        )
+    assert redirected.returncode == 2 and "standard input reads it" in redirected.stderr
     assert source.read_text() == "In the beginning.\nJesus wept.\n"
     tokenizer_text = (output_dir / "tokenizer.json").read_text()
     into_model = run_script(

@@ -1119,6 +1119,7 @@ class VanillaTransformerForConditionalGeneration(
         # starts a check at its first cached forward, but cannot tell a static cache's first step.)
         new_generate_call()
         config = generation_config if generation_config is not None else self.generation_config
+        check_generate_arguments(inputs if inputs is not None else kwargs.get("input_ids"), config, kwargs)
         form = kwargs.pop("length_penalty_form", None)
         if form is None:
             form = getattr(config, "length_penalty_form", None)
@@ -1178,6 +1179,23 @@ class VanillaTransformerForConditionalGeneration(
 
 
 LENGTH_PENALTY_FORMS = ("power", "gnmt")
+
+
+def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: dict[str, Any]) -> None:
+    """What `generate` would otherwise meet as an IndexError, a ZeroDivisionError or cut-off output:
+    token ids without a batch dimension, a beam count below 1, a length penalty that is not finite
+    (NaN ranks every finished beam alike). Raises ValueError naming the argument."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be (batch, length) token ids, got shape {tuple(input_ids.shape)}"
+            + (": add a batch dimension (`ids[None]`)." if input_ids.dim() == 1 else ".")
+        )
+    beams = kwargs.get("num_beams", config.num_beams)
+    if beams is not None and (isinstance(beams, bool) or not isinstance(beams, int) or beams < 1):
+        raise ValueError(f"num_beams must be a positive integer, got {beams!r}.")
+    alpha = kwargs.get("length_penalty", config.length_penalty)
+    if isinstance(alpha, int | float) and not math.isfinite(alpha):
+        raise ValueError(f"length_penalty must be a finite number, got {alpha!r}.")
 
 
 class GNMTLengthPenalty(float):

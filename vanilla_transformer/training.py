@@ -41,8 +41,9 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
 
 from .batching import TokenBatchSampler
-from .cli import InputError, parse_dataclass
+from .cli import InputError, first_line, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
+from .evaluation import looks_local
 from .hub import check_repo_id, push_model_folder, resolve_token
 from .machine import (
     describe_gpu,
@@ -343,6 +344,14 @@ class TrainingConfig:
         files = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
         if self.dataset_name and any(files.values()):
             raise ValueError("Pass either --dataset_name or data files (--train_file ...), not both.")
+        if self.tokenizer_name and looks_local(self.tokenizer_name):
+            folder = Path(self.tokenizer_name)
+            if not folder.is_dir():
+                raise ValueError(f"--tokenizer_name: no tokenizer folder at {folder}.")
+            if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+                raise ValueError(
+                    f"--tokenizer_name: {folder} holds no tokenizer.json nor tokenizer_config.json."
+                )
         for split, path in files.items():
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"--{split}_file {path} is not a file.")
@@ -1430,7 +1439,10 @@ def load_or_train_tokenizer(
     before they kept one: the run's, in `output_dir/tokenizer`); else a joint BPE trained on the
     training split, saved in `output_dir/tokenizer`."""
     if config.tokenizer_name:
-        return AutoTokenizer.from_pretrained(config.tokenizer_name)
+        try:
+            return AutoTokenizer.from_pretrained(config.tokenizer_name)
+        except (OSError, ValueError) as error:  # a folder without one, a Hub id not found or not reached
+            raise InputError(f"--tokenizer_name {config.tokenizer_name}: {first_line(error)}") from None
     folder = output_dir / "tokenizer"
     if resume_path is not None and (resume_path / CHECKPOINT_TOKENIZER / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(resume_path / CHECKPOINT_TOKENIZER)
