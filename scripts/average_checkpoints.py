@@ -7,7 +7,9 @@
 The training job already averages its last `--average_checkpoints`; this script averages any others
 (another span, an earlier point of a longer run). The new folder gets the run's configuration, code,
 generation settings and tokenizer, and the averaged weights; not the run's model card, metrics or curves,
-which describe the run's own model. --output must be a new or empty folder.
+which describe the run's own model. --output must be a new or empty folder. Checkpoints of different
+runs (each run records an id in its checkpoints and metrics.json), of another run than --model's, or
+trained with another vocabulary than --model's tokenizer are refused.
 """
 
 import argparse
@@ -16,8 +18,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
+from vanilla_transformer.cli import first_line
+from vanilla_transformer.evaluation import looks_local
 from vanilla_transformer.publishing import publish_folder
-from vanilla_transformer.training import checkpoint_problems, load_averaged_weights
+from vanilla_transformer.training import checkpoint_problems, foreign_checkpoints, load_averaged_weights
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="the run's model folder (configuration and tokenizer)")
@@ -37,12 +41,22 @@ for checkpoint in args.checkpoints:
     problems = checkpoint_problems(checkpoint)
     if problems:
         parser.error(f"{checkpoint} is not a complete checkpoint: {'; '.join(problems)}")
+if looks_local(args.model) and not Path(args.model).is_dir():
+    parser.error(f"No model folder at {args.model}.")
+problems = foreign_checkpoints(Path(args.model), args.checkpoints)
+if problems:
+    parser.error(" ".join(problems))
 try:
     model = VanillaTransformerForConditionalGeneration.from_pretrained(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+except (OSError, ValueError) as error:
+    parser.error(first_line(error))
+try:
     load_averaged_weights(model, args.checkpoints)
-except (OSError, ValueError, RuntimeError) as error:
-    parser.error(str(error))
+except (OSError, ValueError, RuntimeError) as error:  # torch lists every mismatched weight: name the first
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    shapes = next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
+    parser.error(f"the checkpoints' weights do not fit {args.model}'s model: {shapes[:300]}")
 with publish_folder(output) as staging:  # the folder appears complete or not at all
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)

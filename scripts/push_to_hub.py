@@ -7,7 +7,9 @@ file, an invalid repo id or a missing token stop with a message before anything 
 """
 
 import argparse
+import sys
 
+from vanilla_transformer.cli import first_line
 from vanilla_transformer.hub import push_model_folder
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -21,6 +23,8 @@ try:
     url = push_model_folder(
         args.folder, args.repo_id, token=args.token, private=args.private, commit_message=args.commit_message
     )
-except (OSError, ValueError) as error:
+except (OSError, ValueError) as error:  # the folder, the repo id, the token; the Hub's HTTP answers
     parser.error(str(error))
+except Exception as error:  # the Hub not reached: the HTTP client's own errors, which are neither
+    sys.exit(f"error: publishing to the Hub failed: {type(error).__name__}: {first_line(error)}")
 print(f"uploaded: {url}")

@@ -12,6 +12,7 @@ import http.client
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -366,9 +367,24 @@ def test_card_for_repo_rewrites_only_the_loading_examples(tmp_path, name):
         target_lang="es",
     )
     text = (tmp_path / "README.md").read_text()
+    # Without trust_remote_code a Hub user's AutoTokenizer asks for it at the terminal (15 s, then runs).
+    loads = re.findall(r"from_pretrained\(repo[^)]*\)", text)
+    assert len(loads) >= 4 and all("trust_remote_code=True" in load for load in loads), loads
     card = card_for_repo(text, REPO_ID)
     assert f'repo = "{name}"' in text and f'model="{name}"' in text
     assert f'repo = "{name}"' not in card and f'model="{name}"' not in card
     assert f'repo = "{REPO_ID}"' in card and f'model="{REPO_ID}"' in card
     for kept in ('pipeline("translation"', 'batch["en"]', 'batch["es"]'):
         assert card.count(kept) == text.count(kept) > 0
+
+
+def test_push_script_names_an_unreachable_hub_in_one_line(model_folder):
+    """A connection error is not an OSError: it once ended the script with a traceback."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "push_to_hub.py"
+    command = [sys.executable, str(script), "--folder", str(model_folder), "--repo_id", REPO_ID]
+    environment = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_TOKEN": "hf_dummy"}
+    result = subprocess.run(
+        [*command], env=environment, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "error: publishing to the Hub failed: " in result.stderr and "Traceback" not in result.stderr

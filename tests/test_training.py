@@ -28,6 +28,7 @@ from vanilla_transformer.training import (
     check_data_order,
     checkpoint_problems,
     checkpoint_weights,
+    foreign_checkpoints,
     list_checkpoints,
     make_loader,
     parse_config,
@@ -36,6 +37,7 @@ from vanilla_transformer.training import (
     set_epoch,
     train,
     validation_loss,
+    write_manifest,
 )
 from vanilla_transformer.translation import translate
 
@@ -223,6 +225,31 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
     refused = average(tmp_path / "twice", checkpoints[0], checkpoints[0] + "/")
     assert refused.returncode == 2 and "names a folder twice" in refused.stderr
+
+    # Another run's checkpoint (its own run id), or one trained with another vocabulary: both were once
+    # averaged in without a word, into a model that translated nothing.
+    run_id = json.loads((output_dir / "metrics.json").read_text())["run_id"]
+    assert {json.loads((Path(p) / STATE_FILE).read_text())["run_id"] for p in checkpoints} == {run_id}
+    assert foreign_checkpoints(output_dir, [Path(p) for p in checkpoints]) == []
+    other_run = tmp_path / "other-run" / "step-00000024"
+    shutil.copytree(checkpoints[-1], other_run)
+    state = json.loads((other_run / STATE_FILE).read_text())
+    (other_run / STATE_FILE).write_text(json.dumps({**state, "run_id": "f" * 32}))
+    write_manifest(other_run)
+    refused = average(tmp_path / "mixed", checkpoints[0], str(other_run))
+    assert refused.returncode == 2 and "come from different training runs" in refused.stderr
+    assert not (tmp_path / "mixed").exists()
+    assert "not of" in foreign_checkpoints(output_dir, [other_run])[0]
+    vocabulary = other_run / "tokenizer" / "tokenizer.json"
+    tokenizer = json.loads(vocabulary.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two pieces' ids swapped
+    vocabulary.write_text(json.dumps(tokenizer))
+    (other_run / STATE_FILE).write_text(json.dumps(state))  # the run's own id: the vocabulary alone differs
+    assert foreign_checkpoints(output_dir, [Path(checkpoints[0]), other_run]) == [
+        f"{other_run} was trained with another vocabulary than {output_dir}'s tokenizer."
+    ]
 
 
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):

@@ -56,9 +56,15 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         raise FileNotFoundError(f"No model folder at {folder}.")
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:
+        card = (
+            " The model card (README.md), with the model's measured scores, is written by scripts/train.py;"
+            " folders from average_checkpoints.py or finetune.py have none: write one (as"
+            " vanilla_transformer.model_card.write_model_card does) before publishing."
+            if "README.md" in missing
+            else ""
+        )
         raise FileNotFoundError(
-            f"{folder} is not a complete trained model folder (missing {', '.join(missing)}); "
-            "write one with scripts/train.py."
+            f"{folder} is not a complete trained model folder (missing {', '.join(missing)}).{card}"
         )
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -600,6 +601,40 @@ def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
     )
 
 
+def _json_field(path: Path, name: str) -> Any:
+    """`name` of the JSON object in `path`; None where the file, the object or the field is missing."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value.get(name) if isinstance(value, dict) else None
+
+
+def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list[str]:
+    """Why `checkpoints` cannot be averaged into `model_folder`'s model ([] when they can): checkpoints of
+    different training runs (an average of two runs' weights translates nothing), or of another run than
+    the folder's, or trained with another vocabulary than the folder's tokenizer. Runs record an id in
+    their checkpoints and metrics.json; those written before that are checked by their tokenizer only."""
+    problems = []
+    model_run = _json_field(model_folder / "metrics.json", "run_id")
+    runs = {path: _json_field(path / STATE_FILE, "run_id") for path in checkpoints}
+    known = {path: run for path, run in runs.items() if run is not None}
+    if len(set(known.values())) > 1:
+        problems.append(
+            "the checkpoints come from different training runs ("
+            + ", ".join(f"{path}: run {run[:8]}" for path, run in known.items())
+            + "); an average of two runs' weights is not a model of either."
+        )
+    elif model_run is not None and known and model_run not in known.values():
+        problems.append(f"the checkpoints are not of {model_folder}'s training run (run {model_run[:8]}).")
+    vocabulary = _json_field(model_folder / "tokenizer.json", "model")
+    for path in checkpoints:
+        own = _json_field(path / CHECKPOINT_TOKENIZER / "tokenizer.json", "model")
+        if vocabulary is not None and own is not None and own != vocabulary:
+            problems.append(f"{path} was trained with another vocabulary than {model_folder}'s tokenizer.")
+    return problems
+
+
 def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
     """Element-wise mean of the model weights saved in `paths` (paper Section 6.1)."""
     if not paths:
@@ -909,6 +944,7 @@ def start(config: TrainingConfig) -> Run:
     )
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "history": [], "train_time_s": 0.0}
+    state["run_id"] = uuid.uuid4().hex  # kept by every checkpoint and resume: whose checkpoints these are
     data_order = {
         "processes": accelerator.num_processes,
         "max_tokens": config.max_tokens,
@@ -920,6 +956,7 @@ def start(config: TrainingConfig) -> Run:
         check_data_order(resume_path, data_order)
         check_architecture(resume_path, architecture)
         state = resume(accelerator, output_dir, resume_path)
+        state.setdefault("run_id", uuid.uuid4().hex)  # a checkpoint written before runs had ids
         log(f"resumed from {resume_path} at update {state['step']}")
     else:  # an earlier run's checkpoints in this folder would be averaged into this run's model
         if accelerator.is_main_process:
@@ -1472,7 +1509,8 @@ def write_model_folder(
     config, tokenizer, tokenized, accelerator = run.config, run.tokenizer, run.tokenized, run.accelerator
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    (output_dir / "metrics.json").write_text(json.dumps({"metrics": metrics, "samples": samples}, indent=1))
+    record = {"metrics": metrics, "samples": samples, "run_id": run.state.get("run_id")}
+    (output_dir / "metrics.json").write_text(json.dumps(record, indent=1))
     plot_training_curves(run.state["history"], output_dir / "training_curves.png")
     # The dataset's own metadata (the embedded corpus ships its own; Hub datasets carry theirs), or for
     # local files their names.
