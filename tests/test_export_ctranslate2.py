@@ -5,6 +5,7 @@ each source's length + 50); CTranslate2 is an independent implementation of the 
 """
 
 import json
+import math
 import subprocess
 import sys
 
@@ -232,6 +233,12 @@ def test_empty_translations_length_offset_0_and_beam_differences(tmp_path, corpu
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_length_offset"] == 0
     assert CTranslate2Translator(tmp_path / "ct2").translate(sources) == expected
+    for bad, message in (
+        ({"num_beams": 0}, "num_beams must be a positive integer"),
+        ({"length_penalty": math.nan}, "length_penalty must be a finite number"),
+    ):
+        with pytest.raises(ValueError, match=message):  # once taken silently, as generate() now refuses them
+            CTranslate2Translator(tmp_path / "ct2").translate(sources[:1], **bad)
 
     model.generation_config.early_stopping, model.generation_config.no_repeat_ngram_size = False, 3
     model.save_pretrained(tmp_path / "model")

@@ -7,12 +7,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
 from huggingface_hub import ModelCard
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from vanilla_transformer import training as training_module
@@ -530,8 +532,6 @@ def test_greedy_decoding_flags_give_a_valid_model_folder(tmp_path, corpus_files)
 
 def test_checkpoint_averaging_is_the_element_wise_mean(tmp_path):
     """Known weights in both checkpoint formats (safetensors, and FSDP's whole-state torch.save)."""
-    from safetensors.torch import save_file
-
     values = (1.0, 2.0, 6.0)
     folders = []
     for index, value in enumerate(values):
@@ -856,6 +856,20 @@ def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path
     bad = run_script("translate.py", "--model", str(output_dir), *options)
     assert bad.returncode == 1 and "line 21 is not UTF-8" in bad.stderr and "Traceback" not in bad.stderr
     assert earlier.read_text() == "keep me\n" and not list(tmp_path.glob(".*partial"))
+    # SIGTERM part way (`timeout`, `kill`): the old file stays and no hidden partial file is left behind.
+    many = tmp_path / "many.txt"
+    many.write_text("Jesus wept.\n" * 5000)
+    command = [sys.executable, str(ROOT / "scripts" / "translate.py"), "--model", str(output_dir)]
+    options = ["--input", str(many), "--output", str(earlier), "--batch_size", "1", "--num_beams", "1"]
+    running = subprocess.Popen([*command, *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = tmp_path / f".{earlier.name}.partial"
+    deadline = time.monotonic() + 120
+    while not partial.exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert partial.exists(), running.stderr.read()[-2000:] if running.poll() is not None else "no partial"
+    running.terminate()
+    assert running.wait(timeout=60) == 143
+    assert earlier.read_text() == "keep me\n" and not partial.exists()
     good = run_script(
         "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(earlier)
     )
@@ -882,6 +896,14 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypat
     (copy / "model.safetensors").write_bytes(weights[:100])  # truncated
     with pytest.raises(OSError, match=f"The model in {copy} could not be read"):
         load_model_folder(copy)
+    # A weight left out of the file: transformers would draw it at random and only log that.
+    tensors = load_file(output_dir / "model.safetensors")
+    assert "model.decoder.layers.0.fc2.weight" in tensors
+    del tensors["model.decoder.layers.0.fc2.weight"]
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lack 1 of the model's tensors \(model\.decoder\.layers\.0\.fc2"):
+        load_model_folder(copy)
+    assert load_model_folder(output_dir)[0].config.d_model == 64  # the run's own folder: every weight there
     # One slash, as a Hub id has, but "outputs" is a folder here: a mistyped path, not a Hub id.
     (tmp_path / "outputs").mkdir()
     with monkeypatch.context() as patch:

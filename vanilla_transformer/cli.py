@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
+import sys
+import threading
 import types
 import typing
 from collections.abc import Iterator, Sequence
@@ -108,12 +111,19 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     new one."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
+    # SIGTERM (`kill`, `timeout`, a job scheduler) would end the process without this block's cleanup:
+    # while it runs, it ends the process as Ctrl-C does, through the `finally` below (exit status 143).
+    terminate = None
+    if threading.current_thread() is threading.main_thread():
+        terminate = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with partial.open("w", encoding="utf-8") as stream:
             yield stream
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+        if terminate is not None:
+            signal.signal(signal.SIGTERM, terminate)
 
 
 def add_length_penalty_form(parser: argparse.ArgumentParser) -> None:

@@ -52,11 +52,21 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
     if target.type == "meta":
         raise ValueError(f"Device {device!r} holds shapes, not values: it cannot translate.")
     try:
-        model = AutoModelForSeq2SeqLM.from_pretrained(path, trust_remote_code=True)
+        model, loading = AutoModelForSeq2SeqLM.from_pretrained(
+            path, trust_remote_code=True, output_loading_info=True
+        )
     except Exception as error:  # e.g. a truncated model.safetensors: say which folder, keep the cause
         if isinstance(error, (OSError, ValueError)) or not folder.exists():
             raise
         raise OSError(f"The model in {folder} could not be read: {error}") from error
+    # transformers initialises a weight missing from the file at random and only logs it: such a model
+    # translates (badly) and scores, without a word. Tied copies, which files leave out, do not count.
+    missing = sorted(set(loading["missing_keys"]) - set(getattr(model, "all_tied_weights_keys", ())))
+    if missing:
+        raise ValueError(
+            f"The weights in {folder} lack {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): they would be random."
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.to(target).eval(), tokenizer
 
