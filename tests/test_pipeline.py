@@ -60,6 +60,7 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
         translator(42)
     with pytest.raises(ValueError, match="empty string"):
         translator("   ")
+    assert translator([]) == []  # no sentences: no translations (an IndexError inside transformers once)
 
 
 def test_several_translations_per_sentence_stay_with_their_sentence(saved):

@@ -44,6 +44,8 @@ class TranslationPipeline(Pipeline):
             return super().__call__(inputs, **kwargs)
         if not isinstance(inputs, (list, tuple)) or not all(isinstance(text, str) for text in inputs):
             raise ValueError("The translation pipeline takes a string or a list of strings.")
+        if not inputs:  # no sentences, no translations (transformers' batching fails on an empty list)
+            return []
         results = super().__call__(list(inputs), **kwargs)
         # One translation per sentence: a flat list, as the pipeline of transformers 4 returned.
         return [result[0] for result in results] if all(len(r) == 1 for r in results) else results
