@@ -53,7 +53,9 @@ except (OSError, ValueError) as error:
     parser.error(first_line(error))
 try:
     load_averaged_weights(model, args.checkpoints)
-except (OSError, ValueError, RuntimeError) as error:  # torch lists every mismatched weight: name the first
+except (OSError, ValueError) as error:  # a checkpoint without averageable weights (sharded FSDP)
+    parser.error(first_line(error))
+except RuntimeError as error:  # torch lists every mismatched weight: name the first
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     shapes = next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
     parser.error(f"the checkpoints' weights do not fit {args.model}'s model: {shapes[:300]}")

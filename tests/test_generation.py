@@ -1,5 +1,6 @@
 """Incremental decoding and generate() against hand-written decoding loops."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -567,3 +568,8 @@ def test_arguments_generate_cannot_use_are_named(source):
         model.generate(source, num_beams=2)
     model.generation_config.length_penalty = 0.6
     assert model.generate(source[:1], num_beams=2, max_new_tokens=3).shape[0] == 1
+    # numpy and one-element tensor numbers are numbers: valid ones pass, a NaN among them does not.
+    assert model.generate(source[:1], num_beams=np.int64(2), max_new_tokens=3).shape[0] == 1
+    for alpha in (np.float32("nan"), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+            model.generate(source, num_beams=2, length_penalty=alpha)

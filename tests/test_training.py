@@ -1042,6 +1042,27 @@ def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_failed_upload_after_training_keeps_the_folder_and_says_how_to_publish(
+    tmp_path, corpus_files, monkeypatch
+):
+    """An unreachable Hub at the end of a run raised the HTTP client's own error, a traceback."""
+    from vanilla_transformer import hub
+
+    class ConnectError(Exception):  # what httpx raises: neither an OSError nor a ValueError
+        pass
+
+    def unreachable(*args, **kwargs):
+        raise ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(hub, "get_token", lambda: "hf_dummy")
+    monkeypatch.setattr(training_module, "push_model_folder", unreachable)
+    args = small_args(tmp_path / "run", corpus_files, max_steps=4, eval_steps=0, save_steps=4)
+    config = parse_config([*args, "--push_to_hub", "--hub_model_id", "someone/tiny"])
+    with pytest.raises(InputError, match=r"is complete, but publishing it failed \(ConnectError: \[Errno"):
+        train(config)
+    assert (tmp_path / "run" / "model.safetensors").is_file() and (tmp_path / "run" / "README.md").is_file()
+
+
 def test_more_processes_than_gpus_end_training_before_any_work(tmp_path, monkeypatch):
     """Two processes launched on a one-GPU machine: one clear input error before the Accelerator starts,
     in train.py and finetune.py alike (NCCL's own error named neither the flag nor the fix)."""

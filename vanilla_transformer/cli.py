@@ -113,8 +113,12 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     partial = path.with_name(f".{path.name}.partial")
     # SIGTERM (`kill`, `timeout`, a job scheduler) would end the process without this block's cleanup:
     # while it runs, it ends the process as Ctrl-C does, through the `finally` below (exit status 143).
+    # Only over the default action: a handler of the program's own, or SIGTERM ignored, stays as it is.
     terminate = None
-    if threading.current_thread() is threading.main_thread():
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
         terminate = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         with partial.open("w", encoding="utf-8") as stream:

@@ -40,6 +40,7 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .modeling_vanilla_transformer import (
     DEFAULT_MAX_LENGTH_OFFSET,
     VanillaTransformerForConditionalGeneration,
+    check_beam_settings,
     sinusoidal_position_encoding,
 )
 from .publishing import publish_folder
@@ -337,12 +338,7 @@ class CTranslate2Translator:
         """Translations of `sentences`, in order. Sentences of equal token length share batches, so that
         each keeps the paper's limit of its own length + 50 (CTranslate2 takes one limit per call)."""
         sentences = checked_sentences(sentences, batch_size)
-        if num_beams is not None and (
-            isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1
-        ):
-            raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}.")
-        if length_penalty is not None and not math.isfinite(length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}.")
+        check_beam_settings(num_beams, length_penalty)
         if not sentences:
             return []
         settings = self.settings

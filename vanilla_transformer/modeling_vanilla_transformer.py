@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -1190,12 +1191,25 @@ def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: d
             f"input_ids must be (batch, length) token ids, got shape {tuple(input_ids.shape)}"
             + (": add a batch dimension (`ids[None]`)." if input_ids.dim() == 1 else ".")
         )
-    beams = kwargs.get("num_beams", config.num_beams)
-    if beams is not None and (isinstance(beams, bool) or not isinstance(beams, int) or beams < 1):
-        raise ValueError(f"num_beams must be a positive integer, got {beams!r}.")
-    alpha = kwargs.get("length_penalty", config.length_penalty)
-    if isinstance(alpha, int | float) and not math.isfinite(alpha):
-        raise ValueError(f"length_penalty must be a finite number, got {alpha!r}.")
+    check_beam_settings(
+        kwargs.get("num_beams", config.num_beams), kwargs.get("length_penalty", config.length_penalty)
+    )
+
+
+def check_beam_settings(num_beams: Any, length_penalty: Any) -> None:
+    """A beam count that is a positive integer and a length penalty that is a finite number, where
+    given (None: the defaults; numpy scalars and one-element tensors count as numbers); other objects
+    (`GNMTLengthPenalty`) are left to their users. Raises ValueError naming the argument."""
+    if isinstance(num_beams, torch.Tensor) and num_beams.numel() == 1:
+        num_beams = num_beams.item()
+    if num_beams is not None and (
+        isinstance(num_beams, bool) or not isinstance(num_beams, numbers.Integral) or num_beams < 1
+    ):
+        raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}.")
+    if isinstance(length_penalty, torch.Tensor) and length_penalty.numel() == 1:
+        length_penalty = length_penalty.item()
+    if isinstance(length_penalty, numbers.Real) and not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}.")
 
 
 class GNMTLengthPenalty(float):

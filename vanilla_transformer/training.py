@@ -44,7 +44,7 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
 from .batching import TokenBatchSampler
 from .cli import InputError, first_line, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
-from .evaluation import looks_local
+from .evaluation import TOKENIZER_FILES, looks_local
 from .hub import check_repo_id, push_model_folder, resolve_token
 from .machine import (
     describe_gpu,
@@ -349,7 +349,7 @@ class TrainingConfig:
             folder = Path(self.tokenizer_name)
             if not folder.is_dir():
                 raise ValueError(f"--tokenizer_name: no tokenizer folder at {folder}.")
-            if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            if not any((folder / name).is_file() for name in TOKENIZER_FILES):
                 raise ValueError(
                     f"--tokenizer_name: {folder} holds no tokenizer.json nor tokenizer_config.json."
                 )
@@ -627,9 +627,10 @@ def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list
         )
     elif model_run is not None and known and model_run not in known.values():
         problems.append(f"the checkpoints are not of {model_folder}'s training run (run {model_run[:8]}).")
-    vocabulary = _json_field(model_folder / "tokenizer.json", "model")
+    # The pieces and their ids (merges are written differently by different versions of `tokenizers`).
+    vocabulary = (_json_field(model_folder / "tokenizer.json", "model") or {}).get("vocab")
     for path in checkpoints:
-        own = _json_field(path / CHECKPOINT_TOKENIZER / "tokenizer.json", "model")
+        own = (_json_field(path / CHECKPOINT_TOKENIZER / "tokenizer.json", "model") or {}).get("vocab")
         if vocabulary is not None and own is not None and own != vocabulary:
             problems.append(f"{path} was trained with another vocabulary than {model_folder}'s tokenizer.")
     return problems
@@ -1422,7 +1423,14 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
         write_model_folder(run, staging, final, metrics, samples)
     if run.config.push_to_hub:
         repo_id = run.config.hub_model_id or run.output_dir.name
-        metrics["hub_commit"] = push_model_folder(run.output_dir, repo_id, private=run.config.hub_private)
+        try:
+            metrics["hub_commit"] = push_model_folder(run.output_dir, repo_id, private=run.config.hub_private)
+        except Exception as error:  # the Hub not reached or refusing: the run's work is safe on disk
+            raise InputError(
+                f"The model folder {run.output_dir} is complete, but publishing it failed "
+                f"({type(error).__name__}: {first_line(error)}); publish it later with "
+                f"scripts/push_to_hub.py --folder {run.output_dir} --repo_id {repo_id}"
+            ) from error
         run.log(f"uploaded to the Hub: {metrics['hub_commit']}")
 
 
