@@ -49,12 +49,9 @@ parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available
 args = parser.parse_args()
 if args.output != "-":
     try:
-        check_output_file(args.output, args.input.name, args.model)
+        check_output_file(args.output, args.input, args.model)  # the open input: `--output F < F` too
     except ValueError as error:
         parser.error(str(error))
-    # `--output F < F`: standard input is the output file under another name than --input's.
-    if os.path.exists(args.output) and os.path.samestat(os.fstat(args.input.fileno()), os.stat(args.output)):
-        parser.error(f"{args.output} is also the input (standard input reads it); writing it destroys it.")
 if args.length_penalty is not None and not math.isfinite(args.length_penalty):
     parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
 options = {

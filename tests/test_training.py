@@ -815,6 +815,12 @@ def test_check_output_file_protects_input_files_and_folders(tmp_path):
         check_output_file(folder / "model.bin", data, folder)
     (tmp_path / "link.txt").symlink_to(folder / "config.json")
     assert check_output_file(tmp_path / "link.txt", folder) == tmp_path / "link.txt"
+    # An open input (what `--output F < F` gives translate.py) is the file it reads, under any name.
+    os.link(data, tmp_path / "same-file.txt")
+    with data.open("rb") as opened:
+        with pytest.raises(ValueError, match=r"same-file\.txt is also an input \(.*data\.txt\)"):
+            check_output_file(tmp_path / "same-file.txt", opened)
+        assert check_output_file(tmp_path / "hypotheses.txt", opened) == tmp_path / "hypotheses.txt"
 
 
 def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path):

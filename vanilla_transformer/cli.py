@@ -74,10 +74,11 @@ def positive_int(text: str) -> int:
     return value
 
 
-def check_output_file(output: str | Path, *inputs: str | Path | None) -> Path:
+def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Path:
     """An output file's path, checked before any work: its folder exists, it is not a folder, it is none
-    of the `inputs` and no existing file inside an input that is a folder (a model folder: writing it
-    would destroy them). Raises ValueError saying which. A new file inside an input folder is allowed."""
+    of the `inputs` (paths, or files open for reading, standard input included) and no existing file
+    inside an input that is a folder (a model folder: writing it would destroy them). Raises ValueError
+    saying which. A new file inside an input folder is allowed."""
     path = Path(output)
     if path.is_dir():
         raise ValueError(f"{output} is a folder; name a file to write.")
@@ -91,6 +92,11 @@ def check_output_file(output: str | Path, *inputs: str | Path | None) -> Path:
         folder for folder in (path.absolute().parent, *path.absolute().parent.parents) if folder.exists()
     ]
     for given in inputs:
+        if hasattr(given, "fileno"):  # an open input (standard input too): the file it reads, by any name
+            if os.path.samestat(os.fstat(given.fileno()), os.stat(path)):
+                reads = "standard input reads it" if given.name == "<stdin>" else given.name
+                raise ValueError(f"{output} is also an input ({reads}); writing it would destroy it.")
+            continue
         if given is None or not Path(given).exists():
             continue
         if Path(given).is_dir():
