@@ -24,7 +24,7 @@ from vanilla_transformer.export_ctranslate2 import (
 )
 from vanilla_transformer.metrics import score_translations
 from vanilla_transformer.tokenization import train_bpe_tokenizer
-from vanilla_transformer.translation import translate
+from vanilla_transformer.translation import SentenceError, translate
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -147,10 +147,12 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", quantization="int3")
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=8)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 8
-    with pytest.raises(ValueError, match="position table holds 8"):
+    too_long = r"sentences\[1\] has \d+ tokens; .* position table holds 8"
+    with pytest.raises(SentenceError, match=too_long) as error:
         CTranslate2Translator(tmp_path / "ct2").translate(
-            ["a sentence that is much longer than eight tokens surely"]
+            ["short", "a sentence that is much longer than eight tokens surely"]
         )
+    assert error.value.index == 1
     assert CTranslate2Translator(tmp_path / "ct2").translate([]) == []
     with pytest.raises(ValueError, match=r"sentences\[0\] is a int"):
         CTranslate2Translator(tmp_path / "ct2").translate([3])
@@ -191,6 +193,12 @@ def test_scripts_export_and_translate_a_file(tmp_path, corpus):
         [*command[:4], "--input", str(tmp_path / "en.txt")], capture_output=True, text=True
     )
     assert plain.returncode == 2 and "is a CTranslate2 export" in plain.stderr and "--engine" in plain.stderr
+    # A line longer than the export's position table is named by its number in the file.
+    export_ctranslate2(tmp_path / "model", tmp_path / "short", max_positions=8)
+    (tmp_path / "long.txt").write_text("And God said.\n\n" + "and the earth " * 10 + "\n")
+    command = [*command[:3], str(tmp_path / "short"), *command[4:6], "--input", str(tmp_path / "long.txt")]
+    long = subprocess.run(command, capture_output=True, text=True)
+    assert long.returncode == 1 and "error: line 3 has" in long.stderr and "holds 8" in long.stderr
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from vanilla_transformer.model_card import (
     write_model_card,
 )
 from vanilla_transformer.plotting import plot_training_curves
-from vanilla_transformer.translation import translate
+from vanilla_transformer.translation import SentenceError, translate, translate_stream
 
 REFERENCES = [
     "In the beginning, God created the heavens and the earth.",
@@ -184,6 +184,24 @@ def test_translate_edge_cases(tokenizer):
         translate(model, tokenizer, "Jesus wept .")
     with pytest.raises(ValueError, match="batch_size"):
         translate(model, tokenizer, ["Jesus wept ."], batch_size=0)
+
+
+def test_translate_stream_names_the_line_of_a_sentence_error():
+    """An engine's SentenceError names a place in the non-blank lines of one window; the stream names the
+    line of the input (blank lines and earlier windows counted)."""
+
+    def engine(texts: list[str]) -> list[str]:
+        for index, text in enumerate(texts):
+            if text == "too long":
+                raise SentenceError(index, "is too long.")
+        return [text.upper() for text in texts]
+
+    lines = ["a\n", "\n", "b\n", "c\n", "\n", "d\n", "too long\n", "e\n"]
+    assert list(translate_stream(engine, lines[:6], window=3)) == ["A", "", "B", "C", "", "D"]
+    with pytest.raises(ValueError, match=r"^line 7 is too long\.$"):
+        list(translate_stream(engine, lines, window=3))
+    with pytest.raises(ValueError, match=r"^line 7 is too long\.$"):
+        list(translate_stream(engine, lines, window=100))
 
 
 # ---------------------------------------------------------------- model card

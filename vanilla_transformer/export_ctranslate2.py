@@ -44,7 +44,7 @@ from .modeling_vanilla_transformer import (
     sinusoidal_position_encoding,
 )
 from .publishing import publish_folder
-from .translation import checked_sentences
+from .translation import SentenceError, checked_sentences
 
 logger = logging.getLogger(__name__)
 
@@ -345,12 +345,13 @@ class CTranslate2Translator:
         sources = [
             self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(sentences)["input_ids"]
         ]
-        longest = max((len(s) for s in sources), default=0)
-        if longest > settings["max_positions"]:
-            raise ValueError(
-                f"A sentence has {longest} tokens; the exported model's position table holds "
-                f"{settings['max_positions']} (export again with a larger --max_positions)."
-            )
+        for index, tokens in enumerate(sources):
+            if len(tokens) > settings["max_positions"]:
+                raise SentenceError(
+                    index,
+                    f"has {len(tokens)} tokens; the exported model's position table holds "
+                    f"{settings['max_positions']} (export again with a larger --max_positions).",
+                )
         options = {
             "beam_size": num_beams or settings["num_beams"],
             "length_penalty": settings["length_penalty"] if length_penalty is None else length_penalty,

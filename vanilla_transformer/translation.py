@@ -9,6 +9,16 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
+class SentenceError(ValueError):
+    """One sentence of a list cannot be translated as given. `index` is its place in the list, so that
+    a caller that read the sentences from a file (`translate_stream`) can name the line instead."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"sentences[{index}] {reason}")
+        self.index = index
+        self.reason = reason
+
+
 def checked_sentences(sentences: Sequence[str], batch_size: int) -> list[str]:
     """`sentences` as a list, after the checks every translation engine makes at its boundary."""
     if isinstance(sentences, str):
@@ -16,7 +26,7 @@ def checked_sentences(sentences: Sequence[str], batch_size: int) -> list[str]:
     sentences = list(sentences)
     for index, sentence in enumerate(sentences):
         if not isinstance(sentence, str):
-            raise ValueError(f"sentences[{index}] is a {type(sentence).__name__}, not a str.")
+            raise SentenceError(index, f"is a {type(sentence).__name__}, not a str.")
     if batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
     return sentences
@@ -96,9 +106,16 @@ def translate_stream(
     `translate_many` (any engine: `translate` above, or a CTranslate2 export's). Blank lines stay blank;
     a larger window lets the engine sort more lines into fuller batches."""
     chunk: list[str] = []
+    done = 0  # lines translated before `chunk`
 
     def flush() -> Iterator[str]:
-        translated = iter(translate_many([line for line in chunk if line]))
+        numbers = [done + position + 1 for position, line in enumerate(chunk) if line]
+        try:
+            translated = iter(translate_many([line for line in chunk if line]))
+        except SentenceError as error:  # name the line, not the place among this window's non-blank lines
+            if not 0 <= error.index < len(numbers):
+                raise
+            raise ValueError(f"line {numbers[error.index]} {error.reason}") from None
         for line in chunk:
             yield next(translated) if line else ""
 
@@ -106,8 +123,9 @@ def translate_stream(
         chunk.append(raw.rstrip("\r\n").strip())
         if len(chunk) == window:
             yield from flush()
+            done += len(chunk)
             chunk = []
     yield from flush()
 
 
-__all__ = ["checked_sentences", "translate", "translate_lines", "translate_stream"]
+__all__ = ["SentenceError", "checked_sentences", "translate", "translate_lines", "translate_stream"]
