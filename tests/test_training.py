@@ -681,13 +681,16 @@ def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     Accelerate's precision is fixed once per process.)"""
     output_dir = tmp_path / "bf16"
     command = [sys.executable, str(ROOT / "scripts/train.py")]
-    command += small_args(output_dir, corpus_files, mixed_precision="bf16")
+    command += small_args(output_dir, corpus_files, mixed_precision="bf16", unlikelihood_weight=0)
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
-    float32 = [h["train_loss"] for h in trained[1]["history"] if "train_loss" in h]
+    float32 = [h["train_loss"] for h in trained[1]["history"] if "train_loss" in h]  # the same loss
     losses = logged_losses(output_dir)
     assert losses != float32  # computed in bfloat16
-    assert losses == pytest.approx(float32, rel=0.03)
+    # Within four rounding units of bfloat16's 8-bit significand (about 1.6%). The bfloat16 run once
+    # trained with the recipe's unlikelihood term and the float32 run without it: a 3% tolerance let
+    # that pass at weight 1, and failed only when the recipe's weight became 2 (up to 4% apart).
+    assert losses == pytest.approx(float32, rel=4 * 2**-8)
     model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
