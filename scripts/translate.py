@@ -22,7 +22,7 @@ from vanilla_transformer.cli import (
     replaced_when_complete,
 )
 from vanilla_transformer.evaluation import load_model_folder
-from vanilla_transformer.translation import translate_lines, translate_stream
+from vanilla_transformer.translation import LineError, translate_lines, translate_stream
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument(
@@ -114,7 +114,9 @@ try:
             stream.write(translation + "\n")
             if stream is sys.stdout:
                 sys.stdout.flush()
-except (ValueError, RuntimeError) as error:  # not UTF-8; a sentence longer than an export's positions
+except LineError as error:  # a line longer than an export's positions
+    sys.exit(f"error: {args.input.name}: {error}")
+except (ValueError, RuntimeError) as error:  # not UTF-8 (the message names the file and line)
     sys.exit(f"error: {error}")
 except KeyboardInterrupt:
     sys.exit(130)

@@ -198,7 +198,8 @@ def test_scripts_export_and_translate_a_file(tmp_path, corpus):
     (tmp_path / "long.txt").write_text("And God said.\n\n" + "and the earth " * 10 + "\n")
     command = [*command[:3], str(tmp_path / "short"), *command[4:6], "--input", str(tmp_path / "long.txt")]
     long = subprocess.run(command, capture_output=True, text=True)
-    assert long.returncode == 1 and "error: line 3 has" in long.stderr and "holds 8" in long.stderr
+    assert long.returncode == 1 and f"error: {tmp_path / 'long.txt'}: line 3 has" in long.stderr
+    assert "holds 8" in long.stderr
 
 
 @pytest.mark.slow

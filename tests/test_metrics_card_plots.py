@@ -20,7 +20,7 @@ from vanilla_transformer.model_card import (
     write_model_card,
 )
 from vanilla_transformer.plotting import plot_training_curves
-from vanilla_transformer.translation import SentenceError, translate, translate_stream
+from vanilla_transformer.translation import LineError, SentenceError, translate, translate_stream
 
 REFERENCES = [
     "In the beginning, God created the heavens and the earth.",
@@ -198,10 +198,14 @@ def test_translate_stream_names_the_line_of_a_sentence_error():
 
     lines = ["a\n", "\n", "b\n", "c\n", "\n", "d\n", "too long\n", "e\n"]
     assert list(translate_stream(engine, lines[:6], window=3)) == ["A", "", "B", "C", "", "D"]
-    with pytest.raises(ValueError, match=r"^line 7 is too long\.$"):
+    with pytest.raises(LineError, match=r"^line 7 is too long\.$") as error:
         list(translate_stream(engine, lines, window=3))
-    with pytest.raises(ValueError, match=r"^line 7 is too long\.$"):
+    assert error.value.number == 7
+    with pytest.raises(LineError, match=r"^line 7 is too long\.$"):
         list(translate_stream(engine, lines, window=100))
+    # In a full window before the last one, after blank lines.
+    with pytest.raises(LineError, match=r"^line 3 is too long\.$"):
+        list(translate_stream(engine, ["a\n", "\n", "too long\n", "c\n"], window=3))
 
 
 # ---------------------------------------------------------------- model card

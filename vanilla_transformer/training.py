@@ -79,7 +79,7 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # small batches, no dropout (a short run underfits: dropout only slowed it), the paper's learning-rate
 # formula x 0.6 with 600 warm-up updates (a lower peak, or a shorter warm-up, learned less on both test
 # corpora), unlikelihood training with weight 2 (weight 1 halved the looping outputs or better on both
-# corpora for about 0.3 BLEU: fifth round; weight 2 halved them again, looping in 2 of 11 runs against
+# corpora for about 0.3 BLEU: fifth round; weight 2 cut the runs that loop to a third, 2 of 11 against
 # weight 1's 6, for 0.14 BLEU and 0.38 chrF less on the Bible and 0.28 and 0.71 less on the second
 # corpus: README, seventh and eleventh rounds; weight 3 on the token
 # just written left loops in other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood

@@ -9,6 +9,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
+class LineError(ValueError):
+    """A line of a text being translated (`translate_stream`) cannot be translated as given; the message
+    starts with "line N", and `number` is N, counted from 1 with blank lines included."""
+
+    def __init__(self, number: int, reason: str) -> None:
+        super().__init__(f"line {number} {reason}")
+        self.number = number
+
+
 class SentenceError(ValueError):
     """One sentence of a list cannot be translated as given. `index` is its place in the list, so that
     a caller that read the sentences from a file (`translate_stream`) can name the line instead."""
@@ -115,7 +124,7 @@ def translate_stream(
         except SentenceError as error:  # name the line, not the place among this window's non-blank lines
             if not 0 <= error.index < len(numbers):
                 raise
-            raise ValueError(f"line {numbers[error.index]} {error.reason}") from None
+            raise LineError(numbers[error.index], error.reason) from None
         for line in chunk:
             yield next(translated) if line else ""
 
@@ -128,4 +137,11 @@ def translate_stream(
     yield from flush()
 
 
-__all__ = ["SentenceError", "checked_sentences", "translate", "translate_lines", "translate_stream"]
+__all__ = [
+    "LineError",
+    "SentenceError",
+    "checked_sentences",
+    "translate",
+    "translate_lines",
+    "translate_stream",
+]
