@@ -71,9 +71,7 @@ def decoded(stream: Iterator[bytes]) -> Iterator[str]:
         try:
             yield line.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as error:
-            raise ValueError(
-                f"{args.input.name}: line {number} is not UTF-8 text ({error.reason})."
-            ) from None
+            raise LineError(number, f"is not UTF-8 text ({error.reason}).") from None
 
 
 if args.engine == "ctranslate2":
@@ -114,9 +112,9 @@ try:
             stream.write(translation + "\n")
             if stream is sys.stdout:
                 sys.stdout.flush()
-except LineError as error:  # a line longer than an export's positions
+except LineError as error:  # not UTF-8; longer than an export's positions
     sys.exit(f"error: {args.input.name}: {error}")
-except (ValueError, RuntimeError) as error:  # not UTF-8 (the message names the file and line)
+except (ValueError, RuntimeError) as error:
     sys.exit(f"error: {error}")
 except KeyboardInterrupt:
     sys.exit(130)
