@@ -81,8 +81,9 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # corpora), unlikelihood training with weight 2 (weight 1 halved the looping outputs or better on both
 # corpora for about 0.3 BLEU: fifth round; weight 2 cut the runs that loop to a third, 2 of 11 against
 # weight 1's 6, for 0.14 BLEU and 0.38 chrF less on the Bible and 0.28 and 0.71 less on the second
-# corpus: README, seventh and eleventh rounds; weight 3 on the token
-# just written left loops in other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood
+# corpus: README, seventh and eleventh rounds; weight 3 still looped once in 11 runs, for 0.35 BLEU less
+# on the Bible and 0.85 on the second corpus: twelfth round; weight 3 on the token just written left
+# loops in other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood
 # on greedy outputs decoded in training moved loops between seeds for up to 1.1 BLEU and 12-40% more
 # training time: ninth round; label smoothing 0.2 instead of the paper's 0.1 moved the Bible loops to
 # other seeds and added 5 on the second corpus: tenth round) and stutter augmentation in a quarter of
