@@ -228,3 +228,26 @@ def test_forward_share_counts_the_encoder_once():
         # The encoder inside the model's forward: counted once, a share of at most the whole.
         whole = forward_share(model, "cpu", lambda: model(input_ids=source, decoder_input_ids=source))
     assert 0.5 < whole <= 1.0
+
+
+def test_compiled_decoding_step_comparison_decodes_what_generate_does():
+    """`tools.compiled_decoding_step`: its step loop decodes the tokens greedy `generate()` does, and
+    each compiled variant (here dynamo with its eager backend: the same plumbing without inductor's
+    compile time) is timed and checked against the eager step."""
+    from tools.benchmark import GENERATE_LENGTH, build_model, generation_inputs
+    from tools.compiled_decoding_step import compare, decode, greedy_step
+
+    config = tiny_config()
+    model = build_model("ours", config, "cpu", torch.float32).eval()
+    source, options = generation_inputs({"ours": model}, "cpu", 1, 1)
+    seconds, tokens = decode(model, source, greedy_step(model), GENERATE_LENGTH)
+    with torch.inference_mode():
+        expected = model.generate(source, **options)[:, 1:]  # after the start token
+    assert seconds > 0 and torch.equal(tokens, expected)
+
+    result = compare(config, repeats=1, backend="eager")
+    variants = ["compiled", "compiled, frozen weights"]
+    assert list(result["seconds_per_token"]) == ["eager", "generate()", *variants]
+    assert all(value > 0 for value in result["seconds_per_token"].values())
+    assert list(result["first_call_s"]) == variants and all(v > 0 for v in result["first_call_s"].values())
+    assert result["same_tokens"] == dict.fromkeys(variants, True)
