@@ -5,8 +5,8 @@
 Greedy decoding at batch 1 of `tools.benchmark`'s 32-token sources, 32 new tokens, with the usual
 dynamic cache, in a loop that does nothing but the step: the decoder's `decoding_step`, the output
 projection and the argmax. The eager step takes turns with each of two compiled variants in one
-process on the same model and inputs: the step under `torch.compile(dynamic=True)` (one graph for
-every cache length), and the same with inductor's weight freezing (weights as constants, prepacked for
+process on the same model and inputs: the step under `torch.compile(dynamic=True, fullgraph=True)` (it
+fails on a graph break), and the same with inductor's weight freezing (weights as constants, prepacked for
 the CPU's matrix kernels). After a line naming the machine, the table gives medians in milliseconds
 per token, each compiled variant's first call (mostly compiling), whether its tokens are eager's, and
 for context `generate()`'s time per token for the same decoding (its whole call over the 32 tokens:
@@ -76,10 +76,11 @@ def compare(config: VanillaTransformerConfig, repeats: int, backend: str = "indu
     with torch.inference_mode():
         model.generate(source, **options)
     times: dict[str, list[float]] = {"eager": [], "generate()": []}
-    first_call, same_tokens = {}, {}
+    first_call: dict[str, float] = {}
+    same_tokens: dict[str, bool] = {}
     for name, frozen in (("compiled", False), ("compiled, frozen weights", True)):
         torch._dynamo.reset()
-        compiled = torch.compile(step, dynamic=True, backend=backend)
+        compiled = torch.compile(step, dynamic=True, fullgraph=True, backend=backend)
         with torch._inductor.config.patch(freezing=frozen):
             started = time.perf_counter()
             _, tokens = decode(model, source, compiled, GENERATE_LENGTH)
