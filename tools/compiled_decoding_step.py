@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from tools.benchmark import BENCHMARK_VOCABULARY, GENERATE_LENGTH, build_model, generation_inputs
+from tools.benchmark import (
+    BENCHMARK_VOCABULARY,
+    GENERATE_LENGTH,
+    build_model,
+    generation_inputs,
+    median_time,
+)
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.machine import describe_machine, format_machine
 
@@ -91,9 +97,8 @@ def compare(config: VanillaTransformerConfig, repeats: int, backend: str = "indu
             times["eager"].append(decode(model, source, step, GENERATE_LENGTH)[0])
             times[name].append(decode(model, source, compiled, GENERATE_LENGTH)[0])
             with torch.inference_mode():
-                started = time.perf_counter()
-                model.generate(source, **options)
-            times["generate()"].append((time.perf_counter() - started) / GENERATE_LENGTH)
+                call = median_time(lambda: model.generate(source, **options), "cpu", 1)
+            times["generate()"].append(call / GENERATE_LENGTH)
     torch._dynamo.reset()
     return {
         "seconds_per_token": {name: statistics.median(values) for name, values in times.items()},
