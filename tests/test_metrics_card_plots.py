@@ -1,5 +1,6 @@
 """BLEU/chrF metric module, batched translation, model card rendering and training-curve plots."""
 
+import math
 from pathlib import Path
 
 import jinja2
@@ -492,3 +493,29 @@ def test_usage_examples_translate_the_given_sentences_as_python_literals():
     assert ast.literal_eval(ast.parse(calls[1]).body[0].value.args[0]) == examples[1:]
     default = str(build_model_card(**card_kwargs()))
     assert '["In the beginning, God created the heavens and the earth."]' in default
+
+
+def test_loop_count_power_against_closed_forms_and_a_simulation():
+    """`tools.loop_count_power`: where B never loops the test shows it once the total reaches 5
+    (2**-5 <= 0.05 < 2**-4), so the power is P(Poisson(mean_a) >= 5); equal rates are shown no more often
+    than alpha (the conditional test is exact or conservative); and a seeded simulation of both counts
+    agrees with the exact sum."""
+    import numpy as np
+
+    from tools.loop_count_power import binomial_lower_tail, power
+
+    assert binomial_lower_tail(0, 5) == pytest.approx(1 / 32)
+    assert binomial_lower_tail(3, 6) == pytest.approx(42 / 64)
+    mean_a = 4.0
+    at_least_five = 1 - sum(math.exp(-mean_a) * mean_a**k / math.factorial(k) for k in range(5))
+    assert power(mean_a, 0.0) == pytest.approx(at_least_five, abs=1e-9)
+    for mean in (0.5, 3.0, 20.0):
+        assert power(mean, mean) <= 0.05
+
+    rng = np.random.default_rng(0)
+    draws = 20_000
+    counts_a, counts_b = rng.poisson(9.0, draws), rng.poisson(4.5, draws)
+    pairs = zip(counts_a, counts_b, strict=True)
+    shown = np.mean([binomial_lower_tail(b, a + b) <= 0.05 if a + b else False for a, b in pairs])
+    # Binomial standard error of a share near 0.3 over 20,000 draws is about 0.003.
+    assert power(9.0, 4.5) == pytest.approx(shown, abs=0.015)
