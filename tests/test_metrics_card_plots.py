@@ -519,3 +519,18 @@ def test_loop_count_power_against_closed_forms_and_a_simulation():
     shown = np.mean([binomial_lower_tail(b, a + b) <= 0.05 if a + b else False for a, b in pairs])
     # Binomial standard error of a share near 0.3 over 20,000 draws is about 0.003.
     assert power(9.0, 4.5) == pytest.approx(shown, abs=0.015)
+
+
+def test_model_card_names_repetition_loops_as_a_limitation_of_short_runs():
+    """A short run's card warns about rare loops and names the remedy; it points at the measured share
+    only where the test split's share was measured; a run of the paper's length gets no such warning."""
+
+    def limitations(**overrides) -> str:
+        text = " ".join(str(build_model_card(**card_kwargs(**overrides))).split())
+        return text[text.index("## Limitations") :]
+
+    short = limitations(metrics=METRICS | {"repetition": 0.001, "reference_repetition": 0.0})
+    assert "Rare repetition loops" in short and "no_repeat_ngram_size=4" in short
+    assert "share of such outputs on the test split is under Results" in short
+    assert "under Results" not in limitations(metrics={k: v for k, v in METRICS.items() if k != "repetition"})
+    assert "Rare repetition loops" not in limitations(training=TRAINING | {"steps": 100_000})
