@@ -80,9 +80,10 @@ def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
     output = trainer.predict(eval_set)
     longest_source = max(len(ids) for ids in eval_set["input_ids"])
     # Decoding runs to source length + 50 (the paper's limit), far past transformers' default of 20, in
-    # both batches: after the first, transformers' prediction_step once set the model's max_length to 20.
+    # both batches: after the first, transformers' prediction_step fills the model's max_length with 20,
+    # which the model's generation config remembers as a default, not a choice.
     assert output.predictions.shape[1] == 1 + longest_source + 50 > 20
-    assert trainer.model.generation_config.max_length is None
+    assert trainer.model.generation_config.to_dict()["max_length"] is None
     second = eval_set.select([2, 3])
     assert trainer.predict(second).predictions.shape[1] == 1 + max(map(len, second["input_ids"])) + 50
 

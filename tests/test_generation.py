@@ -1,5 +1,7 @@
 """Incremental decoding and generate() against hand-written decoding loops."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -255,6 +257,37 @@ def test_a_fresh_generation_config_keeps_the_length_rule(source):
         num_beams=1, suppress_tokens=[EOS], decoder_start_token_id=BOS, eos_token_id=EOS, pad_token_id=0
     )
     assert model.generate(source, generation_config=config).shape[1] == 1 + source.shape[1] + 50
+
+
+def test_a_max_length_filled_from_transformers_defaults_does_not_end_the_length_rule(source, tmp_path):
+    """`Seq2SeqTrainer.prediction_step` fills the model's generation config's unset fields with
+    transformers' defaults, in place (`max_length` 20 among them): the rule still applies afterwards, and
+    the saved folder has no length. A length set on purpose, even 20, is obeyed; a loaded model's config
+    (a plain `GenerationConfig` from the folder) behaves the same."""
+    from transformers import GenerationConfig
+
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+    model = tiny_model()
+    options = {"num_beams": 1, "suppress_tokens": [EOS]}  # nothing stops early
+    full = 1 + source.shape[1] + 50
+    config = model.generation_config
+    config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)  # as Trainer does
+    assert config.max_length == 20  # what Trainer reads to pad its predictions
+    assert model.generate(source, **options).shape[1] == full
+    config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    model.save_pretrained(tmp_path)
+    assert "max_length" not in json.loads((tmp_path / "generation_config.json").read_text())
+
+    loaded = VanillaTransformerForConditionalGeneration.from_pretrained(tmp_path)
+    loaded.generation_config.update(max_length=None)
+    loaded.generation_config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    assert loaded.generate(source, **options).shape[1] == full
+    loaded.generation_config.max_length = 20  # chosen: transformers' rule, 20 tokens in all
+    assert loaded.generate(source, **options).shape[1] == 20
+    loaded.generation_config.max_length = None
+    loaded.generation_config.update(max_length=12)  # `update` without defaults_only chooses too
+    assert loaded.generate(source, **options).shape[1] == 12
 
 
 def test_generation_step_inputs_match_generation_mixins(source):

@@ -8,7 +8,6 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from dataclasses import dataclass, field
@@ -119,23 +118,6 @@ def bleu_metric_fn(tokenizer: Any, references: Any = None) -> Any:
     return compute_metrics
 
 
-class GenerationConfigKeepingTrainer(Seq2SeqTrainer):
-    """`Seq2SeqTrainer` that leaves the model's generation config as it found it.
-
-    After each batch's `generate`, transformers' `prediction_step` fills the generation config's unset
-    fields with its defaults, in place: `max_length` 20 among them. That switched off the paper's
-    per-sentence limit (source length + 50, which applies while no length is set) for every later
-    batch, evaluation and `generate` call, and `save_model` wrote the cap into the tuned folder.
-    """
-
-    def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        kept = copy.deepcopy(self.model.generation_config)
-        try:
-            return super().prediction_step(model, inputs, *args, **kwargs)
-        finally:
-            self.model.generation_config = kept
-
-
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
     problem = None if argument_overrides.get("use_cpu") else processes_without_a_gpu()
@@ -200,7 +182,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         seed=config.seed,
         **argument_overrides,
     )
-    return GenerationConfigKeepingTrainer(
+    return Seq2SeqTrainer(
         model=model,
         args=arguments,
         train_dataset=tokenized["train"].select_columns([*columns, "source_length"]),
@@ -221,4 +203,4 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
     return before | after
 
 
-__all__ = ["FinetuneConfig", "GenerationConfigKeepingTrainer", "bleu_metric_fn", "build_trainer", "finetune"]
+__all__ = ["FinetuneConfig", "bleu_metric_fn", "build_trainer", "finetune"]

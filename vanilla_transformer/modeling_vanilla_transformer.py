@@ -878,6 +878,47 @@ def label_smoothed_cross_entropy(
     return per_item(loss, labels, num_items_in_batch)
 
 
+class SourceLengthGenerationConfig(GenerationConfig):
+    """The model's generation config: a `GenerationConfig` that tells a `max_length` filled in from
+    transformers' defaults apart from one that was chosen.
+
+    `Seq2SeqTrainer.prediction_step` fills the model's generation config's unset fields with transformers'
+    defaults after each batch's `generate`, in place (`update(**defaults, defaults_only=True)`),
+    `max_length` 20 among them. Taken as chosen, that length would switch off the paper's per-sentence
+    limit (source length + `max_length_offset`, which applies while no length is set) from the next
+    batch on, in every later `generate` and in the saved folder. Filled that way it is remembered as
+    not chosen: the model's `generate` unsets it again (`unset_default_max_length`), and saving writes no
+    length. Setting `max_length` in any other way (an attribute, `update` without `defaults_only`)
+    chooses it.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "max_length":
+            self.__dict__.pop(_MAX_LENGTH_FROM_DEFAULTS, None)
+        super().__setattr__(name, value)
+
+    def update(self, defaults_only: bool = False, allow_custom_entries: bool = False, **kwargs: Any) -> dict:
+        was_unset = defaults_only and self.max_length is None
+        unused = super().update(defaults_only, allow_custom_entries, **kwargs)
+        if was_unset and self.max_length is not None:
+            self.__dict__[_MAX_LENGTH_FROM_DEFAULTS] = True
+        return unused
+
+    def unset_default_max_length(self) -> None:
+        """Unset `max_length` if transformers' defaults filled it in."""
+        if self.__dict__.get(_MAX_LENGTH_FROM_DEFAULTS):
+            self.max_length = None
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        if output.pop(_MAX_LENGTH_FROM_DEFAULTS, False):
+            output["max_length"] = None
+        return output
+
+
+_MAX_LENGTH_FROM_DEFAULTS = "_max_length_from_defaults"
+
+
 class VanillaTransformerForConditionalGeneration(
     VanillaTransformerPreTrainedModel, LeanGenerationSteps, GenerationMixin
 ):
@@ -889,6 +930,19 @@ class VanillaTransformerForConditionalGeneration(
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     accepts_loss_kwargs = True
+    generation_config_class = SourceLengthGenerationConfig
+
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        return self.__dict__.get("_generation_config")
+
+    @generation_config.setter
+    def generation_config(self, value: GenerationConfig | None) -> None:
+        # transformers assigns plain `GenerationConfig`s (`from_pretrained` loads one from the folder);
+        # the model's own must keep the paper's length rule through transformers' default filling.
+        if type(value) is GenerationConfig:
+            value.__class__ = SourceLengthGenerationConfig
+        self.__dict__["_generation_config"] = value
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
@@ -903,7 +957,7 @@ class VanillaTransformerForConditionalGeneration(
         self.post_init()
         # Paper Section 6.1: beam size 4, length penalty alpha 0.6 (in transformers' |Y|^alpha form; the
         # paper's is `length_penalty_form="gnmt"`), stop when all beams are finished.
-        self.generation_config = GenerationConfig(
+        self.generation_config = SourceLengthGenerationConfig(
             num_beams=4,
             length_penalty=0.6,
             early_stopping=True,
@@ -1119,6 +1173,8 @@ class VanillaTransformerForConditionalGeneration(
         # Kept weight copies are checked against the weights' values once per call. (The decoder also
         # starts a check at its first cached forward, but cannot tell a static cache's first step.)
         new_generate_call()
+        if isinstance(self.generation_config, SourceLengthGenerationConfig):
+            self.generation_config.unset_default_max_length()
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(inputs if inputs is not None else kwargs.get("input_ids"), config, kwargs)
         form = kwargs.pop("length_penalty_form", None)
