@@ -47,6 +47,34 @@ def test_output_shapes(model, batch):
     assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 3
 
 
+def test_return_dict_false_gives_tuples_as_transformers_models_do(model, batch):
+    """`return_dict=False` (or `config.return_dict = False`) returns the output's `to_tuple()`, as
+    MarianMTModel does, from the full model, the base model and the encoder; generation is unchanged."""
+
+    def assert_same(plain, structured):
+        assert isinstance(plain, tuple) and len(plain) == len(structured.to_tuple())
+        for got, expected in zip(plain, structured.to_tuple(), strict=True):
+            if isinstance(expected, torch.Tensor):
+                assert torch.equal(got, expected)
+            else:  # the cache
+                assert type(got) is type(expected)
+
+    source = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        assert_same(model(**batch, return_dict=False), model(**batch))
+        targets = {"decoder_input_ids": batch["labels"].clamp(min=PAD)}
+        assert_same(model.model(**source, **targets, return_dict=False), model.model(**source, **targets))
+        encoder = model.get_encoder()
+        assert_same(encoder(**source, return_dict=False), encoder(**source))
+        expected = model.generate(**source, max_new_tokens=4)
+        model.config.return_dict = False
+        try:
+            assert_same(model(**batch), model(**batch, return_dict=True))
+            assert torch.equal(model.generate(**source, max_new_tokens=4), expected)
+        finally:
+            model.config.return_dict = True
+
+
 def count_parameters(preset: str) -> int:
     with torch.device("meta"):
         model = VanillaTransformerForConditionalGeneration(VanillaTransformerConfig.from_preset(preset))

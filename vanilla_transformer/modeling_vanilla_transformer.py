@@ -43,6 +43,7 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .kernels_vanilla_transformer import (
@@ -478,6 +479,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         layers = [VanillaTransformerEncoderLayer(config) for _ in range(config.num_encoder_layers)]
         super().__init__(config, embed_tokens, layers)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -485,7 +487,6 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-        return_dict: bool = True,
     ) -> BaseModelOutput:
         """input_ids: (B, S) token ids; attention_mask: (B, S), 1 for tokens and 0 for padding.
 
@@ -773,6 +774,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     def get_encoder(self, modality: str | None = None) -> VanillaTransformerEncoder:
         return self.encoder
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -786,7 +788,6 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         target_lengths: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Seq2SeqModelOutput:
@@ -809,6 +810,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
 
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
+                return_dict=True,
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 inputs_embeds=inputs_embeds,
@@ -980,6 +982,7 @@ class VanillaTransformerForConditionalGeneration(
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -994,7 +997,6 @@ class VanillaTransformerForConditionalGeneration(
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         return_logits: bool | None = None,
         **kwargs: Any,
@@ -1052,6 +1054,7 @@ class VanillaTransformerForConditionalGeneration(
                 target_lengths = torch.where(labels != -100, positions, 0).amax(dim=1)
 
         outputs = self.model(
+            return_dict=True,
             input_ids=input_ids,
             attention_mask=attention_mask,
             decoder_input_ids=decoder_input_ids,
