@@ -5,11 +5,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
-from tests.conftest import TINY_TERMS, assert_same_up_to_rounding, gradient_scale, tiny_model
+from tests.conftest import EOS, TINY_TERMS, assert_same_up_to_rounding, gradient_scale, tiny_model
 from vanilla_transformer import VanillaTransformerForConditionalGeneration, VanillaTransformerModel
 from vanilla_transformer.kernels_vanilla_transformer import set_linear_kernel
 
@@ -135,6 +136,18 @@ def test_resize_token_embeddings_keeps_the_three_way_tie(tmp_path, batch):
     assert (
         loaded.model.shared.weight.shape == (120, 32) and loaded.lm_head.weight is loaded.model.shared.weight
     )
+
+
+def test_resizing_below_a_special_token_is_refused_before_anything_changes():
+    """Shrunk below the end-of-sentence id, a model once generated with warnings, saved, and then failed
+    to load; the size counts `pad_to_multiple_of`."""
+    model = tiny_model()
+    before = model.model.shared.weight.clone()
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.resize_token_embeddings(EOS)
+    assert torch.equal(model.model.shared.weight, before) and model.config.vocab_size == before.shape[0]
+    model.resize_token_embeddings(EOS, pad_to_multiple_of=8)  # rounded up to 8: every special id fits
+    assert model.config.vocab_size == 8
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(batch):

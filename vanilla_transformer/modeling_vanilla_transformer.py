@@ -1139,13 +1139,29 @@ class VanillaTransformerForConditionalGeneration(
         logits = self.lm_head(hidden_states)
         return logits if self.final_logits_bias is None else logits + self.final_logits_bias[0]
 
-    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
-        """`PreTrainedModel.resize_token_embeddings`, for the paper's single shared vocabulary."""
+    def resize_token_embeddings(
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
+    ) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings`, for the paper's single shared vocabulary. A size
+        that would leave a special token's id outside the vocabulary is refused before anything changes
+        (such a model would generate with warnings, save, and then fail to load)."""
         if not self.config.share_encoder_decoder_embeddings or self.final_logits_bias is not None:
             raise ValueError(
                 "Resizing needs one shared vocabulary and no final logits bias (a converted Marian model)."
             )
-        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        if new_num_tokens is not None:
+            size = new_num_tokens
+            if pad_to_multiple_of:
+                size = math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
+            names = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+            outside = {name: getattr(self.config, name) for name in names}
+            outside = {name: token for name, token in outside.items() if token is not None and token >= size}
+            if outside:
+                raise ValueError(f"A vocabulary of {size} tokens would leave {outside} outside it.")
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
         return embeddings
 
