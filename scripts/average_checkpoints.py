@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.cli import first_line
-from vanilla_transformer.evaluation import looks_local
+from vanilla_transformer.evaluation import TOKENIZER_FILES, looks_local
 from vanilla_transformer.publishing import publish_folder
 from vanilla_transformer.training import checkpoint_problems, foreign_checkpoints, load_averaged_weights
 
@@ -43,6 +43,8 @@ for checkpoint in args.checkpoints:
         parser.error(f"{checkpoint} is not a complete checkpoint: {'; '.join(problems)}")
 if looks_local(args.model) and not Path(args.model).is_dir():
     parser.error(f"No model folder at {args.model}.")
+if looks_local(args.model) and not any((Path(args.model) / name).is_file() for name in TOKENIZER_FILES):
+    parser.error(f"{args.model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
 problems = foreign_checkpoints(Path(args.model), args.checkpoints)
 if problems:
     parser.error(" ".join(problems))

@@ -87,6 +87,22 @@ def test_hub_style_translation_column_is_flattened(tmp_path):
     assert data["train"][1] == {"source": "Welt", "target": "World"}
 
 
+def test_translation_pairs_in_other_languages_are_named(tmp_path):
+    """Once "no usable sentence pairs (all rows are empty)", which hid that the languages were wrong."""
+    rows = '{"translation": {"de": "Hallo", "fr": "Bonjour"}}\n'
+    jsonl = write(tmp_path / "t.jsonl", rows)
+    with pytest.raises(DataError, match=r"pairs are in \['de', 'fr'\], not 'en': name the two languages"):
+        load_parallel_data(train_file=jsonl, validation_file=jsonl, source_lang="en", target_lang="es")
+
+
+def test_line_breaks_inside_a_sentence_become_spaces(tmp_path):
+    """A model trained on targets with line breaks wrote them, and a line-by-line translation gained lines."""
+    rows = '{"en": "one\\ntwo", "es": " uno\\r\\n\\r\\ndos\\u2028tres "}\n'
+    jsonl = write(tmp_path / "n.jsonl", rows)
+    data, _ = load_parallel_data(train_file=jsonl, validation_file=jsonl)
+    assert data["train"][0] == {"source": "one two", "target": "uno dos tres"}
+
+
 def test_bad_data_gives_clear_errors(tmp_path):
     good = write(tmp_path / "good.tsv", "en\tes\nhi\thola\n")
     with pytest.raises(FileNotFoundError, match="does not exist"):

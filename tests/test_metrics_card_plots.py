@@ -21,7 +21,13 @@ from vanilla_transformer.model_card import (
     write_model_card,
 )
 from vanilla_transformer.plotting import plot_training_curves
-from vanilla_transformer.translation import LineError, SentenceError, translate, translate_stream
+from vanilla_transformer.translation import (
+    LineError,
+    SentenceError,
+    translate,
+    translate_lines,
+    translate_stream,
+)
 
 REFERENCES = [
     "In the beginning, God created the heavens and the earth.",
@@ -185,6 +191,38 @@ def test_translate_edge_cases(tokenizer):
         translate(model, tokenizer, "Jesus wept .")
     with pytest.raises(ValueError, match="batch_size"):
         translate(model, tokenizer, ["Jesus wept ."], batch_size=0)
+
+
+def test_translate_keeps_one_line_per_sentence(tokenizer, monkeypatch):
+    """A model trained on text with line breaks may write them: each translation stays on one line, so
+    that a line-by-line output keeps one line per input."""
+    monkeypatch.setattr(tokenizer, "batch_decode", lambda sequences, **_: ["uno\ndos\r\n"] * len(sequences))
+    lines = ["Jesus wept .\n", "\n", "In the beginning\n"]
+    assert list(translate_lines(EchoModel(), tokenizer, lines)) == ["uno dos", "", "uno dos"]
+
+
+class OutOfMemoryModel(EchoModel):
+    """Runs out of memory, as a CPU allocation does, in any batch holding a sentence of 4 or more tokens."""
+
+    def __init__(self, message: str = "[enforce fail at alloc_cpu.cpp:127] you tried to allocate 57 GB."):
+        super().__init__()
+        self.message = message
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        if attention_mask.sum(1).max() >= 4:
+            raise RuntimeError(self.message)
+        return input_ids
+
+
+def test_a_sentence_too_long_for_memory_is_named(tokenizer):
+    """A 60,000-token line once ended translate.py with the allocator's message and no line number."""
+    sentences = ["Jesus wept .", "In the beginning God created", "wept ."]
+    with pytest.raises(SentenceError, match=r"^sentences\[1\] \(6 tokens\) needs more memory than there is"):
+        translate(OutOfMemoryModel(), tokenizer, sentences, batch_size=2)
+    with pytest.raises(LineError, match=r"^line 3 \(6 tokens\) needs more memory"):
+        list(translate_lines(OutOfMemoryModel(), tokenizer, ["wept .\n", "\n", sentences[1] + "\n"]))
+    with pytest.raises(RuntimeError, match=r"^a bug$"):  # not about memory: not blamed on a sentence
+        translate(OutOfMemoryModel("a bug"), tokenizer, sentences)
 
 
 def test_translate_stream_names_the_line_of_a_sentence_error():

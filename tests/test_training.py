@@ -28,6 +28,8 @@ from vanilla_transformer.training import (
     add_stutters,
     average_checkpoints,
     check_data_order,
+    check_evaluation_lengths,
+    check_special_tokens,
     checkpoint_problems,
     checkpoint_weights,
     foreign_checkpoints,
@@ -227,6 +229,13 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
     refused = average(tmp_path / "twice", checkpoints[0], checkpoints[0] + "/")
     assert refused.returncode == 2 and "names a folder twice" in refused.stderr
+    no_tokenizer = tmp_path / "no-tokenizer"  # once "Couldn't instantiate the backend tokenizer from one of:"
+    no_tokenizer.mkdir()
+    shutil.copy(output_dir / "config.json", no_tokenizer)
+    command = [sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), "--model", str(no_tokenizer)]
+    command += ["--checkpoints", checkpoints[0], "--output", str(tmp_path / "none")]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert refused.returncode == 2 and f"{no_tokenizer} has no tokenizer" in refused.stderr
 
     # Another run's checkpoint (its own run id), or one trained with another vocabulary: both were once
     # averaged in without a word, into a model that translated nothing.
@@ -743,6 +752,23 @@ def test_bad_flags_are_rejected(tmp_path):
         TrainingConfig(max_grad_norm=float("nan"))
     with pytest.raises(ValueError, match="--adam_beta1 and --adam_beta2 must be in"):
         TrainingConfig(adam_beta1=2.0)
+    # These three once passed the flags and failed with a traceback after data loading.
+    with pytest.raises(ValueError, match="--vocab_size must exceed the 4 special tokens"):
+        TrainingConfig(vocab_size=4)
+    for bad in (-1, 2**32):
+        with pytest.raises(ValueError, match="--seed must be between 0 and 2\\*\\*32 - 1"):
+            TrainingConfig(seed=bad)
+    with pytest.raises(ValueError, match="raise --max_tokens to at least 256 or lower --max_length to 100"):
+        TrainingConfig(max_tokens=200, max_length=128)
+    # Another model's folder (a converted one, a user's) would have its files replaced without a word.
+    other = tmp_path / "other_model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "README.md").write_text("my notes")
+    with pytest.raises(ValueError, match=r"holds README\.md, config\.json, which the trained model's folder"):
+        TrainingConfig(output_dir=str(other))
+    (other / "checkpoints").mkdir()  # an earlier run's folder: retrained or resumed, as before
+    assert TrainingConfig(output_dir=str(other)).output_dir == str(other)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     with pytest.raises(InputError, match="no checkpoint"):  # printed without a traceback
@@ -751,6 +777,54 @@ def test_bad_flags_are_rejected(tmp_path):
         train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint=str(ROOT)))
     with pytest.raises(InputError, match="/nonexistent/step-9: no such folder"):
         train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="/nonexistent/step-9"))
+
+
+def test_a_tokenizer_without_special_tokens_or_end_tokens_is_refused():
+    """Without a padding token a run once failed at its first batch, inside the collator; without the end
+    token after each text it trained and published a model that never stops."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", "a"])}
+
+    def tokenizer(end_token: bool, **special: str) -> PreTrainedTokenizerFast:
+        backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        if end_token:
+            backend.post_processor = processors.TemplateProcessing(
+                single="$A </s>", special_tokens=[("</s>", 2)]
+            )
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **special)
+
+    complete = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+    check_special_tokens(tokenizer(True, **complete), "t")
+    with pytest.raises(InputError, match="t has no pad, bos token"):
+        check_special_tokens(tokenizer(True, eos_token="</s>"), "t")
+    with pytest.raises(
+        InputError, match=r"does not end an encoded source text with its end token '</s>' \(it"
+    ):
+        check_special_tokens(tokenizer(False, **complete), "t")
+
+
+def test_evaluation_pairs_too_long_for_a_batch_are_refused_before_training():
+    """Evaluation pairs are not filtered by --max_length; one that fits no batch once crashed the run
+    (validation) or asked for 57 GB after training ended (test)."""
+    from datasets import Dataset, DatasetDict
+
+    splits = DatasetDict(
+        validation=Dataset.from_dict(
+            {"source": ["a", "b"], "source_length": [3, 10], "target_length": [4, 20]}
+        ),
+        test=Dataset.from_dict(
+            {"source": ["short", "a long one"], "source_length": [5, 50], "target_length": [1, 1]}
+        ),
+    )
+    check_evaluation_lengths(splits, 50, None)
+    with pytest.raises(InputError, match=r'^1 validation pair\(s\) .* \("b\.\.\."\) has 30 source \+ target'):
+        check_evaluation_lengths(splits, 29, None)
+    with pytest.raises(InputError, match=r'^1 test pair\(s\) .* \("a long one\.\.\."\) has 50 source tokens'):
+        check_evaluation_lengths(splits, 49, None)
+    check_evaluation_lengths(splits, 30, 1)  # only the test pairs to be translated count (--test_samples)
 
 
 def run_script(name: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ from datasets import DatasetDict, Value, load_dataset
 
 from .cli import InputError, first_line
 from .corpus import load_default_corpus
+from .translation import one_line
 
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 
@@ -192,6 +193,17 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
 
     for split, dataset in data.items():
         if "translation" in dataset.column_names and source_column not in dataset.column_names:
+            # A Hub dataset's `Translation` feature lists its languages; a JSON file's dicts, their keys.
+            feature = dataset.features["translation"]
+            languages = getattr(feature, "languages", None) or (
+                list(feature) if isinstance(feature, dict) else []
+            )
+            missing = [c for c in (source_column, target_column) if languages and c not in languages]
+            if missing:
+                raise DataError(
+                    f"The {split} data's translation pairs are in {sorted(languages)}, not {missing[0]!r}: "
+                    "name the two languages with --source_lang and --target_lang."
+                )
             data[split] = dataset.map(flatten, batched=True, remove_columns=dataset.column_names)
             continue
         missing = [c for c in (source_column, target_column) if c not in dataset.column_names]
@@ -214,10 +226,12 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
 
 
 def _drop_empty(data: DatasetDict, report: DataReport) -> DatasetDict:
+    # One line per sentence: line breaks inside one become spaces, so that a model never learns to write
+    # them (a line-by-line output would gain lines).
     def clean(batch: dict[str, list]) -> dict[str, list]:
         return {
-            "source": [str(s).strip() if s is not None else "" for s in batch["source"]],
-            "target": [str(t).strip() if t is not None else "" for t in batch["target"]],
+            "source": [one_line(str(s)) if s is not None else "" for s in batch["source"]],
+            "target": [one_line(str(t)) if t is not None else "" for t in batch["target"]],
         }
 
     for split, dataset in data.items():

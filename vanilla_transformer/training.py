@@ -60,7 +60,7 @@ from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransform
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import finish_interrupted_publish, publish_folder
-from .tokenization import train_bpe_tokenizer
+from .tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 from .translation import translate
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,14 @@ STATE_FILE = "trainer_state.json"
 CHECKPOINT_TOKENIZER = "tokenizer"  # a checkpoint's copy of the run's tokenizer
 MANIFEST_FILE = "manifest.json"  # every file of a checkpoint: size and SHA-256
 MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
+# Files of the final model folder that would replace another folder's files of the same name.
+FINAL_FOLDER_FILES = (
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+)
 
 
 # Schedule and batching per model size. base/big are the paper's (Section 5.2-5.3, 6.1): 8 processes x 6,250
@@ -308,6 +316,19 @@ class TrainingConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        if self.vocab_size is not None and self.vocab_size <= len(SPECIAL_TOKENS):
+            raise ValueError(
+                f"--vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
+                f"got {self.vocab_size}."
+            )
+        if not 0 <= self.seed < 2**32:  # what numpy's generator, which set_seed seeds, accepts
+            raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}.")
+        if self.max_tokens < 2 * self.max_length:
+            raise ValueError(
+                f"--max_tokens {self.max_tokens} cannot hold a training pair of --max_length "
+                f"{self.max_length} tokens per side in one batch: raise --max_tokens to at least "
+                f"{2 * self.max_length} or lower --max_length to {self.max_tokens // 2}."
+            )
         for name in (
             "lr_scale",
             "length_penalty",
@@ -369,6 +390,15 @@ class TrainingConfig:
             raise ValueError(
                 f"--output_dir {self.output_dir} is the current folder or holds it; the final folder is "
                 "written beside it and renamed into place, so name a subfolder."
+            )
+        # A folder of an earlier run here is resumed or retrained (its checkpoints are kept apart); any
+        # other folder's model, card or tokenizer would be replaced by this run's without a word.
+        replaced = sorted(name for name in FINAL_FOLDER_FILES if (output / name).is_file())
+        earlier_run = (output / "checkpoints").is_dir() or _json_field(output / "metrics.json", "run_id")
+        if replaced and not earlier_run:
+            raise ValueError(
+                f"--output_dir {self.output_dir} holds {', '.join(replaced)}, which the trained model's "
+                "folder would replace, and is not the folder of an earlier training run; name a new folder."
             )
         # The final folder is written into a sibling, then renamed: the parent must be writable too.
         for folder in (output, next(p for p in output.parents if p.exists())):
@@ -926,6 +956,7 @@ def start(config: TrainingConfig) -> Run:
     for line in report.lines():
         log(line)
     log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}; {memory()}")
+    check_evaluation_lengths(tokenized, config.max_tokens, config.test_samples)
 
     model, optimizer, peak_lr = build_model(config, tokenizer)
     architecture = {name: getattr(model.config, name) for name in ARCHITECTURE_FIELDS}  # before wrapping
@@ -986,6 +1017,32 @@ def start(config: TrainingConfig) -> Run:
         valid_loader,
         state,
     )
+
+
+def check_evaluation_lengths(tokenized: Any, max_tokens: int, test_samples: int | None) -> None:
+    """Refuse, before training, evaluation pairs too long for the run's batches. Validation and test
+    pairs are not filtered by --max_length (scores cover the whole split), but each validation pair must
+    fit one validation-loss batch of `max_tokens` source + target tokens, and each test source that
+    will be translated (the first `test_samples`) one batch's `max_tokens`, which keeps translation
+    within the memory training uses (a 60,000-token line once asked for 57 GB after training ended)."""
+    splits = {"validation": ("source_length", "target_length")}
+    if "test" in tokenized:
+        splits["test"] = ("source_length",)
+    for split, columns in splits.items():
+        dataset = tokenized[split]
+        if split == "test" and test_samples:
+            dataset = dataset.select(range(min(test_samples, len(dataset))))
+        sizes = [sum(lengths) for lengths in zip(*(dataset[column] for column in columns), strict=True)]
+        over = [index for index, size in enumerate(sizes) if size > max_tokens]
+        if over:
+            longest = max(over, key=sizes.__getitem__)
+            what = "source + target tokens" if len(columns) == 2 else "source tokens"
+            raise InputError(
+                f"{len(over)} {split} pair(s) longer than --max_tokens {max_tokens}: the longest "
+                f'("{dataset[longest]["source"][:50]}...") has {sizes[longest]:,} {what}. Evaluation '
+                f"pairs are not filtered by --max_length, but must fit one batch; raise --max_tokens to "
+                f"{sizes[longest]} or remove or split the pair(s)."
+            )
 
 
 def build_model(
@@ -1478,6 +1535,23 @@ def default_vocab_size(words: int) -> int:
     return int(min(max(round(words / WORDS_PER_TYPE, -3), 1000), 37000))
 
 
+def check_special_tokens(tokenizer: Any, name: str) -> None:
+    """A tokenizer this trainer can use: padding, start and end tokens, and the end token after every
+    encoded text, which is what teaches the model to stop (without it a run trains and publishes a model
+    that never ends a translation)."""
+    missing = [kind for kind in ("pad", "bos", "eos") if getattr(tokenizer, f"{kind}_token_id") is None]
+    if missing:
+        raise InputError(f"{name} has no {', '.join(missing)} token; it needs padding, start and end tokens.")
+    encoded = tokenizer("a", text_target="a")
+    for side, ids in (("source", encoded["input_ids"]), ("target", encoded["labels"])):
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            raise InputError(
+                f"{name} does not end an encoded {side} text with its end token {tokenizer.eos_token!r} "
+                f"(it encodes 'a' as {ids}): a model trained with it would never learn to stop. Add the "
+                "end token in its post-processor (a TemplateProcessing that appends it)."
+            )
+
+
 def load_or_train_tokenizer(
     config: TrainingConfig, data: Any, accelerator: Accelerator, output_dir: Path, resume_path: Path | None
 ) -> Any:
@@ -1486,9 +1560,11 @@ def load_or_train_tokenizer(
     training split, saved in `output_dir/tokenizer`."""
     if config.tokenizer_name:
         try:
-            return AutoTokenizer.from_pretrained(config.tokenizer_name)
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name)
         except (OSError, ValueError) as error:  # a folder without one, a Hub id not found or not reached
             raise InputError(f"--tokenizer_name {config.tokenizer_name}: {first_line(error)}") from None
+        check_special_tokens(tokenizer, f"--tokenizer_name {config.tokenizer_name}")
+        return tokenizer
     folder = output_dir / "tokenizer"
     if resume_path is not None and (resume_path / CHECKPOINT_TOKENIZER / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(resume_path / CHECKPOINT_TOKENIZER)

@@ -41,6 +41,11 @@ def checked_sentences(sentences: Sequence[str], batch_size: int) -> list[str]:
     return sentences
 
 
+def one_line(text: str) -> str:
+    """`text` stripped, with its line breaks (any that `str.splitlines` knows) turned into spaces."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def translate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -52,7 +57,10 @@ def translate(
     """Translate `sentences` with `model.generate`, `batch_size` sentences at a time.
 
     Sentences are sorted by token length (longest first) so that each batch carries little padding;
-    the translations come back in the input order, decoded without special tokens and stripped.
+    the translations come back in the input order, decoded without special tokens, stripped and on one
+    line each (a model trained on text with line breaks may write them: they become spaces, so that a
+    line-by-line output keeps one line per input). A batch that runs out of memory is reported as a
+    `SentenceError` of its longest sentence, with its length.
     `generate_kwargs` go to `generate` (the model's generation config applies otherwise: beam 4 and
     source length + 50 for this package's models; that length is the longest source in the batch).
     The model runs in eval mode and under `torch.inference_mode()`; its train/eval state is restored.
@@ -73,7 +81,16 @@ def translate(
                 indices = order[start : start + batch_size]
                 inputs = tokenizer([sentences[i] for i in indices], padding=True, return_tensors="pt")
                 inputs.pop("token_type_ids", None)  # encoder-decoder models take none
-                outputs = model.generate(**inputs.to(model.device), **generate_kwargs)
+                try:
+                    outputs = model.generate(**inputs.to(model.device), **generate_kwargs)
+                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+                    # CPU allocation failures are RuntimeErrors that say so; others are not about the input.
+                    out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
+                    if not out_of_memory and "alloc" not in str(error):
+                        raise
+                    longest = indices[0]  # the batches are sorted longest first
+                    reason = f"({lengths[longest]:,} tokens) needs more memory than there is to translate"
+                    raise SentenceError(longest, f"{reason}: {str(error).splitlines()[0]}") from None
                 sequences = outputs if isinstance(outputs, torch.Tensor) else outputs.sequences
                 if sequences.shape[0] != len(indices):
                     raise ValueError(
@@ -82,7 +99,7 @@ def translate(
                     )
                 decoded = tokenizer.batch_decode(sequences, skip_special_tokens=True)
                 for i, text in zip(indices, decoded, strict=True):
-                    translations[i] = text.strip()
+                    translations[i] = one_line(text)
     finally:
         for module, mode in training.items():
             module.training = mode
@@ -141,6 +158,7 @@ __all__ = [
     "LineError",
     "SentenceError",
     "checked_sentences",
+    "one_line",
     "translate",
     "translate_lines",
     "translate_stream",
