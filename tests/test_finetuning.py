@@ -197,6 +197,8 @@ def test_bad_finetune_options():
             FinetuneConfig(model="m", train_file="t", output_dir="o", **{name: value})
     with pytest.raises(ValueError, match="--learning_rate must be a positive number"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", learning_rate=float("nan"))
+    with pytest.raises(ValueError, match=r"--seed must be between 0 and 2\*\*32 - 1, got -1"):
+        FinetuneConfig(model="m", train_file="t", output_dir="o", seed=-1)
 
 
 def test_finetuning_never_writes_over_a_model(start, tmp_path):

@@ -69,6 +69,8 @@ class FinetuneConfig:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup_steps must not be negative, got {self.warmup_steps}.")
+        if not 0 <= self.seed < 2**32:  # what numpy's generator, which Trainer seeds, accepts
+            raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}.")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"--learning_rate must be a positive number, got {self.learning_rate}.")
         if not 0 <= self.label_smoothing_factor < 1:  # NaN included
