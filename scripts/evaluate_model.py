@@ -36,7 +36,12 @@ parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-parser.add_argument("--hypotheses", type=Path, help="also write the translations here, one per line")
+parser.add_argument(
+    "--hypotheses",
+    type=Path,
+    help="also write the translations here, one line per scored pair in file order (rows skipped for an "
+    "empty side, which the summary counts, have none)",
+)
 args = parser.parse_args()
 if args.length_penalty is not None and not math.isfinite(args.length_penalty):
     parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
