@@ -444,6 +444,42 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
     kept = (tmp_path / "run" / "checkpoints").glob("retired-*/step-*/tokenizer/tokenizer.json")
     assert len(list(kept)) == 2  # each with the tokenizer its weights are for
 
+    # Continued past the stop at 6 (off the 4-update schedule), the run averages what an uninterrupted
+    # run does: step-6 is dropped once step-8 exists.
+    latest = [*args, "--resume_from_checkpoint", "latest"]
+    result = train(parse_config(latest))
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == names
+    assert result["metrics"]["averaged_checkpoints"] == names
+
+    # Other training pairs, as many as before: once resumed as if they were the same data.
+    train_file = Path(corpus_files["train_file"])
+    other = tmp_path / "other-train.tsv"
+    header, first, rest = train_file.read_text(encoding="utf-8").split("\n", 2)
+    other.write_text("\n".join([header, first.replace("\t", "\t¡"), rest]), encoding="utf-8")
+    with pytest.raises(InputError, match=r"Cannot continue .*train_sha256 .*a digest of the training pairs"):
+        train(parse_config([*latest, "--train_file", str(other)]))
+    # Another tokenizer (its ids are not the ones the weights were trained for): once used silently.
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["other words entirely"] * 50, vocab_size=400).save_pretrained(tmp_path / "tok")
+    with pytest.raises(InputError, match="is not the tokenizer step-00000012 was trained with"):
+        train(parse_config([*latest, "--tokenizer_name", str(tmp_path / "tok")]))
+    # A second run in the same folder at once: refused while the first holds it.
+    lock = training_module.lock_output_dir(tmp_path / "run")
+    try:
+        with pytest.raises(InputError, match="is in use by another training run"):
+            train(parse_config(latest))
+    finally:
+        lock.close()
+    # A damaged checkpoint among those averaged (not the one resumed from, which is checked anyway):
+    # once averaged in, a flipped bit becoming a weight of 2e37 in the published model.
+    weights = tmp_path / "run" / "checkpoints" / "step-00000008" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x40
+    weights.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"checkpoints to average are damaged \(step-00000008: "):
+        train(parse_config(latest))
+
 
 def test_checkpoints_that_do_not_lead_to_the_resumed_one_are_retired(tmp_path):
     """Resuming from a checkpoint kept elsewhere (a copy not named step-N) once left the folder's own

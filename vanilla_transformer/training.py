@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # Windows: runs are not locked
+    fcntl = None
+
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -589,10 +594,18 @@ def retire_later_checkpoints(output_dir: str | Path, resume_path: Path | None) -
 
 
 def save_checkpoint(
-    accelerator: Accelerator, output_dir: Path, state: dict[str, Any], keep: int, tokenizer: Any = None
+    accelerator: Accelerator,
+    output_dir: Path,
+    state: dict[str, Any],
+    keep: int,
+    tokenizer: Any = None,
+    scheduled: bool = True,
 ) -> Path:
     """Write model, optimizer, scheduler and RNG states, and the tokenizer (whose ids the weights are
-    for), atomically: to a temporary folder, then rename."""
+    for), atomically: to a temporary folder, then rename. Then remove all but the last `keep`
+    checkpoints, and any earlier one that was not `scheduled`: written where a run stopped (time limit,
+    a lower --max_steps) off the --save_steps schedule, which a run that continues past it would
+    otherwise average where an uninterrupted run has a checkpoint of the schedule."""
     folder = output_dir / "checkpoints"
     final = folder / f"step-{state['step']:08d}"
     partial = folder / f".partial-step-{state['step']:08d}"
@@ -605,10 +618,13 @@ def save_checkpoint(
     if accelerator.is_main_process:
         if tokenizer is not None:
             tokenizer.save_pretrained(partial / CHECKPOINT_TOKENIZER)
-        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
+        (partial / STATE_FILE).write_text(json.dumps(state | {"scheduled": scheduled}, indent=1))
         write_manifest(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        for old in list_checkpoints(output_dir)[:-1]:
+            if _json_field(old / STATE_FILE, "scheduled") is False:
+                shutil.rmtree(old)
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -858,15 +874,48 @@ def log_main(accelerator: Accelerator, message: str) -> None:
 
 def train(config: TrainingConfig) -> dict[str, Any]:
     """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`)."""
-    run = start(config)
-    stopped = train_loop(run)
-    final, metrics = finalise(run, stopped)
-    samples = score_test_split(run, final, metrics)
-    if run.accelerator.is_main_process:
-        publish(run, final, metrics, samples)
-    run.accelerator.wait_for_everyone()
-    run.accelerator.end_training()
+    # One run per folder: two at once would average each other's checkpoints and remove each other's
+    # partial writes. The main process (global rank 0) holds the lock.
+    lock = lock_output_dir(Path(config.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        run = start(config)
+        stopped = train_loop(run)
+        final, metrics = finalise(run, stopped)
+        samples = score_test_split(run, final, metrics)
+        if run.accelerator.is_main_process:
+            publish(run, final, metrics, samples)
+        run.accelerator.wait_for_everyone()
+        run.accelerator.end_training()
+    finally:
+        if lock is not None:
+            lock.close()
     return {"metrics": metrics, "samples": samples, "history": run.state["history"]}
+
+
+def lock_path(output_dir: Path) -> Path:
+    """The lock file of a run folder: a hidden sibling, so that it is neither moved by the final folder's
+    swap nor published with the model."""
+    folder = output_dir.resolve()
+    return folder.parent / f".{folder.name}.lock"
+
+
+def lock_output_dir(output_dir: Path) -> Any:
+    """Hold an exclusive lock on `output_dir` until the returned file is closed (or the process ends, a
+    kill included: the system releases it), or refuse if another run holds it. Where the system has
+    no `fcntl` (Windows) nothing is locked."""
+    path = lock_path(output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a")
+    if fcntl is not None:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise InputError(
+                f"--output_dir {output_dir} is in use by another training run (it holds {path}); wait for "
+                "it to end, or name another folder."
+            ) from None
+    return handle
 
 
 def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
@@ -984,6 +1033,7 @@ def start(config: TrainingConfig) -> Run:
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "seed": config.seed,
         "train_pairs": len(tokenized["train"]),
+        "train_sha256": text_digest(tokenized["train"]),
     }
     if resume_path is not None:
         check_data_order(resume_path, data_order)
@@ -1080,11 +1130,20 @@ def build_model(
 
 def changes_since(resume_path: Path, record: str, current: dict[str, Any]) -> list[str]:
     """ "name old -> new" for each value of the checkpoint's `record` that `current` changes (none for
-    checkpoints from before that record was kept: they are resumed as they are)."""
+    checkpoints from before that record, or that value, was kept: they are resumed as they are)."""
     saved = json.loads((resume_path / STATE_FILE).read_text()).get(record)
     if saved is None:
         return []
-    return [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in current.items() if saved.get(k) != v]
+    return [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
+
+
+def text_digest(dataset: Any) -> str:
+    """SHA-256 of a split's sentence pairs, in order: other training data with as many pairs (another
+    file, an edited one) resumes as if it were the same, batches skipped by count, without this."""
+    digest = hashlib.sha256()
+    for source, target in zip(dataset["source"], dataset["target"], strict=True):
+        digest.update(f"{source}\t{target}\n".encode())
+    return digest.hexdigest()
 
 
 def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
@@ -1097,6 +1156,7 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
         meanings = {
             "processes": "'processes' is the number of launched processes",
             "train_pairs": "'train_pairs' is the number of training pairs after filtering",
+            "train_sha256": "'train_sha256' is a digest of the training pairs' text (other data)",
         }
         explained = [text for key, text in meanings.items() if any(c.startswith(f"{key} ") for c in changed)]
         raise InputError(
@@ -1390,7 +1450,10 @@ def train_loop(run: Run) -> bool:
                 paused = time.perf_counter()
                 state["train_time_s"] = clock.local()
                 state["log_window"] = interval.saved(run)
-                save_checkpoint(accelerator, run.output_dir, state, config.keep_checkpoints, run.tokenizer)
+                scheduled = step % config.save_steps == 0
+                save_checkpoint(
+                    accelerator, run.output_dir, state, config.keep_checkpoints, run.tokenizer, scheduled
+                )
                 del state["log_window"]
                 interval.pause(paused)  # nor are checkpoints
             if last_update:
@@ -1403,6 +1466,26 @@ def train_loop(run: Run) -> bool:
     if stopped:
         run.log(f"--max_train_minutes {config.max_train_minutes}: stopped after update {state['step']}")
     return stopped
+
+
+def check_averaged_checkpoints(paths: Sequence[Path], run_id: str) -> None:
+    """Refuse to average a damaged checkpoint (its manifest's sizes or SHA-256 differ: one flipped bit
+    once put a weight of 2e37 into a published model, with a validation loss that hardly moved) or
+    another run's (its run id differs), naming them and what to do."""
+    damaged = {path.name: problems for path in paths if (problems := checkpoint_problems(path))}
+    if damaged:
+        named = "; ".join(f"{name}: {', '.join(problems)}" for name, problems in damaged.items())
+        raise InputError(
+            f"The checkpoints to average are damaged ({named}). Move the damaged ones out of "
+            "checkpoints/ and resume with --resume_from_checkpoint latest, which averages the others."
+        )
+    foreign = [path.name for path in paths if _json_field(path / STATE_FILE, "run_id") not in (None, run_id)]
+    if foreign:
+        raise InputError(
+            f"Checkpoints {', '.join(foreign)} are another run's (another run id): averaged with this "
+            "run's, the model would be neither's. Move them out of checkpoints/ and resume with "
+            "--resume_from_checkpoint latest."
+        )
 
 
 def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalGeneration, dict[str, Any]]:
@@ -1424,6 +1507,7 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
         "parameter_checksums": checksums,
     }
     averaged = list_checkpoints(run.output_dir)[-config.average_checkpoints :]
+    check_averaged_checkpoints(averaged, state["run_id"])
     if len(averaged) > 1:
         # The last weights' loss, to compare with the average's (translating with them too would
         # cost as much as validating the average again, for a number nobody decides on).
@@ -1564,6 +1648,17 @@ def load_or_train_tokenizer(
         except (OSError, ValueError) as error:  # a folder without one, a Hub id not found or not reached
             raise InputError(f"--tokenizer_name {config.tokenizer_name}: {first_line(error)}") from None
         check_special_tokens(tokenizer, f"--tokenizer_name {config.tokenizer_name}")
+        kept = None if resume_path is None else resume_path / CHECKPOINT_TOKENIZER
+        if (
+            kept is not None
+            and (kept / "tokenizer.json").is_file()
+            and AutoTokenizer.from_pretrained(kept).get_vocab() != tokenizer.get_vocab()
+        ):
+            raise InputError(
+                f"--tokenizer_name {config.tokenizer_name} is not the tokenizer {resume_path.name} was "
+                f"trained with ({kept}): its weights are for that tokenizer's ids. Resume without "
+                "--tokenizer_name, or start a fresh run in another --output_dir."
+            )
         return tokenizer
     folder = output_dir / "tokenizer"
     if resume_path is not None and (resume_path / CHECKPOINT_TOKENIZER / "tokenizer.json").is_file():
