@@ -616,7 +616,7 @@ def test_a_kill_while_the_final_folder_is_written_loses_nothing(tmp_path, corpus
     assert {"model.safetensors", "metrics.json", "README.md", "training_curves.png"} <= {
         p.name for p in output_dir.iterdir()
     }
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock", "run"]  # no staging folder
     first = json.loads((output_dir / "metrics.json").read_text())["metrics"]
 
     # Killed while replacing a finished folder: the previous folder stays whole, checkpoints included.

@@ -38,6 +38,7 @@ from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
     ProjectConfiguration,
+    broadcast_object_list,
     gather_object,
     set_seed,
 )
@@ -1026,7 +1027,8 @@ def start(config: TrainingConfig) -> Run:
     )
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "history": [], "train_time_s": 0.0}
-    state["run_id"] = uuid.uuid4().hex  # kept by every checkpoint and resume: whose checkpoints these are
+    # Kept by every checkpoint and resume: whose checkpoints these are. The main process's, on all.
+    state["run_id"] = broadcast_object_list([uuid.uuid4().hex])[0]
     data_order = {
         "processes": accelerator.num_processes,
         "max_tokens": config.max_tokens,
@@ -1039,7 +1041,8 @@ def start(config: TrainingConfig) -> Run:
         check_data_order(resume_path, data_order)
         check_architecture(resume_path, architecture)
         state = resume(accelerator, output_dir, resume_path)
-        state.setdefault("run_id", uuid.uuid4().hex)  # a checkpoint written before runs had ids
+        if "run_id" not in state:  # a checkpoint written before runs had ids
+            state["run_id"] = broadcast_object_list([uuid.uuid4().hex])[0]
         log(f"resumed from {resume_path} at update {state['step']}")
     else:  # an earlier run's checkpoints in this folder would be averaged into this run's model
         if accelerator.is_main_process:
