@@ -1,5 +1,6 @@
 """Incremental decoding and generate() against hand-written decoding loops."""
 
+import copy
 import json
 
 import numpy as np
@@ -276,6 +277,8 @@ def test_a_max_length_filled_from_transformers_defaults_does_not_end_the_length_
     assert config.max_length == 20  # what Trainer reads to pad its predictions
     assert model.generate(source, **options).shape[1] == full
     config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    # A copy of it, passed in (a user editing Trainer's config after an evaluation), keeps the rule too.
+    assert model.generate(source, generation_config=copy.deepcopy(config), **options).shape[1] == full
     model.save_pretrained(tmp_path)
     assert "max_length" not in json.loads((tmp_path / "generation_config.json").read_text())
 

@@ -807,12 +807,13 @@ def test_bad_flags_are_rejected(tmp_path):
     assert TrainingConfig(output_dir=str(other)).output_dir == str(other)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
+    absent = str(tmp_path / "nonexistent" / "run")
     with pytest.raises(InputError, match="no checkpoint"):  # printed without a traceback
-        train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="latest"))
+        train(TrainingConfig(output_dir=absent, resume_from_checkpoint="latest"))
     with pytest.raises(InputError, match="is not a checkpoint written by this trainer"):
-        train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint=str(ROOT)))
+        train(TrainingConfig(output_dir=absent, resume_from_checkpoint=str(ROOT)))
     with pytest.raises(InputError, match="/nonexistent/step-9: no such folder"):
-        train(TrainingConfig(output_dir="/nonexistent/run", resume_from_checkpoint="/nonexistent/step-9"))
+        train(TrainingConfig(output_dir=absent, resume_from_checkpoint="/nonexistent/step-9"))
 
 
 def test_a_tokenizer_without_special_tokens_or_end_tokens_is_refused():

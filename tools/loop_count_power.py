@@ -61,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=0.05)
     parser.add_argument("--runs", type=int, nargs="+", default=[11, 25, 50, 100, 200])
     args = parser.parse_args(argv)
-    if args.rate <= 0 or args.ratio < 0 or any(n < 1 for n in args.runs):
-        parser.error("--rate must be > 0, --ratio >= 0 and every --runs value >= 1")
+    if args.rate <= 0 or args.ratio < 0 or not 0 < args.alpha < 1 or any(n < 1 for n in args.runs):
+        parser.error("--rate must be > 0, --ratio >= 0, --alpha in (0, 1) and every --runs value >= 1")
     print(f"A loops {args.rate:.3f} times per run, B {args.ratio:g} times as often; alpha {args.alpha}")
     print("| runs per recipe | power | P(A loop-free in all runs) | P(B loop-free in all runs) |")
     print("|---|---|---|---|")

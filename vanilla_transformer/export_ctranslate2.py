@@ -44,7 +44,7 @@ from .modeling_vanilla_transformer import (
     sinusoidal_position_encoding,
 )
 from .publishing import publish_folder
-from .translation import SentenceError, checked_sentences
+from .translation import SentenceError, checked_sentences, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -383,7 +383,7 @@ class CTranslate2Translator:
                 )
                 for i, result in zip(chunk, results, strict=True):
                     ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
-                    outputs[i] = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+                    outputs[i] = one_line(self.tokenizer.decode(ids, skip_special_tokens=True))
         return [outputs[i] for i in range(len(sources))]
 
 

@@ -1194,6 +1194,9 @@ class VanillaTransformerForConditionalGeneration(
         new_generate_call()
         if isinstance(self.generation_config, SourceLengthGenerationConfig):
             self.generation_config.unset_default_max_length()
+        if isinstance(generation_config, SourceLengthGenerationConfig):  # a copy of the model's
+            generation_config = copy.copy(generation_config)
+            generation_config.unset_default_max_length()
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(inputs if inputs is not None else kwargs.get("input_ids"), config, kwargs)
         form = kwargs.pop("length_penalty_form", None)

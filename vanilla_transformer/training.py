@@ -1510,7 +1510,15 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
         "parameter_checksums": checksums,
     }
     averaged = list_checkpoints(run.output_dir)[-config.average_checkpoints :]
-    check_averaged_checkpoints(averaged, state["run_id"])
+    problem = [None]  # checked (every file hashed) once, on the main process, for all
+    if accelerator.is_main_process:
+        try:
+            check_averaged_checkpoints(averaged, state["run_id"])
+        except InputError as error:
+            problem = [str(error)]
+    problem = broadcast_object_list(problem)[0]
+    if problem:
+        raise InputError(problem)
     if len(averaged) > 1:
         # The last weights' loss, to compare with the average's (translating with them too would
         # cost as much as validating the average again, for a number nobody decides on).
