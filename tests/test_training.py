@@ -38,6 +38,7 @@ from vanilla_transformer.training import (
     parse_config,
     resolve_checkpoint,
     retire_later_checkpoints,
+    save_checkpoint,
     set_epoch,
     train,
     validation_loss,
@@ -526,6 +527,33 @@ def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004"]
     weights = checkpoint_weights(list_checkpoints(tmp_path / "run")[0])
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_a_full_disk_while_checkpointing_is_explained_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as "basic_ios::clear: iostream error"; the run now says what
+    happened and that the earlier checkpoints are intact. Other failures keep their own error."""
+    from collections import namedtuple
+
+    accelerator = Accelerator()
+    state = {"step": 4, "run_id": "r"}
+    save_checkpoint(accelerator, tmp_path, state, keep=3)  # an earlier, complete checkpoint
+    state = {"step": 8, "run_id": "r"}
+
+    def failing_save_state(folder: str) -> None:
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(accelerator, "save_state", failing_save_state)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(training_module.shutil, "disk_usage", lambda path: usage(10, 10, 0))
+    with pytest.raises(InputError, match=r"Writing checkpoint step-00000008 failed \(basic_ios.*0 MiB free"):
+        save_checkpoint(accelerator, tmp_path, state, keep=3)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    assert checkpoint_problems(tmp_path / "checkpoints" / "step-00000004") == []
+    monkeypatch.setattr(training_module.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    with pytest.raises(RuntimeError, match="iostream error"):  # room enough: not blamed on the disk
+        save_checkpoint(accelerator, tmp_path, state, keep=3)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
 
 
 def test_a_fresh_run_retires_an_earlier_runs_checkpoints(tmp_path, corpus_files, caplog):

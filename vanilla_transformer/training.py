@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -614,13 +615,20 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(partial))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(partial / CHECKPOINT_TOKENIZER)
+            (partial / STATE_FILE).write_text(json.dumps(state | {"scheduled": scheduled}, indent=1))
+            write_manifest(partial)
+    except (OSError, RuntimeError) as error:
+        explained = checkpoint_write_error(error, partial, accelerator.is_main_process)
+        if explained is error:
+            raise
+        raise explained from error
     if accelerator.is_main_process:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(partial / CHECKPOINT_TOKENIZER)
-        (partial / STATE_FILE).write_text(json.dumps(state | {"scheduled": scheduled}, indent=1))
-        write_manifest(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in list_checkpoints(output_dir)[:-1]:
@@ -630,6 +638,28 @@ def save_checkpoint(
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) -> Exception:
+    """What to raise when writing a checkpoint fails: where the disk is full (torch's writer then says
+    only "iostream error"), a clear `InputError` saying so and that the earlier checkpoints are intact;
+    otherwise the error itself. The unfinished folder is removed either way."""
+    folder = partial.parent
+    written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.exists() else 0
+    if main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    earlier = list_checkpoints(folder.parent)
+    needed = sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file()) if earlier else written
+    free = shutil.disk_usage(folder).free
+    full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not (full or free < needed):
+        return error
+    return InputError(
+        f"Writing checkpoint {partial.name.removeprefix('.partial-')} failed ({first_line(error)}): "
+        f"{free / 2**20:,.0f} MiB free in {folder}, and a checkpoint takes about {needed / 2**20:,.0f} MiB. "
+        "The earlier checkpoints are intact: free some space (or move --output_dir) and resume with "
+        "--resume_from_checkpoint latest."
+    )
 
 
 FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # Accelerate's name for an FSDP model's full state dict
