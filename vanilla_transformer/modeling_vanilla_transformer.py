@@ -932,7 +932,6 @@ class VanillaTransformerForConditionalGeneration(
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     accepts_loss_kwargs = True
-    generation_config_class = SourceLengthGenerationConfig
 
     @property
     def generation_config(self) -> GenerationConfig | None:
@@ -1152,15 +1151,14 @@ class VanillaTransformerForConditionalGeneration(
             raise ValueError(
                 "Resizing needs one shared vocabulary and no final logits bias (a converted Marian model)."
             )
-        if new_num_tokens is not None:
-            size = new_num_tokens
-            if pad_to_multiple_of:
-                size = math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
-            names = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
-            outside = {name: getattr(self.config, name) for name in names}
-            outside = {name: token for name, token in outside.items() if token is not None and token >= size}
-            if outside:
-                raise ValueError(f"A vocabulary of {size} tokens would leave {outside} outside it.")
+        if new_num_tokens is not None:  # the configuration's own checks, on the size it would get
+            resized = copy.copy(self.config)
+            resized.vocab_size = resized.decoder_vocab_size = (
+                math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
+                if pad_to_multiple_of
+                else new_num_tokens
+            )
+            resized._check_values()
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
         return embeddings

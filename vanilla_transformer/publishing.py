@@ -15,18 +15,42 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: folders are not locked
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
 
+def hidden_sibling(folder: str | Path, kind: str) -> Path:
+    """`.NAME.kind` beside `folder` (a link: beside its target; "..": beside the folder itself)."""
+    folder = Path(folder).resolve()
+    return folder.parent / f".{folder.name}.{kind}"
+
+
 def staging_paths(folder: str | Path) -> tuple[Path, Path, Path]:
     """The hidden siblings of `folder`: (being written, complete, old folder being replaced)."""
-    folder = Path(folder).resolve()  # a link: its target; "..": the folder itself
-    return (
-        folder.parent / f".{folder.name}.partial",
-        folder.parent / f".{folder.name}.ready",
-        folder.parent / f".{folder.name}.replaced",
-    )
+    return tuple(hidden_sibling(folder, kind) for kind in ("partial", "ready", "replaced"))
+
+
+def lock_folder(folder: str | Path) -> Any:
+    """Hold an exclusive lock on `folder` until the returned file is closed (or the process ends, a kill
+    included: the system releases it); `BlockingIOError` if another process holds it. The lock file is
+    a hidden sibling, `.NAME.lock`, so that publishing does not move it and it is not published. Where
+    the system has no `fcntl` (Windows) nothing is locked."""
+    path = hidden_sibling(folder, "lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a")
+    if fcntl is not None:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise
+    return handle
 
 
 def finish_interrupted_publish(folder: str | Path) -> None:
@@ -84,4 +108,4 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     _swap_in(ready, folder)
 
 
-__all__ = ["finish_interrupted_publish", "publish_folder", "staging_paths"]
+__all__ = ["finish_interrupted_publish", "hidden_sibling", "lock_folder", "publish_folder", "staging_paths"]

@@ -27,11 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    import fcntl
-except ImportError:  # Windows: runs are not locked
-    fcntl = None
-
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -66,7 +61,7 @@ from .model_card import write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
-from .publishing import finish_interrupted_publish, publish_folder
+from .publishing import finish_interrupted_publish, hidden_sibling, lock_folder, publish_folder
 from .tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 from .translation import translate
 
@@ -923,30 +918,15 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     return {"metrics": metrics, "samples": samples, "history": run.state["history"]}
 
 
-def lock_path(output_dir: Path) -> Path:
-    """The lock file of a run folder: a hidden sibling, so that it is neither moved by the final folder's
-    swap nor published with the model."""
-    folder = output_dir.resolve()
-    return folder.parent / f".{folder.name}.lock"
-
-
 def lock_output_dir(output_dir: Path) -> Any:
-    """Hold an exclusive lock on `output_dir` until the returned file is closed (or the process ends, a
-    kill included: the system releases it), or refuse if another run holds it. Where the system has
-    no `fcntl` (Windows) nothing is locked."""
-    path = lock_path(output_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = path.open("a")
-    if fcntl is not None:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise InputError(
-                f"--output_dir {output_dir} is in use by another training run (it holds {path}); wait for "
-                "it to end, or name another folder."
-            ) from None
-    return handle
+    """`lock_folder(output_dir)`, refused with a clear error while another run holds it."""
+    try:
+        return lock_folder(output_dir)
+    except BlockingIOError:
+        raise InputError(
+            f"--output_dir {output_dir} is in use by another training run (it holds "
+            f"{hidden_sibling(output_dir, 'lock')}); wait for it to end, or name another folder."
+        ) from None
 
 
 def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
