@@ -14,7 +14,7 @@ from transformers.activations import ACT2FN
 POSITION_ENCODING_LAYOUTS = ("interleaved", "concatenated")
 
 # Paper, Table 3 ("base" and "big"); "tiny" is sized for a 10-minute run on 2 CPU cores: with that
-# compute, d_model 192 learned more than 256 (more sentences seen in the same time; see the README).
+# compute, d_model 192 learned more than 256 (more sentences seen in the same time; docs/recipe.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "base": {},
     "big": {"d_model": 1024, "num_heads": 16, "d_ff": 4096, "dropout": 0.3},
@@ -65,7 +65,7 @@ class VanillaTransformerConfig(PretrainedConfig):
             projections. The paper does not say how it initialised weights; 2**-0.5 is fairseq's (the
             three initialised as one (3 d_model, d_model) matrix would be), with which the tiny recipe
             learned markedly more in the same updates than with 1.0 (each its own Xavier-uniform
-            matrix); see the README. Only training from scratch reads it.
+            matrix); docs/recipe.md, fourth round. Only training from scratch reads it.
     """
 
     model_type: ClassVar[str] = "vanilla_transformer"

@@ -575,10 +575,10 @@ def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tup
 
 # Attention of a decoding step ---------------------------------------------------------------------
 #
-# A decoding step attends with one query per row. torch's SDPA runs it through its blocked CPU kernel,
-# which is the faster choice for a few rows but not for many: on the 2-core AVX-512 EPYC of the README
-# (medians of 300 calls, head width 48 or 64, 64 keys), 1 row x 4 heads took 12 us against 24 us for
-# two matrix products and a softmax, 32 rows x 8 heads 220 us against 162 us, and 128 rows x 8 heads
+# A decoding step attends with one query per row. torch's SDPA runs it through its blocked CPU kernel, which
+# is the faster choice for a few rows but not for many: on the 2-core AVX-512 EPYC of docs/performance.md
+# (medians of 300 calls, head width 48 or 64, 64 keys), 1 row x 4 heads took 12 us against 24 us for two
+# matrix products and a softmax, 32 rows x 8 heads 220 us against 162 us, and 128 rows x 8 heads
 # (the base model, beam 4, batch 32) 2.1 ms against 0.64 ms. As for the linear
 # layers, the first call of each class (rows x heads and key count, both rounded up to a power of two,
 # head width, kind of mask) times both on its own inputs, and keeps the matrix products only if they

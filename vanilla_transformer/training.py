@@ -85,23 +85,23 @@ FINAL_FOLDER_FILES = (
 # Schedule and batching per model size. base/big are the paper's (Section 5.2-5.3, 6.1): 8 processes x 6,250
 # tokens ~ its 25,000 source + 25,000 target tokens per update (fewer processes: raise
 # --gradient_accumulation_steps). tiny is the main job, sized so that a 2-core machine with a ~135 GFLOP/s
-# matmul rate finishes in 10 minutes, and chosen by measurement in that budget (see README): small batches,
-# no dropout (a short run underfits: dropout only slowed it), the paper's learning-rate formula x 0.6 with
-# 600 warm-up updates (a lower peak, or a shorter warm-up, learned less on both test corpora), unlikelihood
-# training with weight 2 (weight 1 halved the looping outputs or better on both corpora for about 0.3 BLEU:
-# fifth round; weight 2 cut the runs that loop to a third, 2 of 11 against weight 1's 6, for 0.14 BLEU and
-# 0.38 chrF less on the Bible and 0.28 and 0.71 less on the second corpus: README, seventh and eleventh
-# rounds; weight 3 on every earlier token looped once in 11 runs, for 0.35 BLEU less on the Bible and 0.85
-# on the second corpus: twelfth round; a weight of 3 on the token just written only left loops in other
-# forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood on greedy outputs decoded in training
-# moved loops between seeds for up to 1.1 BLEU and 12-40% more training time: ninth round; label smoothing
-# 0.2 instead of the paper's 0.1 moved the Bible loops to other seeds and added 5 on the second corpus:
-# tenth round) and stutter augmentation in a quarter of the targets (+0.4 BLEU on average over five paired
-# runs on two corpora, loops unchanged; up to 4 repeats removed the Bible loops on three seeds but cost
+# matmul rate finishes in 10 minutes, and chosen by measurement in that budget (docs/recipe.md): small
+# batches, no dropout (a short run underfits: dropout only slowed it), the paper's learning-rate formula x 0.6
+# with 600 warm-up updates (a lower peak, or a shorter warm-up, learned less on both test corpora),
+# unlikelihood training with weight 2 (weight 1 halved the looping outputs or better on both corpora for about
+# 0.3 BLEU: fifth round; weight 2 cut the runs that loop to a third, 2 of 11 against weight 1's 6, for 0.14
+# BLEU and 0.38 chrF less on the Bible and 0.28 and 0.71 less on the second corpus: docs/recipe.md, seventh
+# and eleventh rounds; weight 3 on every earlier token looped once in 11 runs, for 0.35 BLEU less on the Bible
+# and 0.85 on the second corpus: twelfth round; a weight of 3 on the token just written only left loops in
+# other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood on greedy outputs decoded in
+# training moved loops between seeds for up to 1.1 BLEU and 12-40% more training time: ninth round; label
+# smoothing 0.2 instead of the paper's 0.1 moved the Bible loops to other seeds and added 5 on the second
+# corpus: tenth round) and stutter augmentation in a quarter of the targets (+0.4 BLEU on average over five
+# paired runs on two corpora, loops unchanged; up to 4 repeats removed the Bible loops on three seeds but cost
 # about 1 BLEU on the second corpus and looped there, and variants that insert or label less did no better:
-# README, sixth round), checkpoints every 50 updates so that the average spans the last 200. The time limit
-# stops it on slower machines: 8 minutes leaves the start-up, averaging, validation and test translation 1.5
-# minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
+# docs/recipe.md, sixth round), checkpoints every 50 updates so that the average spans the last 200. The time
+# limit stops it on slower machines: 8 minutes leaves the start-up, averaging, validation and test translation
+# 1.5 minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
 RECIPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "lr_schedule": "inverse_sqrt",
@@ -1248,7 +1248,7 @@ class TrainingClock:
         return max(step / self.max_steps, elapsed / self.limit_s if self.limit_s else 0.0)
 
 
-# Stutter augmentation (not in the paper; added for the tiny recipe, README "sixth round"). The loops
+# Stutter augmentation (not in the paper; added for the tiny recipe, docs/recipe.md, sixth round). The loops
 # that survive unlikelihood training are stutters ("doce doce doce doce ..."): once the model's own
 # output repeats a word, teacher forcing never showed it how to go on. In a share of the training targets
 # the decoder input repeats a span of 1 to `longest_span` tokens right after the span, and the label after
@@ -1268,7 +1268,7 @@ def add_stutters(
     `d[:k+1] + d[k+1-g:k+1] + d[k+1:]` and the labels `l[:k+1] + [-100] * (g - 1) + l[k:]`. With
     `longest_repeat` r > 1 the span is repeated 1 to r times (drawn per target), and the end of every
     repeat is labelled with the token after the span (up to 4 repeats removed the loops on three runs of
-    one corpus but cost BLEU on another and looped there: README, sixth round)."""
+    one corpus but cost BLEU on another and looped there: docs/recipe.md, sixth round)."""
     decoder_inputs, labels = batch["decoder_input_ids"], batch["labels"]
     lengths = (labels != -100).sum(1).tolist()
     chosen = (torch.rand(len(lengths), generator=generator) < rate).tolist()
@@ -1635,7 +1635,7 @@ def default_vocab_size(words: int) -> int:
     Small corpora want small vocabularies (Sennrich & Zhang 2019; Araabi & Monz 2020): each type needs
     enough occurrences to be learned. One type per `WORDS_PER_TYPE` words, rounded to thousands, at
     least 1,000 and at most the paper's 37,000 (its 4.5M-pair English-German corpus). Measured on the
-    embedded corpus (about 0.3M words): 4,000 beat 2,000 and 8,000 (README).
+    embedded corpus (about 0.3M words): 4,000 beat 2,000 and 8,000 (docs/recipe.md).
     """
     return int(min(max(round(words / WORDS_PER_TYPE, -3), 1000), 37000))
 
