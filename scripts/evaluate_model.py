@@ -8,6 +8,7 @@
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from vanilla_transformer.cli import (
@@ -89,5 +90,8 @@ print(
     f"(references: {result['reference_repetition']:.1%})"
 )
 if args.hypotheses:
-    with replaced_when_complete(args.hypotheses) as stream:
-        stream.writelines(h + "\n" for h in result["hypotheses"])
+    try:
+        with replaced_when_complete(args.hypotheses) as stream:
+            stream.writelines(h + "\n" for h in result["hypotheses"])
+    except OSError as error:  # a full disk, a read-only folder: the scores above stand
+        sys.exit(f"error: --hypotheses {args.hypotheses}: {error}")

@@ -121,3 +121,5 @@ except KeyboardInterrupt:
 except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
     sys.exit(141)
+except OSError as error:  # the output cannot be written: a full disk, a read-only folder, ...
+    sys.exit(f"error: {error}")

@@ -7,7 +7,9 @@ import argparse
 import dataclasses
 import os
 import signal
+import stat
 import sys
+import tempfile
 import threading
 import types
 import typing
@@ -84,8 +86,8 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
         raise ValueError(f"{output} is a folder; name a file to write.")
     if not path.absolute().parent.is_dir():
         raise ValueError(f"{output}: the folder {path.absolute().parent} does not exist.")
-    if not path.exists():
-        return path
+    if not path.exists() or not stat.S_ISREG(os.stat(path).st_mode):
+        return path  # a device or a pipe is written, not replaced: no input can be destroyed through it
     # The output replaces the entry named `path` (a symlink there is replaced, not what it points to), so
     # what counts is the folder that entry lives in and that folder's parents.
     folders = [
@@ -113,10 +115,18 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
 @contextmanager
 def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     """A UTF-8 text stream whose contents become `path` only when the block ends without an exception
-    (written beside it, then renamed): an interrupted or failed run leaves the old file, never half of a
-    new one."""
+    (written beside it under a name of its own, then renamed): an interrupted or failed run leaves the
+    old file, never half of a new one, and two runs writing the same path leave one's file whole.
+
+    A path that is not a regular file (a device such as /dev/null or /dev/stdout, a named pipe, the
+    /dev/fd/N of a shell's `>(...)`) is written directly: renaming would replace it with a file."""
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
+    if path.exists() and not stat.S_ISREG(os.stat(path).st_mode):
+        with path.open("w", encoding="utf-8") as stream:
+            yield stream
+        return
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    partial = Path(name)
     # SIGTERM (`kill`, `timeout`, a job scheduler) would end the process without this block's cleanup:
     # while it runs, it ends the process as Ctrl-C does, through the `finally` below (exit status 143).
     # Only over the default action: a handler of the program's own, or SIGTERM ignored, stays as it is.
@@ -127,13 +137,21 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     ):
         terminate = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with partial.open("w", encoding="utf-8") as stream:
+        with open(handle, "w", encoding="utf-8") as stream:
             yield stream
+        # mkstemp's file is private (0600); the result gets the old file's mode, or a new file's.
+        os.chmod(partial, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o666 & ~_umask())
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
         if terminate is not None:
             signal.signal(signal.SIGTERM, terminate)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def add_length_penalty_form(parser: argparse.ArgumentParser) -> None:

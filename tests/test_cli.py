@@ -1,0 +1,65 @@
+"""Output files of the command-line scripts: replaced whole, never mixed, devices and pipes written."""
+
+import os
+import stat
+import threading
+
+import pytest
+
+from vanilla_transformer.cli import check_output_file, replaced_when_complete
+
+
+def test_two_writers_of_one_path_leave_one_whole_file(tmp_path):
+    path = tmp_path / "out.txt"
+    with replaced_when_complete(path) as first:
+        first.write("first 1\n")
+        with replaced_when_complete(path) as second:
+            second.write("second 1\nsecond 2\n")
+        assert path.read_text() == "second 1\nsecond 2\n"
+        first.write("first 2\n")
+    assert path.read_text() == "first 1\nfirst 2\n"  # whichever finished last, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # no temporary file left
+
+
+def test_a_failed_write_keeps_the_old_file_and_its_mode(tmp_path):
+    path = tmp_path / "out.txt"
+    path.write_text("old\n")
+    path.chmod(0o640)
+    with pytest.raises(RuntimeError), replaced_when_complete(path) as stream:
+        stream.write("half")
+        raise RuntimeError("interrupted")
+    assert path.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [path]
+    with replaced_when_complete(path) as stream:
+        stream.write("new\n")
+    assert path.read_text() == "new\n" and stat.S_IMODE(path.stat().st_mode) == 0o640
+    umask = os.umask(0o027)
+    try:
+        with replaced_when_complete(tmp_path / "fresh.txt") as stream:
+            stream.write("x")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "fresh.txt").stat().st_mode) == 0o640  # 0666 less the umask
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_a_named_pipe_is_written_not_replaced(tmp_path):
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(pipe.read_text()))
+    reader.start()
+    assert check_output_file(pipe) == pipe
+    with replaced_when_complete(pipe) as stream:
+        stream.write("Am Anfang.\n")
+    reader.join(timeout=30)
+    assert received == ["Am Anfang.\n"]
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode) and sorted(tmp_path.iterdir()) == [pipe]
+
+
+def test_a_device_is_written_not_replaced(tmp_path):
+    # Through a link in tmp_path: were the device replaced, the link would be, not /dev/null itself.
+    device = tmp_path / "null"
+    device.symlink_to(os.devnull)
+    with replaced_when_complete(device) as stream:
+        stream.write("nothing\n")
+    assert device.is_symlink() and stat.S_ISCHR(os.stat(device).st_mode)
