@@ -16,7 +16,11 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--folder", required=True, help="model folder written by scripts/train.py")
 parser.add_argument("--repo_id", required=True, help="namespace/name on the Hub")
 parser.add_argument("--token", help="default: HF_TOKEN or the token saved by `hf auth login`")
-parser.add_argument("--private", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument(
+    "--private",
+    action=argparse.BooleanOptionalAction,
+    help="create the repo private (--no-private: public; default: the namespace's default)",
+)
 parser.add_argument("--commit_message", default="Upload vanilla_transformer model")
 args = parser.parse_args()
 try:

@@ -6,6 +6,7 @@ each source's length + 50); CTranslate2 is an independent implementation of the 
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -169,6 +170,21 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     assert (tmp_path / "model" / "config.json").read_text() == config
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=16)  # an earlier export: replaced
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 16
+    with pytest.raises(ValueError, match=r"position table of 119\.2 GiB"):  # refused before it is built
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=10**9)
+    # An end token given as a list (the configuration allows it): one is exported, several are refused.
+    listed = tmp_path / "listed"
+    shutil.copytree(tmp_path / "model", listed)
+    config = json.loads((listed / "config.json").read_text())
+    eos = config["eos_token_id"]
+    (listed / "config.json").write_text(json.dumps(config | {"eos_token_id": [eos]}))
+    export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
+    assert CTranslate2Translator(tmp_path / "listed-ct2").translate(["short"]) == (
+        CTranslate2Translator(tmp_path / "ct2").translate(["short"])
+    )
+    (listed / "config.json").write_text(json.dumps(config | {"eos_token_id": [eos, 3]}))
+    with pytest.raises(ValueError, match=r"eos_token_id is \[2, 3\]; a CTranslate2 export needs exactly one"):
+        export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
 
 
 def test_scripts_export_and_translate_a_file(tmp_path, corpus):

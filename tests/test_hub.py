@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -388,3 +389,61 @@ def test_push_script_names_an_unreachable_hub_in_one_line(model_folder):
     )
     assert result.returncode == 1, result.stderr[-2000:]
     assert "error: publishing to the Hub failed: " in result.stderr and "Traceback" not in result.stderr
+
+
+def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
+    model_folder, tmp_path, monkeypatch
+):
+    """A bare repo id is the token owner's: the card's examples name it in full. A repo that exists and is
+    public is not uploaded into when `private=True` asks otherwise; unset, the namespace's default holds."""
+    created, commits, public = [], [], {"alice/earlier-public"}
+
+    def create_repo(self, repo_id, *, private=None, **kwargs):
+        created.append((repo_id, private))
+        return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'alice/' + repo_id}")
+
+    def repo_info(self, repo_id, **kwargs):
+        return types.SimpleNamespace(private=repo_id not in public)
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        commits.append((repo_id, {op.path_in_repo: op for op in operations}))
+        return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
+
+    for name, method in (
+        ("create_repo", create_repo),
+        ("repo_info", repo_info),
+        ("create_commit", create_commit),
+    ):
+        monkeypatch.setattr(HfApi, name, method)
+    folder = tmp_path / "finetuned"
+    shutil.copytree(model_folder, folder)
+    for by_product in ("checkpoint-10/optimizer.pt", "runs/events.out", "training_args.bin"):
+        (folder / by_product).parent.mkdir(parents=True, exist_ok=True)
+        (folder / by_product).write_bytes(b"\0")  # what Seq2SeqTrainer leaves (finetune.py)
+    push_model_folder(folder, "tiny-en-es", token="hf_dummy")
+    assert created == [("tiny-en-es", None)]  # visibility: the namespace's default
+    repo_id, files = commits[-1]
+    card = files["README.md"].path_or_fileobj.decode()
+    assert repo_id == "alice/tiny-en-es" and 'repo = "alice/tiny-en-es"' in card
+    assert not any(name.split("/")[0] in {"checkpoints", "checkpoint-10", "runs"} for name in files)
+    assert "training_args.bin" not in files and "kernels_vanilla_transformer.py" in files
+    with pytest.raises(ValueError, match="already exists and is public"):
+        push_model_folder(folder, "alice/earlier-public", token="hf_dummy", private=True)
+    assert len(commits) == 1  # nothing uploaded
+    push_model_folder(folder, "alice/new-private", token="hf_dummy", private=True)
+    assert created[-1] == ("alice/new-private", True) and commits[-1][0] == "alice/new-private"
+
+
+def test_a_folder_needs_the_kernels_file_and_a_tokenizer_of_either_kind(model_folder, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(model_folder, folder)
+    (folder / "kernels_vanilla_transformer.py").unlink()  # modeling imports it: loading would fail
+    with pytest.raises(FileNotFoundError, match=r"missing kernels_vanilla_transformer\.py"):
+        check_model_folder(folder)
+    shutil.copy(model_folder / "kernels_vanilla_transformer.py", folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing tokenizer\.json \(or an OPUS-MT tokenizer's"):
+        check_model_folder(folder)
+    for name in ("source.spm", "target.spm", "vocab.json"):  # a converted OPUS-MT model's tokenizer
+        (folder / name).write_bytes(b"x")
+    check_model_folder(folder)

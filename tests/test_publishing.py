@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 
 from vanilla_transformer import publishing
-from vanilla_transformer.publishing import finish_interrupted_publish, publish_folder, staging_paths
+from vanilla_transformer.publishing import (
+    check_renamable,
+    finish_interrupted_publish,
+    publish_folder,
+    staging_paths,
+)
+from vanilla_transformer.training import TrainingConfig
 
 OLD = {"config.json": "old config", "model.safetensors": "old weights", "README.md": "old card"}
 NEW = {"config.json": "new config", "model.safetensors": "new weights", "README.md": "new card"}
@@ -153,3 +159,21 @@ def test_a_killed_write_is_discarded(tmp_path):
     finish_interrupted_publish(folder)
     assert read_files(folder) == OLD | KEPT
     assert not partial.exists()
+
+
+def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A volume mounted at the folder (Docker, Kubernetes) cannot be replaced by a rename: the finished
+    model once stayed in the hidden sibling, on the parent's file system, and every later run failed."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == volume or real_ismount(path))
+    with (
+        pytest.raises(ValueError, match=r"is a mount point .* such as .*volume/model"),
+        publish_folder(volume),
+    ):
+        raise AssertionError("not reached")
+    assert not any(path.name.startswith(".") for path in tmp_path.iterdir())
+    check_renamable(volume / "model")  # a folder inside the volume is fine
+    with pytest.raises(ValueError, match="is a mount point"):
+        TrainingConfig(output_dir=str(volume), report_to="none")  # refused before training

@@ -61,6 +61,8 @@ QUANTIZATIONS = (
 # The decoding rules the export carries (CTranslate2's model folder has no generation config of its own).
 SETTINGS_FILE = "vanilla_transformer_decoding.json"
 DEFAULT_MAX_POSITIONS = 1024
+# The position table is built in memory and written into the export: a bound that fails before either.
+MAX_POSITION_TABLE_BYTES = 2**30
 # transformers' activation names -> CTranslate2's (ctranslate2.specs.Activation member names)
 ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_new": "GELUTanh", "gelu_pytorch_tanh": "GELUTanh"}
 ACTIVATIONS |= {"silu": "SWISH", "swish": "SWISH"}
@@ -158,13 +160,25 @@ def ctranslate2_spec(
         spec.decoder.projection.bias = model.final_logits_bias.detach()[0]
     spec.register_source_vocabulary(list(tokens))
     spec.register_target_vocabulary(list(tokens))
-    spec.config.bos_token = tokens[config.bos_token_id]
-    spec.config.eos_token = tokens[config.eos_token_id]
-    spec.config.decoder_start_token = tokens[config.decoder_start_token_id]
+    spec.config.bos_token = tokens[_one_token_id(config, "bos_token_id")]
+    spec.config.eos_token = tokens[_one_token_id(config, "eos_token_id")]
+    spec.config.decoder_start_token = tokens[_one_token_id(config, "decoder_start_token_id")]
     if tokenizer.unk_token is not None:
         spec.config.unk_token = tokenizer.unk_token
     spec.config.layer_norm_epsilon = config.layer_norm_eps
     return spec
+
+
+def _one_token_id(config: Any, field: str) -> int:
+    """The configuration's `field` as one token id (a one-element list too): an export has one of each."""
+    value = getattr(config, field)
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, int):
+        raise ValueError(
+            f"The model's {field} is {value!r}; a CTranslate2 export needs exactly one such token id."
+        )
+    return value
 
 
 def export_ctranslate2(
@@ -194,6 +208,13 @@ def export_ctranslate2(
         raise ValueError(f"max_positions must be at least 2, got {max_positions}.")
     model, tokenizer = load_model_folder(str(model_dir), "cpu")
     model = model.float()
+    table = max_positions * model.config.d_model * 4  # float32 bytes, built here and stored in the export
+    if table > MAX_POSITION_TABLE_BYTES:
+        raise ValueError(
+            f"max_positions {max_positions:,} would make a position table of {table / 2**30:.1f} GiB "
+            f"(at most {MAX_POSITION_TABLE_BYTES // 2**30} GiB: "
+            f"{MAX_POSITION_TABLE_BYTES // (model.config.d_model * 4):,} positions at this width)."
+        )
     spec = ctranslate2_spec(model, tokenizer, max_positions)
     spec.validate()
     spec.optimize(quantization=quantization)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -17,13 +18,16 @@ REQUIRED_FILES = (
     "model.safetensors",
     "configuration_vanilla_transformer.py",
     "modeling_vanilla_transformer.py",
+    "kernels_vanilla_transformer.py",
     "pipeline_vanilla_transformer.py",
-    "tokenizer.json",
     "tokenizer_config.json",
     "README.md",
 )
-# Training by-products that stay local: folders of the output directory.
-LOCAL_ONLY = ("checkpoints", "logs", "tokenizer")
+# A tokenizer's files: a fast tokenizer's, or the sentencepiece models of a converted OPUS-MT one.
+TOKENIZER_FILE_SETS = (("tokenizer.json",), ("source.spm", "target.spm", "vocab.json"))
+# By-products that stay local, as patterns of top-level names: the training script's checkpoints, logs
+# and tokenizer working copy; Seq2SeqTrainer's checkpoints, TensorBoard runs and arguments (finetune.py).
+LOCAL_ONLY = ("checkpoints", "logs", "tokenizer", "checkpoint-*", "runs", "training_args.bin")
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -55,6 +59,8 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     if not folder.is_dir():
         raise FileNotFoundError(f"No model folder at {folder}.")
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if not any(all((folder / name).is_file() for name in names) for names in TOKENIZER_FILE_SETS):
+        missing.append("tokenizer.json (or an OPUS-MT tokenizer's source.spm, target.spm and vocab.json)")
     if missing:
         card = (
             " The model card (README.md), with the model's measured scores, is written by scripts/train.py;"
@@ -114,15 +120,18 @@ def push_model_folder(
     repo_id: str,
     *,
     token: str | None = None,
-    private: bool = False,
+    private: bool | None = None,
     commit_message: str = "Upload vanilla_transformer model",
     endpoint: str | None = None,
 ) -> str:
     """Create the repo if needed and upload the folder in one commit; returns the commit URL.
 
-    The model card goes up with its usage examples loading `repo_id` (`card_for_repo`). Training
-    by-products (checkpoints, logs, the tokenizer's working copy) stay local. `endpoint`
-    selects another Hub deployment (default: HF_ENDPOINT or huggingface.co).
+    The model card goes up with its usage examples loading the repo (`card_for_repo`; a `repo_id`
+    without a namespace is the token owner's, and the card names it in full). Training by-products
+    (`LOCAL_ONLY`) stay local. `private`: True creates the repo private, and refuses to upload into an
+    existing public one (the Hub leaves an existing repo's visibility as it is); False creates it
+    public; None leaves it to the namespace's default. `endpoint` selects another Hub deployment
+    (default: HF_ENDPOINT or huggingface.co).
     """
     check_repo_id(repo_id)
     check_model_folder(folder)
@@ -132,7 +141,7 @@ def push_model_folder(
         path
         for path in folder.rglob("*")
         if path.is_file()
-        and path.relative_to(folder).parts[0] not in LOCAL_ONLY
+        and not any(fnmatch.fnmatchcase(path.relative_to(folder).parts[0], kept) for kept in LOCAL_ONLY)
         and not any(part.startswith(".") for part in path.relative_to(folder).parts)
     )
     operations = [
@@ -140,9 +149,14 @@ def push_model_folder(
         for path in files
         if path.relative_to(folder).as_posix() != "README.md"
     ]
-    card = card_for_repo((folder / "README.md").read_text(), repo_id)
-    operations.append(CommitOperationAdd("README.md", card.encode()))
     repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if private and not api.repo_info(repo.repo_id, repo_type="model").private:
+        raise ValueError(
+            f"{repo.repo_id} already exists and is public, and the Hub does not change an existing repo's "
+            "visibility: nothing was uploaded. Make it private on the Hub first, or choose another repo id."
+        )
+    card = card_for_repo((folder / "README.md").read_text(encoding="utf-8"), repo.repo_id)
+    operations.append(CommitOperationAdd("README.md", card.encode()))
     commit = api.create_commit(repo.repo_id, operations, commit_message=commit_message, repo_type="model")
     return commit.commit_url
 

@@ -36,6 +36,19 @@ def staging_paths(folder: str | Path) -> tuple[Path, Path, Path]:
     return tuple(hidden_sibling(folder, kind) for kind in ("partial", "ready", "replaced"))
 
 
+def check_renamable(folder: str | Path) -> None:
+    """Raise ValueError if a folder written beside `folder` could not be renamed into its place: `folder`
+    is a mount point (a Docker or Kubernetes volume, say), a file system of its own, and a rename does
+    not cross file systems. A folder inside it can be replaced."""
+    folder = Path(folder).resolve()
+    if folder.is_dir() and (os.path.ismount(folder) or folder.stat().st_dev != folder.parent.stat().st_dev):
+        raise ValueError(
+            f"{folder} is a mount point (a file system of its own). The finished folder is written beside "
+            f"it and renamed into place, which cannot cross file systems: name a folder inside it, such as "
+            f"{folder / 'model'}."
+        )
+
+
 def lock_folder(folder: str | Path) -> Any:
     """Hold an exclusive lock on `folder` until the returned file is closed (or the process ends, a kill
     included: the system releases it); `BlockingIOError` if another process holds it. The lock file is
@@ -96,6 +109,7 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     (on an exception now, after a kill by the next `finish_interrupted_publish`).
     """
     folder = Path(folder).resolve()  # a link: its target; "..": the folder itself
+    check_renamable(folder)
     finish_interrupted_publish(folder)
     partial, ready, _ = staging_paths(folder)
     partial.mkdir(parents=True)
@@ -108,4 +122,11 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     _swap_in(ready, folder)
 
 
-__all__ = ["finish_interrupted_publish", "hidden_sibling", "lock_folder", "publish_folder", "staging_paths"]
+__all__ = [
+    "check_renamable",
+    "finish_interrupted_publish",
+    "hidden_sibling",
+    "lock_folder",
+    "publish_folder",
+    "staging_paths",
+]

@@ -61,7 +61,13 @@ from .model_card import write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
-from .publishing import finish_interrupted_publish, hidden_sibling, lock_folder, publish_folder
+from .publishing import (
+    check_renamable,
+    finish_interrupted_publish,
+    hidden_sibling,
+    lock_folder,
+    publish_folder,
+)
 from .tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 from .translation import translate
 
@@ -279,7 +285,9 @@ class TrainingConfig:
     logging_steps: int = 50
     push_to_hub: bool = field(default=False, metadata={"help": "upload the final folder to the Hub"})
     hub_model_id: str | None = field(default=None, metadata={"help": "namespace/name (default: output name)"})
-    hub_private: bool = field(default=False, metadata={"help": "create the Hub repo as private"})
+    hub_private: bool = field(
+        default=False, metadata={"help": "create the Hub repo private (default: the namespace's default)"}
+    )
     report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker, or 'none'"})
 
     def model_fields(self) -> dict[str, Any]:
@@ -402,7 +410,9 @@ class TrainingConfig:
                 f"--output_dir {self.output_dir} holds {', '.join(replaced)}, which the trained model's "
                 "folder would replace, and is not the folder of an earlier training run; name a new folder."
             )
-        # The final folder is written into a sibling, then renamed: the parent must be writable too.
+        # The final folder is written into a sibling, then renamed: the parent must be writable too, and
+        # on the same file system.
+        check_renamable(output)
         for folder in (output, next(p for p in output.parents if p.exists())):
             if folder.exists() and not os.access(folder, os.W_OK):
                 raise ValueError(f"--output_dir {self.output_dir}: {folder} is not writable.")
@@ -1587,7 +1597,9 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
     if run.config.push_to_hub:
         repo_id = run.config.hub_model_id or run.output_dir.name
         try:
-            metrics["hub_commit"] = push_model_folder(run.output_dir, repo_id, private=run.config.hub_private)
+            metrics["hub_commit"] = push_model_folder(
+                run.output_dir, repo_id, private=run.config.hub_private or None
+            )
         except Exception as error:  # the Hub not reached or refusing: the run's work is safe on disk
             raise InputError(
                 f"The model folder {run.output_dir} is complete, but publishing it failed "
