@@ -228,6 +228,9 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
         # after the limit only filler: padding (greedy) or end-of-sentence (beam search)
         assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+    # Without the mask, as a direct call may leave it out: the padding is read from the token ids
+    # (transformers infers it for decoder-only models alone; an encoder-decoder attended to the padding).
+    assert torch.equal(model.generate(padded, **options), batch)
 
 
 def test_the_length_rule_counts_the_start_token_put_before_a_prompt(source):

@@ -1186,6 +1186,9 @@ class VanillaTransformerForConditionalGeneration(
         `length_penalty_form` (a keyword or a generation-config field, default "power"): "power" ranks
         finished beams as transformers does, by log P(Y) / |Y|^length_penalty; "gnmt" by the paper's
         log P(Y) / ((5 + |Y|) / 6)^length_penalty (`GNMTLengthPenalty`).
+
+        A padded batch of token ids given without `attention_mask` is masked where it holds the padding
+        token (`_padding_mask`), so that no row attends to padding or gets another row's length limit.
         """
         # Kept weight copies are checked against the weights' values once per call. (The decoder also
         # starts a check at its first cached forward, but cannot tell a static cache's first step.)
@@ -1224,6 +1227,10 @@ class VanillaTransformerForConditionalGeneration(
         if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
             raise ValueError(f"max_length_offset must be a non-negative integer or None, got {offset!r}.")
         source = inputs if inputs is not None else kwargs.get("input_ids")
+        if kwargs.get("attention_mask") is None and kwargs.get("encoder_outputs") is None:
+            mask = self._padding_mask(source, config)
+            if mask is not None:
+                kwargs["attention_mask"] = mask
         if source is None:
             source = kwargs.get("inputs_embeds")  # (B, S, D): the length is the same dimension
         if source is None and kwargs.get("encoder_outputs") is not None:
@@ -1241,6 +1248,21 @@ class VanillaTransformerForConditionalGeneration(
                 criteria = kwargs.get("stopping_criteria")
                 kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
         return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    def _padding_mask(self, input_ids: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor | None:
+        """The attention mask of a padded batch of token ids given without one: transformers infers it
+        for decoder-only models alone, and an encoder-decoder would attend to the padding and give the
+        short rows the longest row's length limit. None where nothing is padded, or the padding token
+        is also an end token (it cannot be told from the text)."""
+        if input_ids is None or input_ids.dim() != 2 or input_ids.is_floating_point():
+            return None
+        given = (config.pad_token_id, self.generation_config.pad_token_id, self.config.pad_token_id)
+        pad = next((token for token in given if token is not None), None)
+        eos = config.eos_token_id if config.eos_token_id is not None else self.config.eos_token_id
+        if pad is None or pad in (eos if isinstance(eos, (list, tuple)) else [eos]):
+            return None
+        mask = input_ids.ne(pad)
+        return mask.long() if not bool(mask.all()) else None
 
     def _prompt_length(self, config: GenerationConfig, kwargs: dict[str, Any]) -> int:
         """The decoder input `generate` starts from: the start token, or the prompt given, which it
