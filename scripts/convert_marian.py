@@ -52,7 +52,15 @@ try:
             f"{args.model} has no tokenizer files (none of {', '.join(files)}); --no-tokenizer converts "
             "the model alone"
         )
-    marian = MarianMTModel.from_pretrained(args.model)
+    marian, loading = MarianMTModel.from_pretrained(args.model, output_loading_info=True)
+    # transformers fills weights the checkpoint lacks with random ones and only warns (a saved
+    # MarianForCausalLM has model_type "marian" and no encoder); the positions are computed anyway.
+    missing = sorted(key for key in loading["missing_keys"] if "embed_positions" not in key)
+    if missing:
+        parser.error(
+            f"{args.model} lacks {len(missing)} of a MarianMTModel's weights (the first: "
+            f"{', '.join(missing[:3])}); it is not a complete translation model."
+        )
     model = convert_from_marian(marian)
 except (OSError, ValueError) as error:
     parser.error(str(error))

@@ -71,3 +71,17 @@ def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").is_file() and not (
         tmp_path / "out" / "tokenizer.json"
     ).exists()
+
+
+def test_convert_script_refuses_a_checkpoint_without_the_encoder(tmp_path):
+    """A saved MarianForCausalLM has model_type "marian" and no encoder: transformers filled the missing
+    weights with random ones, only warning, and the script wrote the model."""
+    from transformers import MarianForCausalLM
+
+    config = marian_model().config
+    config.is_decoder, config.is_encoder_decoder = True, False
+    MarianForCausalLM(config).save_pretrained(tmp_path / "causal")
+    command = [sys.executable, SCRIPT, "--model", str(tmp_path / "causal"), "--output", str(tmp_path / "out")]
+    result = subprocess.run([*command, "--no-tokenizer"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "lacks" in result.stderr and "model.encoder." in result.stderr
+    assert "not a complete translation model" in result.stderr and not (tmp_path / "out").exists()

@@ -95,6 +95,18 @@ def test_converted_model_has_identical_logits_and_generations(variant, tmp_path)
         torch.testing.assert_close(
             ours.generate(**generate, **options), marian.generate(**generate, **options)
         )
+    # Without a length: Marian's generation config sets none here, so transformers' 20 tokens, in both.
+    default = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "num_beams": 1}
+    default["forced_eos_token_id"] = None
+    default_tokens = marian.generate(**default, suppress_tokens=[0])  # no end token: the limit ends it
+    torch.testing.assert_close(ours.generate(**default, suppress_tokens=[0]), default_tokens)
+    # The weights are the converted model's own: training it leaves the Marian model as it was.
+    with torch.no_grad():
+        ours.lm_head.weight.add_(1.0)
+        ours.model.encoder.layers[0].fc1.weight.add_(1.0)
+        assert_same_up_to_rounding(marian(**batch).logits, expected, TINY_TERMS)
+        ours.lm_head.weight.sub_(1.0)
+        ours.model.encoder.layers[0].fc1.weight.sub_(1.0)
 
     # The converted model saves and loads like any other.
     ours.save_pretrained(tmp_path)
@@ -103,6 +115,7 @@ def test_converted_model_has_identical_logits_and_generations(variant, tmp_path)
         assert_same_up_to_rounding(loaded(**batch).logits, expected, TINY_TERMS)
     tied = marian.config.tie_word_embeddings
     assert (loaded.lm_head.weight is loaded.model.decoder.embed_tokens.weight) == tied
+    torch.testing.assert_close(loaded.generate(**default, suppress_tokens=[0]), default_tokens)
 
 
 def test_separate_vocabularies_keep_their_sizes():

@@ -1058,6 +1058,18 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypat
         patch.chdir(tmp_path)
         with pytest.raises(FileNotFoundError, match="No model folder at outputs/tiny-en-e"):
             load_model_folder("outputs/tiny-en-e")
+    # A Hub repo's code is not run unasked; a local folder's saved code is.
+    trusted = []
+
+    def from_pretrained(path, **kwargs):
+        trusted.append(kwargs["trust_remote_code"])
+        raise OSError("not loaded in this test")
+
+    monkeypatch.setattr(AutoModelForSeq2SeqLM, "from_pretrained", from_pretrained)
+    for path in ("someone/transformer-en-de", output_dir):
+        with pytest.raises(OSError, match="not loaded in this test"):
+            load_model_folder(path)
+    assert trusted == [False, True]
 
 
 def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_path):

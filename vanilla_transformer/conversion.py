@@ -58,12 +58,14 @@ def config_from_marian(marian: MarianConfig) -> VanillaTransformerConfig:
 
 
 def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForConditionalGeneration:
-    """A `VanillaTransformerForConditionalGeneration` with the same weights and generation config.
+    """A `VanillaTransformerForConditionalGeneration` with the same weights (copies: training one model
+    leaves the other as it was) and generation config.
 
     Module names already match (both follow BART's); the sinusoidal tables Marian stores are dropped
     because this model computes positions. Embedding sharing and output tying follow the weights.
-    The generation config is Marian's, unchanged, so that `generate()` gives the same tokens
-    (including its length limits).
+    The generation config is Marian's, so that `generate()` gives the same tokens, including its length
+    limits: where Marian's sets none, transformers' 20-token default, not this model's source length +
+    50 rule (`max_length_offset` None).
     """
     if not isinstance(marian_model, MarianMTModel):
         raise ValueError(f"Expected a MarianMTModel, got {type(marian_model).__name__}.")
@@ -77,15 +79,15 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
     config.tie_word_embeddings = torch.equal(marian_model.lm_head.weight, target)
 
     state = {
-        k: v
+        k: v.detach().clone()
         for k, v in marian_model.state_dict().items()
         if "embed_positions" not in k and not k.endswith(("shared.weight", "embed_tokens.weight"))
     }
     if config.share_encoder_decoder_embeddings:
-        state["model.shared.weight"] = source
+        state["model.shared.weight"] = source.detach().clone()
     else:
-        state["model.encoder.embed_tokens.weight"] = source
-        state["model.decoder.embed_tokens.weight"] = target
+        state["model.encoder.embed_tokens.weight"] = source.detach().clone()
+        state["model.decoder.embed_tokens.weight"] = target.detach().clone()
     with torch.device("meta"):
         model = VanillaTransformerForConditionalGeneration(config)
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -95,7 +97,13 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
             f"Marian weights do not map onto the model: missing {untied}, extra {result.unexpected_keys}"
         )
     model.tie_weights()
-    model.generation_config = GenerationConfig.from_dict(marian_model.generation_config.to_dict())
+    marian_generation = marian_model.generation_config
+    model.generation_config = GenerationConfig.from_dict(marian_generation.to_dict())
+    # Marian's may say it was derived from the model's configuration, which makes `from_pretrained`
+    # derive a new one from this model's and drop what the conversion carried (max_length_offset).
+    model.generation_config._from_model_config = False
+    if marian_generation.max_length is None and marian_generation.max_new_tokens is None:
+        model.generation_config.max_length_offset = None
     return model.to(marian_model.dtype).train(marian_model.training)
 
 
