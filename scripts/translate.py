@@ -5,7 +5,9 @@ python scripts/translate.py --model DIR --input en.txt --output es.txt --num_bea
 python scripts/translate.py --model CT2_DIR --engine ctranslate2 < en.txt   # scripts/export_ctranslate2.py
 
 An --output file is written beside its final name and renamed when every line is translated: a failure
-or Ctrl-C leaves the file as it was. Standard output gets each line as it is translated.
+or Ctrl-C leaves the file as it was. Standard output gets each line as it is translated: typed at a
+terminal, each line as it is entered; read from a file or a pipe, 8 batches of lines at a time (so that
+lines of similar length share a batch).
 """
 
 import argparse
@@ -45,7 +47,7 @@ parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
 )
 parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=False)
-parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available, for either engine)")
 args = parser.parse_args()
 if args.output != "-":
     try:
@@ -74,6 +76,8 @@ def decoded(stream: Iterator[bytes]) -> Iterator[str]:
             raise LineError(number, f"is not UTF-8 text ({error.reason}).") from None
 
 
+# Lines typed at a terminal are translated as they come; a file's, in windows of sentences to sort.
+window = 1 if args.input.isatty() else args.batch_size * 8
 if args.engine == "ctranslate2":
     if args.do_sample or args.max_new_tokens is not None:
         parser.error("--do_sample and --max_new_tokens are for --engine transformers")
@@ -84,13 +88,16 @@ if args.engine == "ctranslate2":
     from vanilla_transformer.export_ctranslate2 import CTranslate2Translator
 
     try:
-        translator = CTranslate2Translator(args.model, device=args.device or "cpu")
+        import ctranslate2
+
+        device = args.device or ("cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu")
+        translator = CTranslate2Translator(args.model, device=device)
     except (OSError, ValueError, ImportError, RuntimeError) as error:
         parser.error(str(error))
     lines = translate_stream(
         lambda texts: translator.translate(texts, batch_size=args.batch_size, **generate_kwargs),
         decoded(args.input),
-        window=args.batch_size * 8,
+        window=window,
     )
 else:
     try:
@@ -102,6 +109,7 @@ else:
         tokenizer,
         decoded(args.input),
         batch_size=args.batch_size,
+        window=window,
         do_sample=args.do_sample,
         **generate_kwargs,
     )

@@ -112,17 +112,20 @@ def translate_lines(
     lines: Iterable[str],
     *,
     batch_size: int = 32,
+    window: int | None = None,
     **generate_kwargs: Any,
 ) -> Iterator[str]:
     """Translate a stream of lines, `batch_size` at a time, yielding one output per input line.
 
     Blank lines stay blank (nothing is generated for them), so outputs align with inputs line by line.
+    `window` lines are read before any is translated (default: 8 batches, sorted by length into fuller
+    batches; 1 translates each line as it comes, as for a terminal).
     """
 
     def translate_many(texts: list[str]) -> list[str]:
         return translate(model, tokenizer, texts, batch_size=batch_size, **generate_kwargs)
 
-    return translate_stream(translate_many, lines, window=batch_size * 8)
+    return translate_stream(translate_many, lines, window=window or batch_size * 8)
 
 
 def translate_stream(
