@@ -246,7 +246,12 @@ def test_compiled_decoding_step_comparison_decodes_what_generate_does():
     assert seconds > 0 and torch.equal(tokens, expected)
 
     result = compare(config, repeats=1, backend="eager")
-    variants = ["compiled", "compiled, frozen weights"]
+    variants = [
+        "compiled",
+        "compiled, frozen weights",
+        "compiled, C++ wrapper",
+        "compiled, C++ wrapper, frozen weights",
+    ]
     assert list(result["seconds_per_token"]) == ["eager", "generate()", *variants]
     assert all(value > 0 for value in result["seconds_per_token"].values())
     assert list(result["first_call_s"]) == variants and all(v > 0 for v in result["first_call_s"].values())

@@ -4,10 +4,11 @@
 
 Greedy decoding at batch 1 of `tools.benchmark`'s 32-token sources, 32 new tokens, with the usual
 dynamic cache, in a loop that does nothing but the step: the decoder's `decoding_step`, the output
-projection and the argmax. The eager step takes turns with each of two compiled variants in one
+projection and the argmax. The eager step takes turns with each of four compiled variants in one
 process on the same model and inputs: the step under `torch.compile(dynamic=True, fullgraph=True)` (it
-fails on a graph break), and the same with inductor's weight freezing (weights as constants, prepacked for
-the CPU's matrix kernels). After a line naming the machine, the table gives medians in milliseconds
+fails on a graph break), the same with inductor's weight freezing (weights as constants, prepacked for
+the CPU's matrix kernels), and both again with inductor's C++ wrapper (the compiled kernels called from
+generated C++ rather than Python). After a line naming the machine, the table gives medians in milliseconds
 per token, each compiled variant's first call (mostly compiling), whether its tokens are eager's, and
 for context `generate()`'s time per token for the same decoding (its whole call over the 32 tokens:
 the encoder, the first step and transformers' generation loop included).
@@ -68,6 +69,15 @@ def decode(
     return elapsed / (new_tokens - 1), torch.cat(tokens, dim=1)
 
 
+# inductor's settings per compiled variant
+COMPILED_VARIANTS = {
+    "compiled": {},
+    "compiled, frozen weights": {"freezing": True},
+    "compiled, C++ wrapper": {"cpp_wrapper": True},
+    "compiled, C++ wrapper, frozen weights": {"cpp_wrapper": True, "freezing": True},
+}
+
+
 def compare(config: VanillaTransformerConfig, repeats: int, backend: str = "inductor") -> dict[str, Any]:
     """Medians of seconds per token for each variant and for `generate()`, compiled variants' first-call
     seconds, and whether each variant's tokens are eager's (`backend`: torch.compile's).
@@ -84,10 +94,10 @@ def compare(config: VanillaTransformerConfig, repeats: int, backend: str = "indu
     times: dict[str, list[float]] = {"eager": [], "generate()": []}
     first_call: dict[str, float] = {}
     same_tokens: dict[str, bool] = {}
-    for name, frozen in (("compiled", False), ("compiled, frozen weights", True)):
+    for name, inductor in COMPILED_VARIANTS.items():
         torch._dynamo.reset()
         compiled = torch.compile(step, dynamic=True, fullgraph=True, backend=backend)
-        with torch._inductor.config.patch(freezing=frozen):
+        with torch._inductor.config.patch(**inductor):
             started = time.perf_counter()
             _, tokens = decode(model, source, compiled, GENERATE_LENGTH)
             first_call[name] = time.perf_counter() - started
