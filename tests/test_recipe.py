@@ -122,7 +122,7 @@ def test_linear_schedule_decays_with_the_time_budget(tmp_path, corpus_files, mon
 
 
 def test_default_vocabulary_grows_with_the_corpus_within_bounds():
-    assert default_vocab_size(306_981) == 4000  # the embedded corpus: 4,000 measured best (README)
+    assert default_vocab_size(306_981) == 4000  # the embedded corpus: 4,000 measured best (docs/recipe.md)
     assert default_vocab_size(433_923) == 6000
     assert default_vocab_size(10) == 1000 and default_vocab_size(10**9) == 37000  # the paper's, at most
     sizes = [default_vocab_size(words) for words in range(0, 4_000_000, 50_000)]
