@@ -85,9 +85,11 @@ def test_a_model_in_training_mode_translates_without_dropout(saved):
     expected = TranslationPipeline(model=model, tokenizer=tokenizer)(SENTENCES, num_beams=2)
     # The same weights, with dropout (pipelines move a model to the GPU, where there is one).
     noisy = tiny_model(seed=4, dropout=0.5).to(model.device).train()
+    noisy.model.encoder.eval()  # a frozen part, as a fine-tuning script may leave it
     assert all(torch.equal(a, b) for a, b in zip(noisy.parameters(), model.parameters(), strict=True))
     assert TranslationPipeline(model=noisy, tokenizer=tokenizer)(SENTENCES, num_beams=2) == expected
-    assert noisy.training  # handed back as it came
+    assert noisy.training and noisy.model.decoder.training  # handed back as it came
+    assert not noisy.model.encoder.training
 
 
 def test_pipeline_task_by_name_from_the_folder(saved):

@@ -60,12 +60,15 @@ class TranslationPipeline(Pipeline):
     ) -> dict[str, Any]:
         model_inputs.pop("token_type_ids", None)
         sentences = model_inputs["input_ids"].shape[0]
-        training = self.model.training
-        self.model.eval()  # a model handed over from training would translate with dropout
+        # A model handed over from training would translate with dropout; each module's own mode is put
+        # back (a frozen submodule left in eval mode stays so).
+        modes = {module: module.training for module in self.model.modules()}
+        self.model.eval()
         try:
             output_ids = self.model.generate(**model_inputs, **generate_kwargs)
         finally:
-            self.model.train(training)
+            for module, mode in modes.items():
+                module.training = mode
         # (sentences, sequences per sentence, length): the pipeline splits a batch's outputs by their
         # first dimension, one entry per input sentence, also with `num_return_sequences` > 1.
         return {"output_ids": output_ids.reshape(sentences, -1, output_ids.shape[-1])}
