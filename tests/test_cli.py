@@ -46,7 +46,7 @@ def test_a_named_pipe_is_written_not_replaced(tmp_path):
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
     received = []
-    reader = threading.Thread(target=lambda: received.append(pipe.read_text()))
+    reader = threading.Thread(target=lambda: received.append(pipe.read_text()), daemon=True)
     reader.start()
     assert check_output_file(pipe) == pipe
     with replaced_when_complete(pipe) as stream:
@@ -63,3 +63,14 @@ def test_a_device_is_written_not_replaced(tmp_path):
     with replaced_when_complete(device) as stream:
         stream.write("nothing\n")
     assert device.is_symlink() and stat.S_ISCHR(os.stat(device).st_mode)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux's /proc")
+def test_a_path_under_proc_or_dev_is_written_through_not_replaced(tmp_path):
+    """/dev/stdout is a link to whatever standard output is, a regular file too: it was replaced by a
+    file of its own (as root). The same through /proc/self/fd, whose entries cannot be replaced."""
+    target = tmp_path / "target.txt"
+    target.write_text("")
+    with target.open("r+") as held, replaced_when_complete(f"/proc/self/fd/{held.fileno()}") as stream:
+        stream.write("through the link\n")
+    assert target.read_text() == "through the link\n"

@@ -231,6 +231,18 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
     # Without the mask, as a direct call may leave it out: the padding is read from the token ids
     # (transformers infers it for decoder-only models alone; an encoder-decoder attended to the padding).
     assert torch.equal(model.generate(padded, **options), batch)
+    # Only runs at the end (or start) of a row are padding: a padding id inside a row, where a model
+    # whose padding token is also its start token has it, is text.
+    inside = source.clone()
+    inside[:, 3] = PAD
+    assert torch.equal(
+        model.generate(inside, **options),
+        model.generate(inside, attention_mask=torch.ones_like(inside), **options),
+    )
+    # A padding id given as a keyword counts.
+    other = source.masked_fill(attention_mask == 0, 7)
+    masked = model.generate(other, attention_mask=attention_mask, pad_token_id=7, **options)
+    assert torch.equal(model.generate(other, pad_token_id=7, **options), masked)
 
 
 def test_the_length_rule_counts_the_start_token_put_before_a_prompt(source):

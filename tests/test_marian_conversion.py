@@ -143,3 +143,10 @@ def test_unsupported_marian_configurations_are_refused():
         )
     with pytest.raises(ValueError, match="Expected a MarianMTModel"):
         convert_from_marian(torch.nn.Linear(2, 2))
+
+
+def test_each_module_keeps_its_training_mode():
+    marian = marian_model().train()
+    marian.model.encoder.eval()  # frozen, as a fine-tuning script may leave it
+    ours = convert_from_marian(marian)
+    assert ours.training and ours.model.decoder.training and not ours.model.encoder.training

@@ -177,3 +177,18 @@ def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypat
     check_renamable(volume / "model")  # a folder inside the volume is fine
     with pytest.raises(ValueError, match="is a mount point"):
         TrainingConfig(output_dir=str(volume), report_to="none")  # refused before training
+
+
+def test_mount_points_are_read_from_mountinfo_bind_mounts_included(tmp_path, monkeypatch):
+    """A bind mount of a folder of the same file system: `os.path.ismount` does not see it, and a rename
+    onto it fails all the same (EBUSY)."""
+    volume = tmp_path / "my volume"
+    volume.mkdir()
+    escaped = str(volume).replace(" ", "\\040")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"36 35 98:0 /data {escaped} rw,noatime shared:1 - ext4 /dev/sda1 rw\n")
+    assert publishing._mount_points(mountinfo) == {volume}
+    assert publishing._mount_points(tmp_path / "absent") == set()
+    monkeypatch.setattr(publishing, "_mount_points", lambda: {volume})
+    with pytest.raises(ValueError, match="is a mount point"):
+        check_renamable(volume)

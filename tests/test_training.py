@@ -898,7 +898,7 @@ def run_script(name: str, *args: str, stdin: str | None = None) -> subprocess.Co
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a pseudo-terminal")
-def test_translate_script_answers_each_line_typed_at_a_terminal(trained):
+def test_translate_script_answers_each_line_typed_at_a_terminal(trained, tmp_path):
     """Typed at a terminal, a line is translated when it is entered: the script once waited for 256
     lines or the end of the input, and seemed to hang."""
     import pty
@@ -907,20 +907,22 @@ def test_translate_script_answers_each_line_typed_at_a_terminal(trained):
     output_dir, _ = trained
     controller, terminal = pty.openpty()
     command = [sys.executable, str(ROOT / "scripts" / "translate.py"), "--model", str(output_dir)]
-    process = subprocess.Popen(
-        [*command, "--num_beams", "1"], stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    os.close(terminal)
-    try:
-        os.write(controller, b"Jesus wept.\n")
-        ready, _, _ = select.select([process.stdout], [], [], 240)  # the terminal is still open
-        assert ready, "no translation before the end of the input"
-        assert process.stdout.readline().strip()
-        os.write(controller, b"\x04")  # Ctrl-D: the end of the input
-        assert process.wait(timeout=120) == 0, process.stderr.read()[-2000:]
-    finally:
-        process.kill()
-        os.close(controller)
+    # stderr to a file: a pipe nobody reads could fill and stall the script
+    with (tmp_path / "stderr.txt").open("w+b") as errors:
+        process = subprocess.Popen(
+            [*command, "--num_beams", "1"], stdin=terminal, stdout=subprocess.PIPE, stderr=errors
+        )
+        os.close(terminal)
+        try:
+            os.write(controller, b"Jesus wept.\n")
+            ready, _, _ = select.select([process.stdout], [], [], 240)  # the terminal is still open
+            assert ready, "no translation before the end of the input"
+            assert process.stdout.readline().strip()
+            os.write(controller, b"\x04")  # Ctrl-D: the end of the input
+            assert process.wait(timeout=120) == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+        finally:
+            process.kill()
+            os.close(controller)
 
 
 def test_translate_script_keeps_lines_aligned(trained):

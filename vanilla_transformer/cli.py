@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import secrets
 import signal
 import stat
 import sys
-import tempfile
 import threading
 import types
 import typing
@@ -51,8 +52,10 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
         kind = hints[item.name]
         default = item.default if item.default is not dataclasses.MISSING else None
         options: dict[str, Any] = {"default": default, "required": item.default is dataclasses.MISSING}
-        if kind is bool:
-            options["action"] = argparse.BooleanOptionalAction
+        if kind is bool or (
+            isinstance(kind, types.UnionType) and set(typing.get_args(kind)) == {bool, type(None)}
+        ):
+            options["action"] = argparse.BooleanOptionalAction  # `bool | None`: unset stays None
         else:
             options["type"] = (
                 next(a for a in typing.get_args(kind) if a is not type(None))
@@ -118,15 +121,18 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     (written beside it under a name of its own, then renamed): an interrupted or failed run leaves the
     old file, never half of a new one, and two runs writing the same path leave one's file whole.
 
-    A path that is not a regular file (a device such as /dev/null or /dev/stdout, a named pipe, the
-    /dev/fd/N of a shell's `>(...)`) is written directly: renaming would replace it with a file."""
+    A path that is not a regular file (a device such as /dev/null, a named pipe, the /dev/fd/N of a
+    shell's `>(...)`), or any path under /dev or /proc (/dev/stdout is a link to whatever standard output
+    is, a regular file too), is written directly: renaming would replace it with a file."""
     path = Path(path)
-    if path.exists() and not stat.S_ISREG(os.stat(path).st_mode):
+    special = path.absolute().parts[1:2] in (("dev",), ("proc",))
+    if special or (path.exists() and not stat.S_ISREG(os.stat(path).st_mode)):
         with path.open("w", encoding="utf-8") as stream:
             yield stream
         return
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    partial = Path(name)
+    # A name of this writer's own; created with mode 0666, which the system narrows by the umask.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     # SIGTERM (`kill`, `timeout`, a job scheduler) would end the process without this block's cleanup:
     # while it runs, it ends the process as Ctrl-C does, through the `finally` below (exit status 143).
     # Only over the default action: a handler of the program's own, or SIGTERM ignored, stays as it is.
@@ -139,19 +145,13 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     try:
         with open(handle, "w", encoding="utf-8") as stream:
             yield stream
-        # mkstemp's file is private (0600); the result gets the old file's mode, or a new file's.
-        os.chmod(partial, stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o666 & ~_umask())
+        with contextlib.suppress(FileNotFoundError):  # a file replaced keeps its mode
+            os.chmod(partial, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
         if terminate is not None:
             signal.signal(signal.SIGTERM, terminate)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def add_length_penalty_form(parser: argparse.ArgumentParser) -> None:

@@ -104,7 +104,11 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
     model.generation_config._from_model_config = False
     if marian_generation.max_length is None and marian_generation.max_new_tokens is None:
         model.generation_config.max_length_offset = None
-    return model.to(marian_model.dtype).train(marian_model.training)
+    model.to(marian_model.dtype)
+    modes = {name: module.training for name, module in marian_model.named_modules()}  # BART's names
+    for name, module in model.named_modules():
+        module.training = modes.get(name, marian_model.training)
+    return model
 
 
 __all__ = ["config_from_marian", "convert_from_marian"]

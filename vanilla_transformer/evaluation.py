@@ -52,7 +52,7 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
     if target.type == "meta":
         raise ValueError(f"Device {device!r} holds shapes, not values: it cannot translate.")
     try:
-        # A folder here runs the modeling code saved in it; a Hub repo's code is not run unasked (this
+        # A folder here runs the modeling code saved in it; a Hub repo's code is never run (this
         # package's own model is registered with transformers, so its repos load without it).
         model, loading = AutoModelForSeq2SeqLM.from_pretrained(
             path, trust_remote_code=folder.exists(), output_loading_info=True

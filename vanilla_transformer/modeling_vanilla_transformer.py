@@ -1228,7 +1228,7 @@ class VanillaTransformerForConditionalGeneration(
             raise ValueError(f"max_length_offset must be a non-negative integer or None, got {offset!r}.")
         source = inputs if inputs is not None else kwargs.get("input_ids")
         if kwargs.get("attention_mask") is None and kwargs.get("encoder_outputs") is None:
-            mask = self._padding_mask(source, config)
+            mask = self._padding_mask(source, config, kwargs)
             if mask is not None:
                 kwargs["attention_mask"] = mask
         if source is None:
@@ -1249,19 +1249,29 @@ class VanillaTransformerForConditionalGeneration(
                 kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
-    def _padding_mask(self, input_ids: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor | None:
+    def _padding_mask(
+        self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
         """The attention mask of a padded batch of token ids given without one: transformers infers it
         for decoder-only models alone, and an encoder-decoder would attend to the padding and give the
-        short rows the longest row's length limit. None where nothing is padded, or the padding token
-        is also an end token (it cannot be told from the text)."""
+        short rows the longest row's length limit. Padding is a run of the padding token at the end of a
+        row (or at its start, padded on the left); one inside a row is text. None where nothing is
+        padded, or where the padding token is also an end token (it cannot be told from the text)."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.is_floating_point():
             return None
-        given = (config.pad_token_id, self.generation_config.pad_token_id, self.config.pad_token_id)
-        pad = next((token for token in given if token is not None), None)
-        eos = config.eos_token_id if config.eos_token_id is not None else self.config.eos_token_id
+        sources = (kwargs, config, self.generation_config, self.config)
+
+        def first(name: str) -> Any:
+            values = (c.get(name) if isinstance(c, dict) else getattr(c, name, None) for c in sources)
+            return next((value for value in values if value is not None), None)
+
+        pad, eos = first("pad_token_id"), first("eos_token_id")
         if pad is None or pad in (eos if isinstance(eos, (list, tuple)) else [eos]):
             return None
-        mask = input_ids.ne(pad)
+        is_pad = input_ids.eq(pad)
+        trailing = is_pad.flip(-1).cumprod(-1).flip(-1).bool()
+        leading = is_pad.cumprod(-1).bool()
+        mask = ~(trailing | leading)
         return mask.long() if not bool(mask.all()) else None
 
     def _prompt_length(self, config: GenerationConfig, kwargs: dict[str, Any]) -> int:

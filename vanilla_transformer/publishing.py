@@ -11,6 +11,7 @@ half done; training calls it before it reads anything from its output folder.
 
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,12 +42,27 @@ def check_renamable(folder: str | Path) -> None:
     is a mount point (a Docker or Kubernetes volume, say), a file system of its own, and a rename does
     not cross file systems. A folder inside it can be replaced."""
     folder = Path(folder).resolve()
-    if folder.is_dir() and (os.path.ismount(folder) or folder.stat().st_dev != folder.parent.stat().st_dev):
+    if folder.is_dir() and (os.path.ismount(folder) or folder in _mount_points()):
         raise ValueError(
             f"{folder} is a mount point (a file system of its own). The finished folder is written beside "
             f"it and renamed into place, which cannot cross file systems: name a folder inside it, such as "
             f"{folder / 'model'}."
         )
+
+
+def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[Path]:
+    """Linux's mount points, bind mounts of a folder of the same file system included (which
+    `os.path.ismount` does not see, and across which a rename fails all the same); empty elsewhere."""
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return set()
+    # The fifth field is the mount point, a space or a tab in it written as an octal escape ("\040").
+    fields = (line.split() for line in lines)
+    return {Path(_OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), f[4])) for f in fields if len(f) > 4}
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 def lock_folder(folder: str | Path) -> Any:

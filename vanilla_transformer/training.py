@@ -285,8 +285,9 @@ class TrainingConfig:
     logging_steps: int = 50
     push_to_hub: bool = field(default=False, metadata={"help": "upload the final folder to the Hub"})
     hub_model_id: str | None = field(default=None, metadata={"help": "namespace/name (default: output name)"})
-    hub_private: bool = field(
-        default=False, metadata={"help": "create the Hub repo private (default: the namespace's default)"}
+    hub_private: bool | None = field(
+        default=None,
+        metadata={"help": "create the Hub repo private (--no-hub_private: public; default: the namespace's)"},
     )
     report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker, or 'none'"})
 
@@ -1597,9 +1598,7 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
     if run.config.push_to_hub:
         repo_id = run.config.hub_model_id or run.output_dir.name
         try:
-            metrics["hub_commit"] = push_model_folder(
-                run.output_dir, repo_id, private=run.config.hub_private or None
-            )
+            metrics["hub_commit"] = push_model_folder(run.output_dir, repo_id, private=run.config.hub_private)
         except Exception as error:  # the Hub not reached or refusing: the run's work is safe on disk
             raise InputError(
                 f"The model folder {run.output_dir} is complete, but publishing it failed "
