@@ -1259,13 +1259,10 @@ class VanillaTransformerForConditionalGeneration(
         padded, or where the padding token is also an end token (it cannot be told from the text)."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.is_floating_point():
             return None
-        sources = (kwargs, config, self.generation_config, self.config)
-
-        def first(name: str) -> Any:
-            values = (c.get(name) if isinstance(c, dict) else getattr(c, name, None) for c in sources)
-            return next((value for value in values if value is not None), None)
-
-        pad, eos = first("pad_token_id"), first("eos_token_id")
+        pad, eos = (
+            self._setting("pad_token_id", config, kwargs),
+            self._setting("eos_token_id", config, kwargs),
+        )
         if pad is None or pad in (eos if isinstance(eos, (list, tuple)) else [eos]):
             return None
         is_pad = input_ids.eq(pad)
@@ -1274,15 +1271,21 @@ class VanillaTransformerForConditionalGeneration(
         mask = ~(trailing | leading)
         return mask.long() if not bool(mask.all()) else None
 
+    def _setting(self, name: str, config: GenerationConfig, kwargs: dict[str, Any]) -> Any:
+        """A generation setting as `generate` takes it: the keyword, else the generation config in use,
+        the model's, the model configuration's; None where none sets it."""
+        given = (kwargs.get(name), getattr(config, name, None), getattr(self.generation_config, name, None))
+        return next(
+            (value for value in (*given, getattr(self.config, name, None)) if value is not None), None
+        )
+
     def _prompt_length(self, config: GenerationConfig, kwargs: dict[str, Any]) -> int:
         """The decoder input `generate` starts from: the start token, or the prompt given, which it
         prefixes with the start token unless every row begins with it."""
         prompt = kwargs.get("decoder_input_ids")
         if prompt is None:
             return 1
-        given = (kwargs.get("decoder_start_token_id"), config.decoder_start_token_id)
-        given += (self.generation_config.decoder_start_token_id, self.config.decoder_start_token_id)
-        start = next((token for token in given if token is not None), None)
+        start = self._setting("decoder_start_token_id", config, kwargs)
         prefixed = start is not None and bool((prompt[:, 0] != start).all())
         return prompt.shape[1] + int(prefixed)
 

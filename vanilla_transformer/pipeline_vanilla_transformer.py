@@ -7,11 +7,26 @@ where this package is not installed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import AutoModelForSeq2SeqLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
+
+
+@contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` in eval mode (no dropout) for the block; then each module's own mode is put back, so a
+    frozen submodule left in eval mode by a fine-tuning script stays so."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
 
 
 class TranslationPipeline(Pipeline):
@@ -60,15 +75,8 @@ class TranslationPipeline(Pipeline):
     ) -> dict[str, Any]:
         model_inputs.pop("token_type_ids", None)
         sentences = model_inputs["input_ids"].shape[0]
-        # A model handed over from training would translate with dropout; each module's own mode is put
-        # back (a frozen submodule left in eval mode stays so).
-        modes = {module: module.training for module in self.model.modules()}
-        self.model.eval()
-        try:
+        with evaluation_mode(self.model):  # a model handed over from training would translate with dropout
             output_ids = self.model.generate(**model_inputs, **generate_kwargs)
-        finally:
-            for module, mode in modes.items():
-                module.training = mode
         # (sentences, sequences per sentence, length): the pipeline splits a batch's outputs by their
         # first dimension, one entry per input sentence, also with `num_return_sequences` > 1.
         return {"output_ids": output_ids.reshape(sentences, -1, output_ids.shape[-1])}
@@ -91,4 +99,4 @@ PIPELINE_REGISTRY.register_pipeline(
     "translation", pipeline_class=TranslationPipeline, pt_model=AutoModelForSeq2SeqLM
 )
 
-__all__ = ["TranslationPipeline"]
+__all__ = ["TranslationPipeline", "evaluation_mode"]

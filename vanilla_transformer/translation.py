@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .pipeline_vanilla_transformer import evaluation_mode
+
 
 class LineError(ValueError):
     """A line of a text being translated (`translate_stream`) cannot be translated as given; the message
@@ -73,36 +75,30 @@ def translate(
     order = sorted(range(len(sentences)), key=lambda i: -lengths[i])  # stable: ties keep input order
     translations: dict[int, str] = {}
 
-    training = {module: module.training for module in model.modules()}
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for start in range(0, len(order), batch_size):
-                indices = order[start : start + batch_size]
-                inputs = tokenizer([sentences[i] for i in indices], padding=True, return_tensors="pt")
-                inputs.pop("token_type_ids", None)  # encoder-decoder models take none
-                try:
-                    outputs = model.generate(**inputs.to(model.device), **generate_kwargs)
-                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
-                    # CPU allocation failures are RuntimeErrors that say so; others are not about the input.
-                    out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
-                    if not out_of_memory and "alloc" not in str(error):
-                        raise
-                    longest = indices[0]  # the batches are sorted longest first
-                    reason = f"({lengths[longest]:,} tokens) needs more memory than there is to translate"
-                    raise SentenceError(longest, f"{reason}: {str(error).splitlines()[0]}") from None
-                sequences = outputs if isinstance(outputs, torch.Tensor) else outputs.sequences
-                if sequences.shape[0] != len(indices):
-                    raise ValueError(
-                        f"generate returned {sequences.shape[0]} sequences for {len(indices)} sentences; "
-                        "`translate` returns one translation per sentence (num_return_sequences=1)."
-                    )
-                decoded = tokenizer.batch_decode(sequences, skip_special_tokens=True)
-                for i, text in zip(indices, decoded, strict=True):
-                    translations[i] = one_line(text)
-    finally:
-        for module, mode in training.items():
-            module.training = mode
+    with evaluation_mode(model), torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            indices = order[start : start + batch_size]
+            inputs = tokenizer([sentences[i] for i in indices], padding=True, return_tensors="pt")
+            inputs.pop("token_type_ids", None)  # encoder-decoder models take none
+            try:
+                outputs = model.generate(**inputs.to(model.device), **generate_kwargs)
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+                # CPU allocation failures are RuntimeErrors that say so; others are not about the input.
+                out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
+                if not out_of_memory and "alloc" not in str(error):
+                    raise
+                longest = indices[0]  # the batches are sorted longest first
+                reason = f"({lengths[longest]:,} tokens) needs more memory than there is to translate"
+                raise SentenceError(longest, f"{reason}: {str(error).splitlines()[0]}") from None
+            sequences = outputs if isinstance(outputs, torch.Tensor) else outputs.sequences
+            if sequences.shape[0] != len(indices):
+                raise ValueError(
+                    f"generate returned {sequences.shape[0]} sequences for {len(indices)} sentences; "
+                    "`translate` returns one translation per sentence (num_return_sequences=1)."
+                )
+            decoded = tokenizer.batch_decode(sequences, skip_special_tokens=True)
+            for i, text in zip(indices, decoded, strict=True):
+                translations[i] = one_line(text)
     return [translations[i] for i in range(len(sentences))]
 
 
