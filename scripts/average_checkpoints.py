@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.cli import first_line
 from vanilla_transformer.evaluation import TOKENIZER_FILES, looks_local
-from vanilla_transformer.publishing import check_renamable, publish_folder
+from vanilla_transformer.publishing import check_new_folder, publish_folder
 from vanilla_transformer.training import checkpoint_problems, foreign_checkpoints, load_averaged_weights
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,10 +31,8 @@ parser.add_argument(
 parser.add_argument("--output", required=True, help="folder to write")
 args = parser.parse_args()
 output = Path(args.output)
-if output.exists() and (not output.is_dir() or any(output.iterdir())):
-    parser.error(f"--output {args.output} exists and is not an empty folder; name a new one.")
 try:
-    check_renamable(output)  # a mount point: refused now, not after the work
+    check_new_folder(output)  # refused now, not after the work
 except ValueError as error:
     parser.error(f"--output {error}")
 if len(set(map(Path.resolve, args.checkpoints))) < len(args.checkpoints):

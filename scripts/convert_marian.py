@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 from vanilla_transformer.cli import first_line
 from vanilla_transformer.conversion import convert_from_marian
 from vanilla_transformer.evaluation import looks_local
-from vanilla_transformer.publishing import check_renamable, publish_folder
+from vanilla_transformer.publishing import check_new_folder, publish_folder
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="Marian model folder or Hub id")
@@ -29,10 +29,8 @@ parser.add_argument(
 )
 args = parser.parse_args()
 output = Path(args.output)
-if output.exists() and (not output.is_dir() or any(output.iterdir())):
-    parser.error(f"--output {args.output} exists and is not an empty folder; name a new one.")
 try:
-    check_renamable(output)  # a mount point: refused now, not after the work
+    check_new_folder(output)  # refused now, not after the work
 except ValueError as error:
     parser.error(f"--output {error}")
 if looks_local(args.model) and not Path(args.model).exists():

@@ -50,6 +50,15 @@ def check_renamable(folder: str | Path) -> None:
         )
 
 
+def check_new_folder(folder: str | Path) -> None:
+    """Raise ValueError unless `folder` is absent or empty (a tool that writes a whole folder must not mix
+    its files into another's) and could be renamed into place (`check_renamable`)."""
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{folder} exists and is not an empty folder; name a new one.")
+    check_renamable(folder)
+
+
 def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[Path]:
     """Linux's mount points, bind mounts of a folder of the same file system included (which
     `os.path.ismount` does not see, and across which a rename fails all the same); empty elsewhere."""
@@ -139,6 +148,7 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
 
 
 __all__ = [
+    "check_new_folder",
     "check_renamable",
     "finish_interrupted_publish",
     "hidden_sibling",
