@@ -177,6 +177,24 @@ class NotFoundAs404(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def commit(repo: Path, message: str) -> str:
+    """Commit everything in `repo`; returns the commit's id."""
+    git(repo, "add", "-A")
+    git(
+        repo,
+        "-c",
+        "user.name=test",
+        "-c",
+        "user.email=test@localhost",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        message,
+    )
+    return git(repo, "rev-parse", "HEAD")
+
+
 def redirect_uploads(monkeypatch, endpoint: str, mirrors: Path) -> None:
     """Replace create_repo and create_commit by writes and commits in olah's git repositories."""
 
@@ -184,8 +202,11 @@ def redirect_uploads(monkeypatch, endpoint: str, mirrors: Path) -> None:
         repo = mirrors / "models" / repo_id
         if (repo / ".git").is_dir() and not exist_ok:
             raise FileExistsError(repo_id)
-        repo.mkdir(parents=True, exist_ok=True)
-        git(repo, "init", "-q", "-b", "main")
+        if not (repo / ".git").is_dir():  # the Hub creates a repo with one commit: its .gitattributes
+            repo.mkdir(parents=True, exist_ok=True)
+            git(repo, "init", "-q", "-b", "main")
+            (repo / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+            commit(repo, "initial commit")
         return RepoUrl(f"{endpoint}/{repo_id}", endpoint=endpoint)
 
     def create_commit(self, repo_id, operations, *, commit_message, repo_type=None, **kwargs):
@@ -201,19 +222,7 @@ def redirect_uploads(monkeypatch, endpoint: str, mirrors: Path) -> None:
                     target.write_bytes(source if isinstance(source, bytes) else source.read())
             elif isinstance(operation, CommitOperationDelete):
                 target.unlink()
-        git(repo, "add", "-A")
-        git(
-            repo,
-            "-c",
-            "user.name=test",
-            "-c",
-            "user.email=test@localhost",
-            "commit",
-            "-q",
-            "-m",
-            commit_message,
-        )
-        oid = git(repo, "rev-parse", "HEAD")
+        oid = commit(repo, commit_message)
         return CommitInfo(f"{endpoint}/{repo_id}/commit/{oid}", commit_message, "", oid, _endpoint=endpoint)
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
@@ -223,11 +232,21 @@ def redirect_uploads(monkeypatch, endpoint: str, mirrors: Path) -> None:
 def test_push_and_load_by_repo_id_without_the_package(model_folder, local_hub, tmp_path, monkeypatch):
     endpoint, mirrors = local_hub
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    # An earlier upload of another model left files this folder does not have; a load would read them.
+    earlier = tmp_path / "earlier"
+    shutil.copytree(model_folder, earlier, ignore=shutil.ignore_patterns("checkpoints"))
+    for name in ("source.spm", "target.spm", "vocab.json"):  # a converted OPUS-MT tokenizer's files
+        (earlier / name).write_bytes(b"earlier")
+    push_model_folder(earlier, REPO_ID, token="hf_dummy", endpoint=endpoint)
     url = push_model_folder(model_folder, REPO_ID, token="hf_dummy", endpoint=endpoint)
     assert url.startswith(f"{endpoint}/{REPO_ID}/commit/")
     uploaded = set(git(mirrors / "models" / REPO_ID, "ls-files").splitlines())
     assert {"model.safetensors", "config.json", "README.md", "pipeline_vanilla_transformer.py"} <= uploaded
     assert not any(name.startswith("checkpoints/") for name in uploaded)
+    # The repo holds the folder's files (and the Hub's .gitattributes); the earlier ones stay in its history.
+    local = {p.relative_to(model_folder).as_posix() for p in model_folder.rglob("*") if p.is_file()}
+    assert uploaded == {name for name in local if not name.startswith("checkpoints/")} | {".gitattributes"}
+    assert git(mirrors / "models" / REPO_ID, "show", "HEAD~1:vocab.json") == "earlier"
     # The card's examples load the repo, not the name it was written under; the local card is unchanged.
     card = git(mirrors / "models" / REPO_ID, "show", "HEAD:README.md")
     assert f'repo = "{REPO_ID}"' in card and f'model="{REPO_ID}"' in card and f"--model {REPO_ID} " in card
@@ -405,6 +424,9 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     def repo_info(self, repo_id, **kwargs):
         return types.SimpleNamespace(private=repo_id not in public)
 
+    def list_repo_files(self, repo_id, **kwargs):  # an earlier upload's files
+        return [".gitattributes", "README.md", "config.json", "spiece.model", "onnx/model.onnx"]
+
     def create_commit(self, repo_id, operations, **kwargs):
         commits.append((repo_id, {op.path_in_repo: op for op in operations}))
         return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
@@ -412,6 +434,7 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     for name, method in (
         ("create_repo", create_repo),
         ("repo_info", repo_info),
+        ("list_repo_files", list_repo_files),
         ("create_commit", create_commit),
     ):
         monkeypatch.setattr(HfApi, name, method)
@@ -427,6 +450,11 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     assert repo_id == "alice/tiny-en-es" and 'repo = "alice/tiny-en-es"' in card
     assert not any(name.split("/")[0] in {"checkpoints", "checkpoint-10", "runs"} for name in files)
     assert "training_args.bin" not in files and "kernels_vanilla_transformer.py" in files
+    deleted = {name for name, op in files.items() if isinstance(op, CommitOperationDelete)}
+    assert deleted == {
+        "spiece.model",
+        "onnx/model.onnx",
+    }  # not the Hub's .gitattributes, nor what is replaced
     with pytest.raises(ValueError, match="already exists and is public"):
         push_model_folder(folder, "alice/earlier-public", token="hf_dummy", private=True)
     assert len(commits) == 1  # nothing uploaded

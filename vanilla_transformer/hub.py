@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
@@ -28,6 +29,10 @@ TOKENIZER_FILE_SETS = (("tokenizer.json",), ("source.spm", "target.spm", "vocab.
 # By-products that stay local, as patterns of top-level names: the training script's checkpoints, logs
 # and tokenizer working copy; Seq2SeqTrainer's checkpoints, TensorBoard runs and arguments (finetune.py).
 LOCAL_ONLY = ("checkpoints", "logs", "tokenizer", "checkpoint-*", "runs", "training_args.bin")
+# Files of a repo that an upload leaves alone although the folder does not have them: the Hub's own.
+HUB_OWN = (".gitattributes",)
+
+logger = logging.getLogger(__name__)
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -126,8 +131,12 @@ def push_model_folder(
 ) -> str:
     """Create the repo if needed and upload the folder in one commit; returns the commit URL.
 
-    The model card goes up with its usage examples loading the repo (`card_for_repo`; a `repo_id`
-    without a namespace is the token owner's, and the card names it in full). Training by-products
+    The repo ends up holding the folder's files and no others: files an earlier upload left that the
+    folder does not have are deleted in the same commit (they stay in the repo's history), because a
+    load would read them with the new files (a `tokenizer.json` left by an earlier model is preferred
+    over a converted OPUS-MT model's sentencepiece files). The model card goes up with its usage
+    examples loading the repo (`card_for_repo`; a `repo_id` without a namespace is the token owner's,
+    and the card names it in full). Training by-products
     (`LOCAL_ONLY`) stay local. `private`: True creates the repo private, and refuses to upload into an
     existing public one (the Hub leaves an existing repo's visibility as it is); False creates it
     public; None leaves it to the namespace's default. `endpoint` selects another Hub deployment
@@ -157,6 +166,16 @@ def push_model_folder(
         )
     card = card_for_repo((folder / "README.md").read_text(encoding="utf-8"), repo.repo_id)
     operations.append(CommitOperationAdd("README.md", card.encode()))
+    uploaded = {operation.path_in_repo for operation in operations}
+    remote = api.list_repo_files(repo.repo_id, repo_type="model")
+    stale = sorted(name for name in remote if name not in uploaded and name not in HUB_OWN)
+    if stale:
+        logger.warning(
+            "Deleting from %s what the folder does not have (kept in the repo's history): %s",
+            repo.repo_id,
+            ", ".join(stale),
+        )
+        operations += [CommitOperationDelete(name) for name in stale]
     commit = api.create_commit(repo.repo_id, operations, commit_message=commit_message, repo_type="model")
     return commit.commit_url
 
