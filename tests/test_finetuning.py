@@ -11,6 +11,7 @@ from tests.test_unlikelihood import per_token_formula
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.finetuning import FinetuneConfig, bleu_metric_fn, build_trainer, finetune
+from vanilla_transformer.hub import check_model_folder
 from vanilla_transformer.tokenization import train_bpe_tokenizer
 
 
@@ -61,6 +62,22 @@ def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
     assert metrics["after_loss"] < metrics["before_loss"] - 0.5, metrics
     assert 0 <= metrics["after_bleu"] <= 100 and 0 <= metrics["after_chrf"] <= 100
     assert (tmp_path / "tuned" / "model.safetensors").is_file()
+    # The folder has its card, with the scores measured after fine-tuning: it can be published.
+    card = check_model_folder(tmp_path / "tuned")
+    results = {result.metric_type: result for result in card.data.eval_results}
+    assert results["bleu"].metric_value == round(metrics["after_bleu"], 2)
+    assert results["chrf"].metric_value == round(metrics["after_chrf"], 2)
+    assert results["bleu"].dataset_split == "validation" and results["bleu"].metric_config.startswith(
+        "nrefs:1"
+    )
+    assert card.data.base_model is None  # a local folder, not a Hub model the metadata could link
+    text = " ".join(card.text.split())
+    assert "fine-tuned from `model` on pairs.tsv" in text and "trained from scratch" not in text
+    assert "linear warm-up to 0.002 over 5 steps" in text and "ε_ls = 0.1" in text
+    assert "| training steps | 30 |" in text
+    assert "32 sentence pairs per update" in text  # 16 per device x 2 accumulated
+    assert "On the validation split (12 sentence pairs) of pairs.tsv" in text
+    assert "beam search with 2 beams" in text and "Far less training" not in text
 
 
 def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
@@ -210,6 +227,10 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
     (tmp_path / "other" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="already holds a model"):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "other"))
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "README.md").write_text("someone's own notes")  # the card would replace them
+    with pytest.raises(ValueError, match=r"holds a README\.md"):
+        FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "project"))
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="is a file; name a folder"):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt"))

@@ -373,6 +373,23 @@ def test_template_renders_with_optional_values_missing():
     assert "\n\n\n\n" not in text.split("```python")[0]
 
 
+def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_own():
+    hub_base = {"finetuned_from": "Helsinki-NLP/opus-mt-en-es", "finetuned_from_hub": True}
+    tuned = build_model_card(
+        **card_kwargs(training=TRAINING | hub_base, metrics=METRICS | {"max_length_offset": None})
+    )
+    assert tuned.data.base_model == "Helsinki-NLP/opus-mt-en-es"
+    text = " ".join(tuned.text.split())
+    assert "fine-tuned from `Helsinki-NLP/opus-mt-en-es` on" in text and "trained from scratch" not in text
+    assert "transformers' `inverse_sqrt`" in text and "The recipe of the paper" not in text
+    assert "Far less training" not in text and "Rare repetition loops" not in text
+    assert "source length +" not in text.split("Decoding:")[1].split("The paper")[0]  # no length rule set
+    local = build_model_card(**card_kwargs(training=TRAINING | {"finetuned_from": "tiny-en-es"}))
+    assert local.data.base_model is None and "fine-tuned from `tiny-en-es`" in " ".join(local.text.split())
+    scratch = build_model_card(**card_kwargs())
+    assert scratch.data.base_model is None and "trained from scratch" in " ".join(scratch.text.split())
+
+
 @pytest.mark.parametrize("full", [True, False])
 def test_template_uses_only_variables_it_is_given(full):
     """StrictUndefined: a misspelt variable in the template fails instead of silently rendering empty."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from transformers import (
     DataCollatorForSeq2Seq,
     EvalPrediction,
@@ -24,8 +26,9 @@ from transformers import (
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
-from .machine import processes_without_a_gpu
+from .machine import describe_machine, format_machine, processes_without_a_gpu
 from .metrics import score_translations
+from .model_card import write_model_card
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 
 logger = logging.getLogger(__name__)
@@ -90,17 +93,25 @@ class FinetuneConfig:
             raise ValueError(f"--output_dir {self.output_dir} is the --model folder; name a new folder.")
         if (output / "config.json").exists() or (output / "model.safetensors").exists():
             raise ValueError(f"--output_dir {self.output_dir} already holds a model; name a new folder.")
+        if (output / "README.md").exists():  # the fine-tuned model's card is written there
+            raise ValueError(f"--output_dir {self.output_dir} holds a README.md; name a new folder.")
 
 
-def bleu_metric_fn(tokenizer: Any, references: Any = None) -> Any:
+class BleuMetric:
     """`compute_metrics` for `Seq2SeqTrainer(predict_with_generate=True)`: corpus BLEU and chrF.
 
     `references`: the evaluation dataset (its `target` texts and `labels`), whose texts are scored
     against when the labels are its labels, in order; otherwise the references are the labels decoded,
     which lose what the tokenizer cannot represent (characters outside its vocabulary become `<unk>`
-    and vanish, normalisation rewrites others), so scores would not match `evaluate_model`'s."""
+    and vanish, normalisation rewrites others), so scores would not match `evaluate_model`'s.
+    `scores`: the last evaluation's sacreBLEU results, signatures included (for the model card)."""
 
-    def compute_metrics(prediction: EvalPrediction) -> dict[str, float]:
+    def __init__(self, tokenizer: Any, references: Any = None) -> None:
+        self.tokenizer, self.references = tokenizer, references
+        self.scores: dict[str, Any] = {}
+
+    def __call__(self, prediction: EvalPrediction) -> dict[str, float]:
+        tokenizer, references = self.tokenizer, self.references
         predictions, labels = prediction.predictions, prediction.label_ids
         if isinstance(predictions, tuple):
             predictions = predictions[0]
@@ -113,11 +124,14 @@ def bleu_metric_fn(tokenizer: Any, references: Any = None) -> Any:
         else:
             labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
             texts = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
-        scores = score_translations(hypotheses, texts)
+        self.scores = score_translations(hypotheses, texts)
         lengths = [int(np.count_nonzero(row != tokenizer.pad_token_id)) for row in predictions]
-        return {"bleu": scores["bleu"], "chrf": scores["chrf"], "gen_len": float(np.mean(lengths))}
+        return {"bleu": self.scores["bleu"], "chrf": self.scores["chrf"], "gen_len": float(np.mean(lengths))}
 
-    return compute_metrics
+
+def bleu_metric_fn(tokenizer: Any, references: Any = None) -> BleuMetric:
+    """The `compute_metrics` of `BleuMetric(tokenizer, references)`."""
+    return BleuMetric(tokenizer, references)
 
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
@@ -191,18 +205,95 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         eval_dataset=validation.select_columns(columns),
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         processing_class=tokenizer,
-        compute_metrics=bleu_metric_fn(tokenizer, validation.select_columns(["target", "labels"])),
+        compute_metrics=bleu_metric_fn(tokenizer, validation.select_columns(["source", "target", "labels"])),
     )
 
 
 def finetune(config: FinetuneConfig) -> dict[str, float]:
-    """Evaluate, fine-tune, evaluate again and save; returns the metrics before and after."""
+    """Evaluate, fine-tune, evaluate again and save; returns the metrics before and after. The folder of
+    a model of this package gets its model card (`write_finetuned_card`), so it can be published."""
     trainer = build_trainer(config)
     before = trainer.evaluate(metric_key_prefix="before")
+    started = time.perf_counter()
     trainer.train()
+    seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
     trainer.save_model(config.output_dir)
+    if (
+        trainer.is_world_process_zero()
+        and trainer.model.config.model_type == VanillaTransformerConfig.model_type
+    ):
+        write_finetuned_card(config, trainer, after, seconds)
     return before | after
 
 
-__all__ = ["FinetuneConfig", "bleu_metric_fn", "build_trainer", "finetune"]
+def write_finetuned_card(
+    config: FinetuneConfig, trainer: Seq2SeqTrainer, metrics: dict[str, float], seconds: float
+) -> Path:
+    """The model card of a fine-tuned model in `config.output_dir`: the model it started from, the
+    fine-tuning's settings, data and time, and `metrics` (the last evaluation's, prefixed "after_"):
+    BLEU and chrF on the validation split, decoded as the evaluation decoded."""
+    model, args, scores = trainer.model, trainer.args, trainer.compute_metrics.scores
+    validation = trainer.compute_metrics.references
+    generation = model.generation_config
+    local = Path(config.model).exists()
+    machine = describe_machine(measure=False)
+    if args.device.type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(args.device)
+    card_metrics = {
+        "split": "validation",
+        "scored_pairs": len(validation),
+        "bleu": metrics["after_bleu"],
+        "chrf": metrics["after_chrf"],
+        "bleu_signature": scores["bleu_signature"],
+        "chrf_signature": scores["chrf_signature"],
+        "val_loss": metrics["after_loss"],
+        "num_beams": config.num_beams,  # what the evaluation ran; the rest is the model's generation config
+        "length_penalty": generation.length_penalty,
+        "length_penalty_form": getattr(generation, "length_penalty_form", "power"),
+        "max_length_offset": getattr(generation, "max_length_offset", None),
+        "no_repeat_ngram_size": generation.no_repeat_ngram_size or None,
+    }
+    training = {
+        "finetuned_from": Path(config.model).resolve().name if local else config.model,
+        "finetuned_from_hub": not local,
+        "steps": trainer.state.global_step,
+        "epochs": round(trainer.state.epoch or 0.0, 2),
+        "train_time_s": round(seconds),
+        "hardware": f"{args.world_size} x {format_machine(machine)}",
+        "batch_pairs": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        "warmup_steps": config.warmup_steps,
+        "lr_peak": config.learning_rate,
+        "label_smoothing": model.config.label_smoothing,
+        "unlikelihood_weight": model.config.unlikelihood_weight,
+        "dropout": model.config.dropout,
+        "adam_beta1": args.adam_beta1,
+        "adam_beta2": args.adam_beta2,
+        "adam_epsilon": args.adam_epsilon,
+    }
+    dataset = {
+        "name": Path(config.train_file).name,
+        "description": f"Local parallel text, {config.source_lang}-{config.target_lang}.",
+        "train_pairs": len(trainer.train_dataset),  # the validation pairs scored: under Results
+    }
+    return write_model_card(
+        config.output_dir,
+        model_name=Path(config.output_dir).resolve().name,
+        config=model.config,
+        metrics=card_metrics,
+        training=training,
+        dataset=dataset,
+        source_lang=config.source_lang,
+        target_lang=config.target_lang,
+        examples=list(validation["source"][:3]),
+    )
+
+
+__all__ = [
+    "BleuMetric",
+    "FinetuneConfig",
+    "bleu_metric_fn",
+    "build_trainer",
+    "finetune",
+    "write_finetuned_card",
+]

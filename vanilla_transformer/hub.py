@@ -69,7 +69,7 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     if missing:
         card = (
             " The model card (README.md), with the model's measured scores, is written by scripts/train.py;"
-            " folders from average_checkpoints.py or finetune.py have none: write one (as"
+            " folders from average_checkpoints.py and convert_marian.py have none: write one (as"
             " vanilla_transformer.model_card.write_model_card does) before publishing."
             if "README.md" in missing
             else ""

@@ -138,6 +138,8 @@ def _template_variables(
         train_time=_format_duration(train_time_s) if train_time_s is not None else None,
         hardware=training.get("hardware"),
         batch_tokens=training.get("batch_tokens"),
+        batch_pairs=training.get("batch_pairs"),
+        finetuned_from=training.get("finetuned_from"),
         warmup_steps=training.get("warmup_steps"),
         recipe=training.get("preset"),
         lr_schedule=training.get("lr_schedule", "inverse_sqrt"),
@@ -200,6 +202,7 @@ def _card_data(
     source_lang: str,
     target_lang: str,
     license: str,
+    base_model: str | None = None,
 ) -> ModelCardData:
     dataset_name = dataset.get("name") or "unnamed dataset"
     hub_id = dataset.get("hub_id")
@@ -234,6 +237,7 @@ def _card_data(
         model_name=model_name,
         language=[source_lang, target_lang],
         license=license,
+        base_model=base_model,
         library_name="transformers",
         pipeline_tag="translation",
         tags=list(TAGS),
@@ -261,9 +265,11 @@ def build_model_card(
     `metrics` needs "bleu", "chrf" and "bleu_signature", scored on the split named by "split" (default
     "test"); "chrf_signature", "val_loss", "test_loss" and the decoding settings "num_beams",
     "length_penalty", "length_penalty_form", "max_length_offset", "no_repeat_ngram_size" are optional.
-    `training` and `dataset` keys are all optional (see the template). `base_template` is the path of a
-    Jinja2 template (default: the packaged `model_card_template.md`). `examples`: source sentences for
-    the usage examples (e.g. from the test split; default: three English Bible verses). The YAML
+    `training` and `dataset` keys are all optional (see the template); a fine-tuned model's `training`
+    names the model it started from as "finetuned_from" (a folder's name or a Hub id), and with
+    "finetuned_from_hub" true the metadata's `base_model` links that Hub model. `base_template` is the
+    path of a Jinja2 template (default: the packaged `model_card_template.md`). `examples`: source
+    sentences for the usage examples (e.g. from the test split; default: three English Bible verses). The YAML
     metadata carries a model-index with test BLEU and chrF; the card is re-parsed to check it.
     """
     missing = [key for key in REQUIRED_METRICS if metrics.get(key) is None]
@@ -287,6 +293,7 @@ def build_model_card(
         source_lang=source_lang,
         target_lang=target_lang,
         license=license,
+        base_model=training.get("finetuned_from") if training.get("finetuned_from_hub") else None,
     )
     variables = _template_variables(
         model_name=model_name,
