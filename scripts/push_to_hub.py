@@ -22,10 +22,21 @@ parser.add_argument(
     help="create the repo private (--no-private: public; default: the namespace's default)",
 )
 parser.add_argument("--commit_message", default="Upload vanilla_transformer model")
+parser.add_argument(
+    "--keep_other_files",
+    action="store_true",
+    help="leave files of the repo that the folder does not have (default: delete them in the same commit; "
+    "they stay in the repo's history)",
+)
 args = parser.parse_args()
 try:
     url = push_model_folder(
-        args.folder, args.repo_id, token=args.token, private=args.private, commit_message=args.commit_message
+        args.folder,
+        args.repo_id,
+        token=args.token,
+        private=args.private,
+        commit_message=args.commit_message,
+        delete_other_files=not args.keep_other_files,
     )
 except (OSError, ValueError) as error:  # the folder, the repo id, the token; the Hub's HTTP answers
     parser.error(str(error))

@@ -209,8 +209,12 @@ def redirect_uploads(monkeypatch, endpoint: str, mirrors: Path) -> None:
             commit(repo, "initial commit")
         return RepoUrl(f"{endpoint}/{repo_id}", endpoint=endpoint)
 
-    def create_commit(self, repo_id, operations, *, commit_message, repo_type=None, **kwargs):
+    def create_commit(
+        self, repo_id, operations, *, commit_message, repo_type=None, parent_commit=None, **kwargs
+    ):
         repo = mirrors / "models" / repo_id
+        if parent_commit is not None and parent_commit != git(repo, "rev-parse", "HEAD"):
+            raise ValueError("the branch moved since parent_commit")  # the Hub answers 412
         for operation in operations:
             target = repo / operation.path_in_repo
             if isinstance(operation, CommitOperationAdd):
@@ -421,20 +425,19 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
         created.append((repo_id, private))
         return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'alice/' + repo_id}")
 
-    def repo_info(self, repo_id, **kwargs):
-        return types.SimpleNamespace(private=repo_id not in public)
+    def repo_info(self, repo_id, **kwargs):  # an earlier upload's files
+        names = [".gitattributes", "README.md", "config.json", "spiece.model", "onnx/model.onnx"]
+        siblings = [types.SimpleNamespace(rfilename=name) for name in names]
+        return types.SimpleNamespace(private=repo_id not in public, sha="f00d", siblings=siblings)
 
-    def list_repo_files(self, repo_id, **kwargs):  # an earlier upload's files
-        return [".gitattributes", "README.md", "config.json", "spiece.model", "onnx/model.onnx"]
-
-    def create_commit(self, repo_id, operations, **kwargs):
+    def create_commit(self, repo_id, operations, *, parent_commit=None, **kwargs):
+        assert parent_commit == "f00d"  # the revision whose files were listed
         commits.append((repo_id, {op.path_in_repo: op for op in operations}))
         return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
     for name, method in (
         ("create_repo", create_repo),
         ("repo_info", repo_info),
-        ("list_repo_files", list_repo_files),
         ("create_commit", create_commit),
     ):
         monkeypatch.setattr(HfApi, name, method)
@@ -451,13 +454,12 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     assert not any(name.split("/")[0] in {"checkpoints", "checkpoint-10", "runs"} for name in files)
     assert "training_args.bin" not in files and "kernels_vanilla_transformer.py" in files
     deleted = {name for name, op in files.items() if isinstance(op, CommitOperationDelete)}
-    assert deleted == {
-        "spiece.model",
-        "onnx/model.onnx",
-    }  # not the Hub's .gitattributes, nor what is replaced
+    assert deleted == {"spiece.model", "onnx/model.onnx"}  # not .gitattributes, nor what is replaced
+    push_model_folder(folder, "tiny-en-es", token="hf_dummy", delete_other_files=False)
+    assert not any(isinstance(op, CommitOperationDelete) for op in commits[-1][1].values())
     with pytest.raises(ValueError, match="already exists and is public"):
         push_model_folder(folder, "alice/earlier-public", token="hf_dummy", private=True)
-    assert len(commits) == 1  # nothing uploaded
+    assert len(commits) == 2  # nothing uploaded
     push_model_folder(folder, "alice/new-private", token="hf_dummy", private=True)
     assert created[-1] == ("alice/new-private", True) and commits[-1][0] == "alice/new-private"
 

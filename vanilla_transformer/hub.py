@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, constants, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
@@ -128,13 +128,16 @@ def push_model_folder(
     private: bool | None = None,
     commit_message: str = "Upload vanilla_transformer model",
     endpoint: str | None = None,
+    delete_other_files: bool = True,
 ) -> str:
     """Create the repo if needed and upload the folder in one commit; returns the commit URL.
 
     The repo ends up holding the folder's files and no others: files an earlier upload left that the
     folder does not have are deleted in the same commit (they stay in the repo's history), because a
     load would read them with the new files (a `tokenizer.json` left by an earlier model is preferred
-    over a converted OPUS-MT model's sentencepiece files). The model card goes up with its usage
+    over a converted OPUS-MT model's sentencepiece files); `delete_other_files=False` leaves them. The
+    commit is made on the revision whose files were listed: if another lands in between, the Hub
+    refuses it and nothing changes. The model card goes up with its usage
     examples loading the repo (`card_for_repo`; a `repo_id` without a namespace is the token owner's,
     and the card names it in full). Training by-products
     (`LOCAL_ONLY`) stay local. `private`: True creates the repo private, and refuses to upload into an
@@ -159,7 +162,9 @@ def push_model_folder(
         if path.relative_to(folder).as_posix() != "README.md"
     ]
     repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    if private and not api.repo_info(repo.repo_id, repo_type="model").private:
+    revision = constants.DEFAULT_REVISION  # where create_commit commits
+    info = api.repo_info(repo.repo_id, repo_type="model", revision=revision)  # its files and commit
+    if private and not info.private:
         raise ValueError(
             f"{repo.repo_id} already exists and is public, and the Hub does not change an existing repo's "
             "visibility: nothing was uploaded. Make it private on the Hub first, or choose another repo id."
@@ -167,7 +172,7 @@ def push_model_folder(
     card = card_for_repo((folder / "README.md").read_text(encoding="utf-8"), repo.repo_id)
     operations.append(CommitOperationAdd("README.md", card.encode()))
     uploaded = {operation.path_in_repo for operation in operations}
-    remote = api.list_repo_files(repo.repo_id, repo_type="model")
+    remote = [sibling.rfilename for sibling in info.siblings or ()] if delete_other_files else []
     stale = sorted(name for name in remote if name not in uploaded and name not in HUB_OWN)
     if stale:
         logger.warning(
@@ -176,7 +181,14 @@ def push_model_folder(
             ", ".join(stale),
         )
         operations += [CommitOperationDelete(name) for name in stale]
-    commit = api.create_commit(repo.repo_id, operations, commit_message=commit_message, repo_type="model")
+    commit = api.create_commit(
+        repo.repo_id,
+        operations,
+        commit_message=commit_message,
+        repo_type="model",
+        revision=revision,
+        parent_commit=info.sha,
+    )
     return commit.commit_url
 
 
