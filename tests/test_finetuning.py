@@ -1,6 +1,8 @@
 """Fine-tuning with transformers' Seq2SeqTrainer, the path transformers users already know."""
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,10 @@ def small_config(model: Path, train_file: Path, output_dir: Path, **overrides) -
 
 
 def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
-    model_dir, data = start
+    start_dir, data = start
+    model_dir = tmp_path / "base-en-es"  # the start model, with a card stating its licence
+    shutil.copytree(start_dir, model_dir)
+    (model_dir / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n\n# base\n", encoding="utf-8")
     config = small_config(
         model_dir,
         data,
@@ -71,13 +76,34 @@ def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
         "nrefs:1"
     )
     assert card.data.base_model is None  # a local folder, not a Hub model the metadata could link
+    assert card.data.license == "cc-by-4.0"  # the start model's
     text = " ".join(card.text.split())
-    assert "fine-tuned from `model` on pairs.tsv" in text and "trained from scratch" not in text
+    assert "fine-tuned from `base-en-es` on pairs.tsv" in text and "trained from scratch" not in text
     assert "linear warm-up to 0.002 over 5 steps" in text and "ε_ls = 0.1" in text
+    assert "clipped to norm 1.0 (Trainer's default; the paper does not clip)" in text
     assert "| training steps | 30 |" in text
     assert "32 sentence pairs per update" in text  # 16 per device x 2 accumulated
-    assert "On the validation split (12 sentence pairs) of pairs.tsv" in text
+    assert "On the validation split (its first 12 of 40 sentence pairs) of pairs.tsv" in text
+    assert "validation loss" not in text  # Trainer's loss is not the validation loss train.py reports
+    # Scored with 2 beams; the folder's generation config keeps the start model's 4, and the card says so.
     assert "beam search with 2 beams" in text and "Far less training" not in text
+    assert "except with 4 beams (the scores were decoded with 2)" in text
+    assert json.loads((tmp_path / "tuned" / "generation_config.json").read_text())["num_beams"] == 4
+
+
+def test_a_validation_file_is_named_as_the_scored_data(start, tmp_path):
+    model_dir, data = start
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("\n".join(data.read_text(encoding="utf-8").splitlines()[:9]) + "\n", encoding="utf-8")
+    config = small_config(model_dir, data, tmp_path / "tuned", validation_file=str(dev), max_steps=2)
+    config.eval_steps, config.num_beams = 2, 4
+    finetune(config)
+    card = check_model_folder(tmp_path / "tuned")
+    assert {result.dataset_name for result in card.data.eval_results} == {"dev.tsv"}
+    assert card.data.license is None  # the start model states none
+    text = " ".join(card.text.split())
+    assert "fine-tuned from `model` on pairs.tsv" in text
+    assert "On the validation split (8 sentence pairs) of dev.tsv" in text and "except with" not in text
 
 
 def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
@@ -209,7 +235,12 @@ def test_bad_finetune_options():
         FinetuneConfig(model="m", train_file="t", output_dir="o", max_steps=0)
     with pytest.raises(FileNotFoundError, match="not a model folder"):
         build_trainer(FinetuneConfig(model=str(Path(__file__).parent), train_file="t", output_dir="o"))
-    for name, value in (("gradient_accumulation_steps", 0), ("max_eval_samples", 0), ("validation_size", -3)):
+    for name, value in (
+        ("gradient_accumulation_steps", 0),
+        ("max_eval_samples", 0),
+        ("validation_size", -3),
+        ("warmup_steps", 0),  # transformers' inverse_sqrt would decay over 10,000 steps instead
+    ):
         with pytest.raises(ValueError, match=f"--{name} must be positive"):
             FinetuneConfig(model="m", train_file="t", output_dir="o", **{name: value})
     with pytest.raises(ValueError, match="--learning_rate must be a positive number"):

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from huggingface_hub import ModelCard
 from transformers import (
     DataCollatorForSeq2Seq,
     EvalPrediction,
@@ -70,8 +71,11 @@ class FinetuneConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup_steps must not be negative, got {self.warmup_steps}.")
+        if self.warmup_steps <= 0:  # transformers' inverse_sqrt would then decay on a 10,000-step timescale
+            raise ValueError(
+                f"--warmup_steps must be positive, got {self.warmup_steps}: the inverse square-root schedule "
+                "warms up first (without, transformers' version decays over 10,000 steps instead)."
+            )
         if not 0 <= self.seed < 2**32:  # what numpy's generator, which Trainer seeds, accepts
             raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}.")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
@@ -104,10 +108,11 @@ class BleuMetric:
     against when the labels are its labels, in order; otherwise the references are the labels decoded,
     which lose what the tokenizer cannot represent (characters outside its vocabulary become `<unk>`
     and vanish, normalisation rewrites others), so scores would not match `evaluate_model`'s.
-    `scores`: the last evaluation's sacreBLEU results, signatures included (for the model card)."""
+    `scores`: the last evaluation's sacreBLEU results, signatures included, and `split_pairs` the size of
+    the split whose first pairs `references` are (both for the model card)."""
 
-    def __init__(self, tokenizer: Any, references: Any = None) -> None:
-        self.tokenizer, self.references = tokenizer, references
+    def __init__(self, tokenizer: Any, references: Any = None, split_pairs: int | None = None) -> None:
+        self.tokenizer, self.references, self.split_pairs = tokenizer, references, split_pairs
         self.scores: dict[str, Any] = {}
 
     def __call__(self, prediction: EvalPrediction) -> dict[str, float]:
@@ -205,7 +210,9 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         eval_dataset=validation.select_columns(columns),
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         processing_class=tokenizer,
-        compute_metrics=bleu_metric_fn(tokenizer, validation.select_columns(["source", "target", "labels"])),
+        compute_metrics=BleuMetric(
+            tokenizer, validation.select_columns(["source", "target", "labels"]), len(tokenized["validation"])
+        ),
     )
 
 
@@ -233,22 +240,27 @@ def write_finetuned_card(
     """The model card of a fine-tuned model in `config.output_dir`: the model it started from, the
     fine-tuning's settings, data and time, and `metrics` (the last evaluation's, prefixed "after_"):
     BLEU and chrF on the validation split, decoded as the evaluation decoded."""
-    model, args, scores = trainer.model, trainer.args, trainer.compute_metrics.scores
-    validation = trainer.compute_metrics.references
+    model, args, metric = trainer.model, trainer.args, trainer.compute_metrics
+    validation, scores = metric.references, metric.scores
     generation = model.generation_config
     local = Path(config.model).exists()
-    machine = describe_machine(measure=False)
     if args.device.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(args.device)
+        hardware = f"{args.world_size} x {torch.cuda.get_device_name(args.device)}"
+    else:
+        processes = f", {args.world_size} processes" if args.world_size > 1 else ""
+        hardware = format_machine(describe_machine(measure=False)) + processes
     card_metrics = {
         "split": "validation",
+        "dataset_name": Path(config.validation_file or config.train_file).name,
         "scored_pairs": len(validation),
+        "split_pairs": metric.split_pairs,
         "bleu": metrics["after_bleu"],
         "chrf": metrics["after_chrf"],
         "bleu_signature": scores["bleu_signature"],
         "chrf_signature": scores["chrf_signature"],
-        "val_loss": metrics["after_loss"],
-        "num_beams": config.num_beams,  # what the evaluation ran; the rest is the model's generation config
+        # The evaluation's beams; the rest is the model's generation config, and so is its default.
+        "num_beams": config.num_beams,
+        "default_num_beams": generation.num_beams,
         "length_penalty": generation.length_penalty,
         "length_penalty_form": getattr(generation, "length_penalty_form", "power"),
         "max_length_offset": getattr(generation, "max_length_offset", None),
@@ -260,7 +272,7 @@ def write_finetuned_card(
         "steps": trainer.state.global_step,
         "epochs": round(trainer.state.epoch or 0.0, 2),
         "train_time_s": round(seconds),
-        "hardware": f"{args.world_size} x {format_machine(machine)}",
+        "hardware": hardware,
         "batch_pairs": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         "warmup_steps": config.warmup_steps,
         "lr_peak": config.learning_rate,
@@ -270,6 +282,7 @@ def write_finetuned_card(
         "adam_beta1": args.adam_beta1,
         "adam_beta2": args.adam_beta2,
         "adam_epsilon": args.adam_epsilon,
+        "max_grad_norm": args.max_grad_norm or None,
     }
     dataset = {
         "name": Path(config.train_file).name,
@@ -285,8 +298,22 @@ def write_finetuned_card(
         dataset=dataset,
         source_lang=config.source_lang,
         target_lang=config.target_lang,
+        license=base_license(config.model),
         examples=list(validation["source"][:3]),
     )
+
+
+def base_license(model: str) -> str | None:
+    """The licence stated by the card of `model` (a folder's README.md, or the Hub repo's), if any: what
+    a model fine-tuned from it inherits."""
+    readme = Path(model) / "README.md"
+    if Path(model).exists() and not readme.is_file():
+        return None
+    try:
+        card = ModelCard.load(readme if Path(model).exists() else model)
+    except Exception:  # no card, no network, malformed metadata: no licence is stated
+        return None
+    return card.data.license
 
 
 __all__ = [

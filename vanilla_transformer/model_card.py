@@ -139,6 +139,7 @@ def _template_variables(
         hardware=training.get("hardware"),
         batch_tokens=training.get("batch_tokens"),
         batch_pairs=training.get("batch_pairs"),
+        max_grad_norm=training.get("max_grad_norm"),
         finetuned_from=training.get("finetuned_from"),
         warmup_steps=training.get("warmup_steps"),
         recipe=training.get("preset"),
@@ -179,6 +180,10 @@ def _template_variables(
         repetition=metrics.get("repetition"),
         reference_repetition=metrics.get("reference_repetition"),
         eval_split=metrics.get("split", "test"),
+        # The scored pairs' data, and the size of the split they are the first of.
+        eval_dataset_name=metrics.get("dataset_name") or dataset.get("name"),
+        split_pairs=metrics.get("split_pairs") or dataset.get(f"{metrics.get('split', 'test')}_pairs"),
+        default_num_beams=metrics.get("default_num_beams"),
         # Python string literals for the usage examples: three, the given ones first.
         examples=[
             json.dumps(text, ensure_ascii=False) for text in [*(examples or ()), *DEFAULT_EXAMPLES][:3]
@@ -201,10 +206,10 @@ def _card_data(
     dataset: Mapping[str, Any],
     source_lang: str,
     target_lang: str,
-    license: str,
+    license: str | None,
     base_model: str | None = None,
 ) -> ModelCardData:
-    dataset_name = dataset.get("name") or "unnamed dataset"
+    dataset_name = metrics.get("dataset_name") or dataset.get("name") or "unnamed dataset"  # the scored data
     hub_id = dataset.get("hub_id")
     common = {
         "task_type": "translation",
@@ -256,21 +261,25 @@ def build_model_card(
     dataset: dict,
     source_lang: str,
     target_lang: str,
-    license: str = "apache-2.0",
+    license: str | None = "apache-2.0",
     base_template: str | Path | None = None,
     examples: Sequence[str] | None = None,
 ) -> ModelCard:
     """Render the model card of a trained model.
 
     `metrics` needs "bleu", "chrf" and "bleu_signature", scored on the split named by "split" (default
-    "test"); "chrf_signature", "val_loss", "test_loss" and the decoding settings "num_beams",
-    "length_penalty", "length_penalty_form", "max_length_offset", "no_repeat_ngram_size" are optional.
-    `training` and `dataset` keys are all optional (see the template); a fine-tuned model's `training`
-    names the model it started from as "finetuned_from" (a folder's name or a Hub id), and with
-    "finetuned_from_hub" true the metadata's `base_model` links that Hub model. `base_template` is the
-    path of a Jinja2 template (default: the packaged `model_card_template.md`). `examples`: source
-    sentences for the usage examples (e.g. from the test split; default: three English Bible verses). The YAML
-    metadata carries a model-index with test BLEU and chrF; the card is re-parsed to check it.
+    "test"); optional: "chrf_signature", "val_loss", "test_loss", the decoding settings "num_beams",
+    "length_penalty", "length_penalty_form", "max_length_offset", "no_repeat_ngram_size", and
+    "default_num_beams" where the model's generation config decodes with other beams than the scores;
+    "dataset_name" where the scored pairs come from other data than the training data, and
+    "split_pairs", the size of the split whose first pairs were scored (default: the dataset's
+    count for the split). `training` and `dataset` keys are all optional (see the template); a
+    fine-tuned model's `training` names the model it started from as "finetuned_from" (a folder's
+    name or a Hub id), and with "finetuned_from_hub" true the metadata's `base_model` links that Hub
+    model. `license` None leaves the licence unstated. `base_template` is the path of a Jinja2
+    template (default: the packaged `model_card_template.md`). `examples`: source sentences for the
+    usage examples (e.g. from the test split; default: three English Bible verses). The YAML metadata
+    carries a model-index with the scores; the card is re-parsed to check it.
     """
     missing = [key for key in REQUIRED_METRICS if metrics.get(key) is None]
     if missing:

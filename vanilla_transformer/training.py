@@ -1778,6 +1778,7 @@ def write_model_folder(
         "adam_beta1": config.adam_beta1,
         "adam_beta2": config.adam_beta2,
         "adam_epsilon": config.adam_epsilon,
+        "max_grad_norm": config.max_grad_norm,
     }
     write_model_card(
         output_dir,
