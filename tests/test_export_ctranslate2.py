@@ -172,6 +172,12 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 16
     with pytest.raises(ValueError, match=r"position table of 119\.2 GiB"):  # refused before it is built
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=10**9)
+    # ... and before the weights are read: unreadable ones are not reached.
+    unread = tmp_path / "unread"
+    shutil.copytree(tmp_path / "model", unread)
+    (unread / "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(ValueError, match=r"position table of 119\.2 GiB"):
+        export_ctranslate2(unread, tmp_path / "ct2", max_positions=10**9)
     # An end token given as a list (the configuration allows it): one is exported, several are refused.
     listed = tmp_path / "listed"
     shutil.copytree(tmp_path / "model", listed)

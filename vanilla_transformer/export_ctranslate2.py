@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .modeling_vanilla_transformer import (
@@ -181,6 +182,17 @@ def _one_token_id(config: Any, field: str) -> int:
     return value
 
 
+def check_position_table(max_positions: int, width: int) -> None:
+    """Raise unless a float32 table of `max_positions` positions of `width` values fits the bound."""
+    table = max_positions * width * 4  # bytes, built in memory and stored in the export
+    if table > MAX_POSITION_TABLE_BYTES:
+        raise ValueError(
+            f"max_positions {max_positions:,} would make a position table of {table / 2**30:.1f} GiB "
+            f"(at most {MAX_POSITION_TABLE_BYTES // 2**30} GiB: "
+            f"{MAX_POSITION_TABLE_BYTES // (width * 4):,} positions at this width)."
+        )
+
+
 def export_ctranslate2(
     model_dir: str | Path,
     output_dir: str | Path,
@@ -206,15 +218,17 @@ def export_ctranslate2(
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
     if max_positions < 2:
         raise ValueError(f"max_positions must be at least 2, got {max_positions}.")
+    # The table's size, from the configuration: refused before the weights are read (a folder without
+    # a readable configuration is named by `load_model_folder`).
+    try:
+        width = PretrainedConfig.get_config_dict(str(model_dir))[0].get("d_model")
+    except (OSError, ValueError):
+        width = None
+    if isinstance(width, int) and width > 0:
+        check_position_table(max_positions, width)
     model, tokenizer = load_model_folder(str(model_dir), "cpu")
     model = model.float()
-    table = max_positions * model.config.d_model * 4  # float32 bytes, built here and stored in the export
-    if table > MAX_POSITION_TABLE_BYTES:
-        raise ValueError(
-            f"max_positions {max_positions:,} would make a position table of {table / 2**30:.1f} GiB "
-            f"(at most {MAX_POSITION_TABLE_BYTES // 2**30} GiB: "
-            f"{MAX_POSITION_TABLE_BYTES // (model.config.d_model * 4):,} positions at this width)."
-        )
+    check_position_table(max_positions, model.config.d_model)
     spec = ctranslate2_spec(model, tokenizer, max_positions)
     spec.validate()
     spec.optimize(quantization=quantization)
