@@ -23,6 +23,7 @@ from vanilla_transformer.cli import InputError, check_output_file
 from vanilla_transformer.corpus import default_corpus_path, load_default_corpus
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.training import (
+    MANIFEST_FILE,
     STATE_FILE,
     TrainingConfig,
     add_stutters,
@@ -262,6 +263,21 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert foreign_checkpoints(output_dir, [Path(checkpoints[0]), other_run]) == [
         f"{other_run} was trained with another vocabulary than {output_dir}'s tokenizer."
     ]
+    # A folder that records no run (fine-tuned, averaged) cannot vouch for the checkpoints.
+    assert "records no training run" in foreign_checkpoints(tmp_path / "averaged", [Path(checkpoints[0])])[0]
+    # A Seq2SeqTrainer checkpoint (finetune.py's) holds a state file of the same name: once averaged in.
+    trainer_checkpoint = tmp_path / "finetuned" / "checkpoint-4"
+    shutil.copytree(checkpoints[0], trainer_checkpoint, ignore=shutil.ignore_patterns(MANIFEST_FILE))
+    (trainer_checkpoint / "training_args.bin").write_bytes(b"\0")
+    assert "is a Seq2SeqTrainer checkpoint" in checkpoint_problems(trainer_checkpoint)[0]
+    # Damaged weights in a checkpoint without a manifest (an older one): one line, not a traceback.
+    damaged = tmp_path / "older" / "step-00000024"
+    shutil.copytree(checkpoints[-1], damaged, ignore=shutil.ignore_patterns(MANIFEST_FILE))
+    with (damaged / "model.safetensors").open("r+b") as weights:
+        weights.truncate(3000)
+    refused = average(tmp_path / "from-damaged", str(damaged))
+    assert refused.returncode == 2 and "model.safetensors is not readable" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import time
@@ -38,6 +39,7 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -526,7 +528,10 @@ def write_manifest(folder: Path) -> None:
 def checkpoint_problems(folder: Path) -> list[str]:
     """What is wrong with a checkpoint folder, file by file, against its manifest ([] when complete).
 
-    Checkpoints written before manifests existed are only checked for their state file."""
+    Checkpoints written before manifests existed are only checked for their state file. Seq2SeqTrainer's
+    checkpoints (finetune.py's `checkpoint-N`), which hold a state file of the same name, are refused."""
+    if (folder / "training_args.bin").is_file():
+        return [f"{folder} is a Seq2SeqTrainer checkpoint (finetune.py's), not one of scripts/train.py's"]
     if not (folder / STATE_FILE).is_file():
         return [f"{folder / STATE_FILE} is missing"]
     if not (folder / MANIFEST_FILE).is_file():
@@ -674,11 +679,18 @@ FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # Accelerate's name for an FSDP model's
 def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint: `model.safetensors` (one process, DDP), or the full state
     dict that Accelerate writes under FSDP (`fsdp_state_dict_type: FULL_STATE_DICT`), read with
-    `torch.load(weights_only=True)`, which admits tensors and containers, never code."""
+    `torch.load(weights_only=True)`, which admits tensors and containers, never code. A file that cannot
+    be read as either is an OSError naming it."""
     if (folder / "model.safetensors").is_file():
-        return load_file(folder / "model.safetensors")
+        try:
+            return load_file(folder / "model.safetensors")
+        except SafetensorError as error:  # a truncated or damaged file (checkpoints without a manifest)
+            raise OSError(f"{folder / 'model.safetensors'} is not readable: {error}") from None
     if (folder / FSDP_WEIGHTS).is_file():
-        return torch.load(folder / FSDP_WEIGHTS, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(folder / FSDP_WEIGHTS, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            raise OSError(f"{folder / FSDP_WEIGHTS} is not readable: {first_line(error)}") from None
     raise FileNotFoundError(
         f"{folder} holds no model.safetensors or {FSDP_WEIGHTS} (sharded FSDP checkpoints cannot be "
         "averaged: use fsdp_state_dict_type FULL_STATE_DICT, as configs/accelerate/fsdp.yaml does)."
@@ -711,6 +723,11 @@ def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list
         )
     elif model_run is not None and known and model_run not in known.values():
         problems.append(f"the checkpoints are not of {model_folder}'s training run (run {model_run[:8]}).")
+    elif model_run is None and known:  # a fine-tuned or averaged folder: whose run it holds is unknown
+        problems.append(
+            f"{model_folder} records no training run (no run_id in its metrics.json), so the checkpoints "
+            "cannot be checked against it: name the folder of the run they belong to."
+        )
     # The pieces and their ids (merges are written differently by different versions of `tokenizers`).
     vocabulary = (_json_field(model_folder / "tokenizer.json", "model") or {}).get("vocab")
     for path in checkpoints:
