@@ -87,7 +87,10 @@ def test_finetuning_lowers_the_loss_and_reports_bleu(start, tmp_path):
     assert "validation loss" not in text  # Trainer's loss is not the validation loss train.py reports
     # Scored with 2 beams; the folder's generation config keeps the start model's 4, and the card says so.
     assert "beam search with 2 beams" in text and "Far less training" not in text
-    assert "except with 4 beams (the scores were decoded with 2)" in text
+    assert (
+        "beam search with 4 beams and length penalty 0.6, where the scores above were decoded with 2 beams"
+        in text
+    )
     assert json.loads((tmp_path / "tuned" / "generation_config.json").read_text())["num_beams"] == 4
 
 
@@ -103,7 +106,9 @@ def test_a_validation_file_is_named_as_the_scored_data(start, tmp_path):
     assert card.data.license is None  # the start model states none
     text = " ".join(card.text.split())
     assert "fine-tuned from `model` on pairs.tsv" in text
-    assert "On the validation split (8 sentence pairs) of dev.tsv" in text and "except with" not in text
+    assert "On the validation split (8 sentence pairs) of dev.tsv" in text
+    assert "`generation_config.json`: as described above;" in text  # scored with its own 4 beams
+    assert "over 20 steps (the run stopped after 2, still warming up)" in text
 
 
 def test_evaluation_is_not_capped_at_20_tokens(start, tmp_path):
