@@ -45,7 +45,8 @@ for checkpoint in args.checkpoints:
         parser.error(f"{checkpoint} is not a complete checkpoint: {'; '.join(problems)}")
 if looks_local(args.model) and not Path(args.model).is_dir():
     parser.error(f"No model folder at {args.model}.")
-if looks_local(args.model) and not any((Path(args.model) / name).is_file() for name in TOKENIZER_FILES):
+local = looks_local(args.model) or Path(args.model).is_dir()  # "my-model": a folder here, or a Hub id
+if local and not any((Path(args.model) / name).is_file() for name in TOKENIZER_FILES):
     parser.error(f"{args.model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
 problems = foreign_checkpoints(Path(args.model), args.checkpoints)
 if problems:

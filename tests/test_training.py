@@ -238,6 +238,9 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     command += ["--checkpoints", checkpoints[0], "--output", str(tmp_path / "none")]
     refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert refused.returncode == 2 and f"{no_tokenizer} has no tokenizer" in refused.stderr
+    command[command.index(str(no_tokenizer))] = no_tokenizer.name  # a bare name, as a Hub id has
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+    assert refused.returncode == 2 and "no-tokenizer has no tokenizer" in refused.stderr
 
     # Another run's checkpoint (its own run id), or one trained with another vocabulary: both were once
     # averaged in without a word, into a model that translated nothing.
@@ -1114,6 +1117,9 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypat
         with pytest.raises(OSError, match="not loaded in this test"):
             load_model_folder(path)
     assert trusted == [False, True]
+    # A folder name without a slash is a Hub id too: when neither exists, the message says both.
+    with pytest.raises(OSError, match="No model folder at tiny-en-e, and no Hub model 'tiny-en-e' could be"):
+        load_model_folder("tiny-en-e")
 
 
 def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_path):

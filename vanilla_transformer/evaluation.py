@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+from .cli import first_line
 from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
 from .parallel_data import load_parallel_data
@@ -58,7 +59,12 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
             path, trust_remote_code=folder.exists(), output_loading_info=True
         )
     except Exception as error:  # e.g. a truncated model.safetensors: say which folder, keep the cause
-        if isinstance(error, (OSError, ValueError)) or not folder.exists():
+        if not folder.exists():  # a Hub id, or a mistyped folder name without a slash ("tiny-en-e")
+            cause = first_line(error)
+            raise OSError(
+                f"No model folder at {path}, and no Hub model {str(path)!r} could be loaded: {cause}"
+            ) from error
+        if isinstance(error, (OSError, ValueError)):
             raise
         raise OSError(f"The model in {folder} could not be read: {error}") from error
     # transformers initialises a weight missing from the file at random and only logs it: such a model
