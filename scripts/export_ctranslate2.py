@@ -24,7 +24,8 @@ parser.add_argument(
     "--max_positions",
     type=positive_int,
     default=DEFAULT_MAX_POSITIONS,
-    help="positions in the exported encoding table: the longest source, and output, it can translate",
+    help="positions in the exported encoding table: the longest source, and output, it can translate "
+    f"(default: {DEFAULT_MAX_POSITIONS})",
 )
 args = parser.parse_args()
 if args.max_positions < 2:

@@ -38,7 +38,7 @@ parser.add_argument(
 )
 parser.add_argument("--input", type=argparse.FileType("rb"), default="-", help="UTF-8 text (default: stdin)")
 parser.add_argument("--output", default="-", help="default: stdout")
-parser.add_argument("--batch_size", type=positive_int, default=32)
+parser.add_argument("--batch_size", type=positive_int, default=32, help="sentences per batch (default: 32)")
 parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config")
 add_length_penalty_form(parser)

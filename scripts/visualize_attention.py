@@ -23,8 +23,12 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id) with its tokenizer")
 parser.add_argument("--source", required=True, help="source sentence")
 parser.add_argument("--target", help="target sentence (default: the model's translation)")
-parser.add_argument("--output_dir", default="attention_maps", help="where the PNGs go")
-parser.add_argument("--positions", type=int, default=100, help="positions in the encoding pictures")
+parser.add_argument(
+    "--output_dir", default="attention_maps", help="where the PNGs go (default: attention_maps)"
+)
+parser.add_argument(
+    "--positions", type=int, default=100, help="positions in the encoding pictures (default: 100)"
+)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 args = parser.parse_args()
 if not 2 <= args.positions <= MAX_ENCODING_POSITIONS:

@@ -93,6 +93,16 @@ def test_translation_pairs_in_other_languages_are_named(tmp_path):
     jsonl = write(tmp_path / "t.jsonl", rows)
     with pytest.raises(DataError, match=r"pairs are in \['de', 'fr'\], not 'en': name the two languages"):
         load_parallel_data(train_file=jsonl, validation_file=jsonl, source_lang="en", target_lang="es")
+    folder = tmp_path / "dir.tsv"
+    folder.mkdir()
+    with pytest.raises(DataError, match=r"train file .*dir\.tsv is a folder; name a file \(\.tsv, \.csv"):
+        load_parallel_data(train_file=folder, validation_file=jsonl, source_lang="de", target_lang="fr")
+    # One row in other languages among rows in the right ones: once skipped as "empty", now named.
+    mixed = write(tmp_path / "mixed.jsonl", '{"translation": {"en": "Hello", "es": "Hola"}}\n' + rows)
+    with pytest.raises(
+        DataError, match=r"Row 2 of the train data is a translation pair in \['de', 'fr'\], not 'en'"
+    ):
+        load_parallel_data(train_file=mixed, validation_file=jsonl, source_lang="en", target_lang="es")
 
 
 def test_line_breaks_inside_a_sentence_become_spaces(tmp_path):

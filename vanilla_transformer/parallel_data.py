@@ -144,6 +144,8 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
     for split, path in paths.items():
+        if path.is_dir():
+            raise DataError(f"{split} file {path} is a folder; name a file ({', '.join(FILE_BUILDERS)}).")
         if not path.is_file():
             raise FileNotFoundError(f"{split} file {path} does not exist.")
         if path.suffix not in FILE_BUILDERS:
@@ -185,10 +187,19 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
             "--source_column/--target_column) for the two sides."
         )
 
-    def flatten(batch: dict[str, list]) -> dict[str, list]:
+    def flatten(batch: dict[str, list], indices: list[int], split: str) -> dict[str, list]:
+        for index, pair in zip(indices, batch["translation"], strict=True):
+            # A JSON file's dicts share one schema: a language a row lacks reads as None (so does a null).
+            missing = [c for c in (source_column, target_column) if pair.get(c) is None]
+            if missing:
+                has = sorted(language for language, text in pair.items() if text is not None)
+                raise DataError(
+                    f"Row {index + 1} of the {split} data is a translation pair in {has}, not "
+                    f"{missing[0]!r}: every row needs both languages (--source_lang and --target_lang)."
+                )
         return {
-            "source": [pair.get(source_column) for pair in batch["translation"]],
-            "target": [pair.get(target_column) for pair in batch["translation"]],
+            "source": [pair[source_column] for pair in batch["translation"]],
+            "target": [pair[target_column] for pair in batch["translation"]],
         }
 
     for split, dataset in data.items():
@@ -204,7 +215,13 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
                     f"The {split} data's translation pairs are in {sorted(languages)}, not {missing[0]!r}: "
                     "name the two languages with --source_lang and --target_lang."
                 )
-            data[split] = dataset.map(flatten, batched=True, remove_columns=dataset.column_names)
+            data[split] = dataset.map(
+                flatten,
+                batched=True,
+                with_indices=True,
+                fn_kwargs={"split": split},
+                remove_columns=dataset.column_names,
+            )
             continue
         missing = [c for c in (source_column, target_column) if c not in dataset.column_names]
         if missing:
