@@ -97,6 +97,12 @@ def test_translation_pairs_in_other_languages_are_named(tmp_path):
     folder.mkdir()
     with pytest.raises(DataError, match=r"train file .*dir\.tsv is a folder; name a file \(\.tsv, \.csv"):
         load_parallel_data(train_file=folder, validation_file=jsonl, source_lang="de", target_lang="fr")
+    # A null side is an empty side, skipped and counted as in flat columns.
+    null = write(tmp_path / "null.jsonl", '{"translation": {"de": "Hallo", "en": null}}\n' + rows)
+    data, report = load_parallel_data(
+        train_file=null, validation_file=jsonl, source_lang="de", target_lang="fr"
+    )
+    assert len(data["train"]) == 1 and report.empty["train"] == 1
     # One row in other languages among rows in the right ones: once skipped as "empty", now named.
     mixed = write(tmp_path / "mixed.jsonl", '{"translation": {"en": "Hello", "es": "Hola"}}\n' + rows)
     with pytest.raises(

@@ -425,10 +425,12 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
         created.append((repo_id, private))
         return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'alice/' + repo_id}")
 
-    def repo_info(self, repo_id, **kwargs):  # an earlier upload's files
-        names = [".gitattributes", "README.md", "config.json", "spiece.model", "onnx/model.onnx"]
-        siblings = [types.SimpleNamespace(rfilename=name) for name in names]
-        return types.SimpleNamespace(private=repo_id not in public, sha="f00d", siblings=siblings)
+    def repo_info(self, repo_id, **kwargs):
+        return types.SimpleNamespace(private=repo_id not in public, sha="f00d")
+
+    def list_repo_files(self, repo_id, *, revision=None, **kwargs):  # an earlier upload's files
+        assert revision == "f00d"  # listed at the commit the upload builds on
+        return [".gitattributes", "README.md", "config.json", "spiece.model", "onnx/model.onnx"]
 
     def create_commit(self, repo_id, operations, *, parent_commit=None, **kwargs):
         assert parent_commit == "f00d"  # the revision whose files were listed
@@ -438,6 +440,7 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     for name, method in (
         ("create_repo", create_repo),
         ("repo_info", repo_info),
+        ("list_repo_files", list_repo_files),
         ("create_commit", create_commit),
     ):
         monkeypatch.setattr(HfApi, name, method)

@@ -266,8 +266,15 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert foreign_checkpoints(output_dir, [Path(checkpoints[0]), other_run]) == [
         f"{other_run} was trained with another vocabulary than {output_dir}'s tokenizer."
     ]
-    # A folder that records no run (fine-tuned, averaged) cannot vouch for the checkpoints.
+    # A folder that records no run (fine-tuned, averaged) cannot vouch for the checkpoints; a run's folder
+    # older than run ids, or a Hub id, is not refused for it.
     assert "records no training run" in foreign_checkpoints(tmp_path / "averaged", [Path(checkpoints[0])])[0]
+    older_run = tmp_path / "older-run"
+    shutil.copytree(output_dir, older_run, ignore=shutil.ignore_patterns("checkpoints"))
+    metrics = json.loads((older_run / "metrics.json").read_text())
+    (older_run / "metrics.json").write_text(json.dumps({k: v for k, v in metrics.items() if k != "run_id"}))
+    assert foreign_checkpoints(older_run, [Path(checkpoints[0])]) == []
+    assert foreign_checkpoints(Path("alice/tiny-en-es"), [Path(checkpoints[0])]) == []
     # A Seq2SeqTrainer checkpoint (finetune.py's) holds a state file of the same name: once averaged in.
     trainer_checkpoint = tmp_path / "finetuned" / "checkpoint-4"
     shutil.copytree(checkpoints[0], trainer_checkpoint, ignore=shutil.ignore_patterns(MANIFEST_FILE))
@@ -859,6 +866,14 @@ def test_bad_flags_are_rejected(tmp_path):
         train(TrainingConfig(output_dir=absent, resume_from_checkpoint="latest"))
     with pytest.raises(InputError, match="is not a checkpoint written by this trainer"):
         train(TrainingConfig(output_dir=absent, resume_from_checkpoint=str(ROOT)))
+    trainer_checkpoint = tmp_path / "checkpoint-4"  # finetune.py's Seq2SeqTrainer: not "damaged", foreign
+    trainer_checkpoint.mkdir()
+    for name in (STATE_FILE, "training_args.bin"):
+        (trainer_checkpoint / name).write_text("{}")
+    with pytest.raises(
+        InputError, match=r"checkpoint-4 is not a checkpoint written by this trainer \(scripts"
+    ):
+        train(TrainingConfig(output_dir=absent, resume_from_checkpoint=str(trainer_checkpoint)))
     with pytest.raises(InputError, match="/nonexistent/step-9: no such folder"):
         train(TrainingConfig(output_dir=absent, resume_from_checkpoint="/nonexistent/step-9"))
 

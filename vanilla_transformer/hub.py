@@ -163,7 +163,7 @@ def push_model_folder(
     ]
     repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     revision = constants.DEFAULT_REVISION  # where create_commit commits
-    info = api.repo_info(repo.repo_id, repo_type="model", revision=revision)  # its files and commit
+    info = api.repo_info(repo.repo_id, repo_type="model", revision=revision)  # its commit
     if private and not info.private:
         raise ValueError(
             f"{repo.repo_id} already exists and is public, and the Hub does not change an existing repo's "
@@ -172,7 +172,10 @@ def push_model_folder(
     card = card_for_repo((folder / "README.md").read_text(encoding="utf-8"), repo.repo_id)
     operations.append(CommitOperationAdd("README.md", card.encode()))
     uploaded = {operation.path_in_repo for operation in operations}
-    remote = [sibling.rfilename for sibling in info.siblings or ()] if delete_other_files else []
+    # Listed at that commit: repo_info's `siblings` may be cut short by the Hub, the tree listing is not.
+    remote = (
+        api.list_repo_files(repo.repo_id, revision=info.sha, repo_type="model") if delete_other_files else []
+    )
     stale = sorted(name for name in remote if name not in uploaded and name not in HUB_OWN)
     if stale:
         logger.warning(

@@ -189,17 +189,18 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
 
     def flatten(batch: dict[str, list], indices: list[int], split: str) -> dict[str, list]:
         for index, pair in zip(indices, batch["translation"], strict=True):
-            # A JSON file's dicts share one schema: a language a row lacks reads as None (so does a null).
+            # A JSON file's dicts share one schema: a language a row lacks reads as None, as a null does.
+            # A row in other languages is refused; one with a null side is empty (skipped and counted).
             missing = [c for c in (source_column, target_column) if pair.get(c) is None]
-            if missing:
-                has = sorted(language for language, text in pair.items() if text is not None)
+            has = sorted(language for language, text in pair.items() if text is not None)
+            if missing and set(has) - {source_column, target_column}:
                 raise DataError(
                     f"Row {index + 1} of the {split} data is a translation pair in {has}, not "
                     f"{missing[0]!r}: every row needs both languages (--source_lang and --target_lang)."
                 )
         return {
-            "source": [pair[source_column] for pair in batch["translation"]],
-            "target": [pair[target_column] for pair in batch["translation"]],
+            "source": [pair.get(source_column) for pair in batch["translation"]],
+            "target": [pair.get(target_column) for pair in batch["translation"]],
         }
 
     for split, dataset in data.items():

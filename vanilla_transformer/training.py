@@ -573,8 +573,8 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
             f"--resume_from_checkpoint {name}: no such folder. Name a checkpoint folder (e.g. "
             f"{Path(output_dir) / 'checkpoints' / 'step-00000050'}) or 'latest'."
         )
-    if not (path / STATE_FILE).is_file():
-        raise InputError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
+    if not (path / STATE_FILE).is_file() or (path / "training_args.bin").is_file():  # Seq2SeqTrainer's
+        raise InputError(f"{path} is not a checkpoint written by this trainer (scripts/train.py).")
     problems = checkpoint_problems(path)
     if problems:
         raise InputError(f"Checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one.")
@@ -723,10 +723,12 @@ def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list
         )
     elif model_run is not None and known and model_run not in known.values():
         problems.append(f"the checkpoints are not of {model_folder}'s training run (run {model_run[:8]}).")
-    elif model_run is None and known:  # a fine-tuned or averaged folder: whose run it holds is unknown
+    elif known and model_folder.is_dir() and not (model_folder / "metrics.json").is_file():
+        # A fine-tuned or averaged folder (a run's, even one older than run ids, has its metrics.json;
+        # a Hub id is not checked here): whose run it holds is unknown.
         problems.append(
-            f"{model_folder} records no training run (no run_id in its metrics.json), so the checkpoints "
-            "cannot be checked against it: name the folder of the run they belong to."
+            f"{model_folder} records no training run (it has no metrics.json), so the checkpoints cannot be "
+            "checked against it: name the folder of the run they belong to."
         )
     # The pieces and their ids (merges are written differently by different versions of `tokenizers`).
     vocabulary = (_json_field(model_folder / "tokenizer.json", "model") or {}).get("vocab")
