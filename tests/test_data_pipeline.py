@@ -127,6 +127,10 @@ def test_bad_data_gives_clear_errors(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "l1.tsv", "en\tes\nhi\thola\nno\tadiós\n", "latin-1"))
     with pytest.raises(ValueError, match="has no column 'de'"):
         load_parallel_data(train_file=good, validation_file=good, source_lang="de")
+    with pytest.raises(
+        DataError, match=r"The embedded corpus is English-Spanish \(columns \['en', 'es'\]\), not fr-es"
+    ):
+        load_parallel_data(source_lang="fr", for_training=False)  # once "The train data has no column 'fr'"
     with pytest.raises(DataError, match="the same column, 'en'"):  # once a KeyError inside datasets
         load_parallel_data(train_file=good, validation_file=good, source_lang="en", target_lang="en")
     with pytest.raises(ValueError, match=r"unsupported file type .\.txt."):

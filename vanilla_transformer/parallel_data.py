@@ -301,6 +301,13 @@ def load_parallel_data(
         data = _load_files(files)
     else:
         data = load_default_corpus()
+        wanted = {source_column or source_lang, target_column or target_lang}
+        if not wanted <= set(data["train"].column_names):  # said for the corpus, not its first split
+            raise DataError(
+                f"The embedded corpus is English-Spanish (columns {data['train'].column_names}), not "
+                f"{source_column or source_lang}-{target_column or target_lang}: for other languages, "
+                "name data files of them."
+            )
     data = _to_source_target(data, source_column or source_lang, target_column or target_lang)
 
     report = DataReport()
