@@ -3,10 +3,16 @@
 import random
 
 import pytest
+from datasets import Dataset, DatasetDict, Features, Translation
 from transformers import AutoTokenizer
 
 from vanilla_transformer.batching import TokenBatchSampler
-from vanilla_transformer.parallel_data import DataError, load_parallel_data, tokenize_parallel_data
+from vanilla_transformer.parallel_data import (
+    DataError,
+    _to_source_target,
+    load_parallel_data,
+    tokenize_parallel_data,
+)
 from vanilla_transformer.tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 
 SENTENCES = [
@@ -97,18 +103,35 @@ def test_translation_pairs_in_other_languages_are_named(tmp_path):
     folder.mkdir()
     with pytest.raises(DataError, match=r"train file .*dir\.tsv is a folder; name a file \(\.tsv, \.csv"):
         load_parallel_data(train_file=folder, validation_file=jsonl, source_lang="de", target_lang="fr")
-    # A null side is an empty side, skipped and counted as in flat columns.
-    null = write(tmp_path / "null.jsonl", '{"translation": {"de": "Hallo", "en": null}}\n' + rows)
+    # A missing or null side, a third language beside it or not, is an empty side, skipped and counted
+    # as in flat columns; so is a null dict.
+    empty_rows = [
+        '{"translation": {"de": "Hallo", "fr": null}}',
+        '{"translation": {"de": "Ja", "en": "Yes"}}',
+        '{"translation": {"de": null, "en": "Yes", "fr": "Oui"}}',
+        '{"translation": null}',
+    ]
+    null = write(tmp_path / "null.jsonl", "\n".join(empty_rows) + "\n" + rows)
     data, report = load_parallel_data(
         train_file=null, validation_file=jsonl, source_lang="de", target_lang="fr"
     )
-    assert len(data["train"]) == 1 and report.empty["train"] == 1
+    assert len(data["train"]) == 1 and report.empty["train"] == 4
     # One row in other languages among rows in the right ones: once skipped as "empty", now named.
     mixed = write(tmp_path / "mixed.jsonl", '{"translation": {"en": "Hello", "es": "Hola"}}\n' + rows)
     with pytest.raises(
-        DataError, match=r"Row 2 of the train data is a translation pair in \['de', 'fr'\], not 'en'"
+        DataError, match=r"Row 2 of the train data is a translation pair in \['de', 'fr'\], not 'en'-'es'"
     ):
         load_parallel_data(train_file=mixed, validation_file=jsonl, source_lang="en", target_lang="es")
+
+
+def test_a_hub_translation_feature_row_with_a_null_side_is_empty_not_refused():
+    """A Hub dataset's `Translation` rows carry every language: a None there is a null, an empty side."""
+    rows = [{"de": "Hallo", "en": "Hi", "fr": "Salut"}, {"de": None, "en": "Yes", "fr": None}]
+    features = Features({"translation": Translation(languages=["de", "en", "fr"])})
+    data = _to_source_target(
+        DatasetDict(train=Dataset.from_dict({"translation": rows}, features=features)), "de", "fr"
+    )
+    assert data["train"]["source"] == ["Hallo", None] and data["train"]["target"] == ["Salut", None]
 
 
 def test_line_breaks_inside_a_sentence_become_spaces(tmp_path):

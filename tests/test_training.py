@@ -870,9 +870,7 @@ def test_bad_flags_are_rejected(tmp_path):
     trainer_checkpoint.mkdir()
     for name in (STATE_FILE, "training_args.bin"):
         (trainer_checkpoint / name).write_text("{}")
-    with pytest.raises(
-        InputError, match=r"checkpoint-4 is not a checkpoint written by this trainer \(scripts"
-    ):
+    with pytest.raises(InputError, match=r"checkpoint-4 is a Seq2SeqTrainer checkpoint \(finetune\.py.s\)"):
         train(TrainingConfig(output_dir=absent, resume_from_checkpoint=str(trainer_checkpoint)))
     with pytest.raises(InputError, match="/nonexistent/step-9: no such folder"):
         train(TrainingConfig(output_dir=absent, resume_from_checkpoint="/nonexistent/step-9"))

@@ -187,20 +187,22 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
             "--source_column/--target_column) for the two sides."
         )
 
-    def flatten(batch: dict[str, list], indices: list[int], split: str) -> dict[str, list]:
-        for index, pair in zip(indices, batch["translation"], strict=True):
+    def flatten(batch: dict[str, list], indices: list[int], split: str, typed: bool) -> dict[str, list]:
+        pairs = [pair or {} for pair in batch["translation"]]  # a null dict: an empty row
+        for index, pair in zip(indices, pairs, strict=True):
             # A JSON file's dicts share one schema: a language a row lacks reads as None, as a null does.
-            # A row in other languages is refused; one with a null side is empty (skipped and counted).
-            missing = [c for c in (source_column, target_column) if pair.get(c) is None]
+            # A row with neither language but others is in other languages: refused. One with a side
+            # missing or null is empty (skipped and counted), as in a Hub dataset's `Translation` rows
+            # (`typed`), which have every language.
             has = sorted(language for language, text in pair.items() if text is not None)
-            if missing and set(has) - {source_column, target_column}:
+            if not typed and has and not {source_column, target_column} & set(has):
                 raise DataError(
                     f"Row {index + 1} of the {split} data is a translation pair in {has}, not "
-                    f"{missing[0]!r}: every row needs both languages (--source_lang and --target_lang)."
+                    f"{source_column!r}-{target_column!r}: every row needs the two languages."
                 )
         return {
-            "source": [pair.get(source_column) for pair in batch["translation"]],
-            "target": [pair.get(target_column) for pair in batch["translation"]],
+            "source": [pair.get(source_column) for pair in pairs],
+            "target": [pair.get(target_column) for pair in pairs],
         }
 
     for split, dataset in data.items():
@@ -220,7 +222,7 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
                 flatten,
                 batched=True,
                 with_indices=True,
-                fn_kwargs={"split": split},
+                fn_kwargs={"split": split, "typed": bool(getattr(feature, "languages", None))},
                 remove_columns=dataset.column_names,
             )
             continue

@@ -573,8 +573,12 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
             f"--resume_from_checkpoint {name}: no such folder. Name a checkpoint folder (e.g. "
             f"{Path(output_dir) / 'checkpoints' / 'step-00000050'}) or 'latest'."
         )
-    if not (path / STATE_FILE).is_file() or (path / "training_args.bin").is_file():  # Seq2SeqTrainer's
-        raise InputError(f"{path} is not a checkpoint written by this trainer (scripts/train.py).")
+    if (path / "training_args.bin").is_file():
+        raise InputError(
+            f"{path} is a Seq2SeqTrainer checkpoint (finetune.py's), not one of scripts/train.py's."
+        )
+    if not (path / STATE_FILE).is_file():
+        raise InputError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
     problems = checkpoint_problems(path)
     if problems:
         raise InputError(f"Checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one.")
