@@ -134,9 +134,7 @@ class BleuMetric:
         return {"bleu": self.scores["bleu"], "chrf": self.scores["chrf"], "gen_len": float(np.mean(lengths))}
 
 
-def bleu_metric_fn(tokenizer: Any, references: Any = None) -> BleuMetric:
-    """The `compute_metrics` of `BleuMetric(tokenizer, references)`."""
-    return BleuMetric(tokenizer, references)
+bleu_metric_fn = BleuMetric  # its earlier name
 
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:

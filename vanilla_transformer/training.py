@@ -573,15 +573,13 @@ def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
             f"--resume_from_checkpoint {name}: no such folder. Name a checkpoint folder (e.g. "
             f"{Path(output_dir) / 'checkpoints' / 'step-00000050'}) or 'latest'."
         )
-    if (path / "training_args.bin").is_file():
-        raise InputError(
-            f"{path} is a Seq2SeqTrainer checkpoint (finetune.py's), not one of scripts/train.py's."
-        )
     if not (path / STATE_FILE).is_file():
         raise InputError(f"{path} is not a checkpoint written by this trainer (no {STATE_FILE}).")
-    problems = checkpoint_problems(path)
+    problems = checkpoint_problems(path)  # a damaged checkpoint, or Seq2SeqTrainer's
     if problems:
-        raise InputError(f"Checkpoint {path} is damaged: {'; '.join(problems)}. Resume from another one.")
+        raise InputError(
+            f"Checkpoint {path} cannot be resumed: {'; '.join(problems)}. Resume from another one."
+        )
     return path
 
 
