@@ -1,11 +1,16 @@
 """Convert an OPUS-MT / Marian checkpoint (a folder or a Hub id) into a vanilla_transformer model folder.
 
-    python scripts/convert_marian.py --model Helsinki-NLP/opus-mt-en-de --output outputs/opus-mt-en-de
+    python scripts/convert_marian.py --model Helsinki-NLP/opus-mt-en-de --output outputs/opus-mt-en-de \
+        --test_file newstest2014.tsv --source_lang en --target_lang de
 
 The folder then loads with AutoModelForSeq2SeqLM (trust_remote_code=True where the package is not
 installed) and gives the same logits and generations as the MarianMTModel. The Marian tokenizer is
 copied along (it needs the `sentencepiece` package); if it cannot be, nothing is written, unless
 --no-tokenizer asks for the model alone. --output must be a new or empty folder.
+
+With --test_file, the converted model is scored on it (BLEU and chrF, decoded with its generation
+config, as scripts/evaluate_model.py scores) and the folder gets a model card with the scores, the
+model it was converted from and that model's licence: what scripts/push_to_hub.py needs to publish it.
 """
 
 import argparse
@@ -13,9 +18,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
-from vanilla_transformer.cli import first_line
-from vanilla_transformer.conversion import convert_from_marian
-from vanilla_transformer.evaluation import looks_local
+from vanilla_transformer.cli import first_line, positive_int
+from vanilla_transformer.conversion import convert_from_marian, write_converted_card
+from vanilla_transformer.evaluation import evaluate_model, looks_local
+from vanilla_transformer.model_card import base_license
+from vanilla_transformer.parallel_data import load_parallel_data
 from vanilla_transformer.publishing import check_new_folder, publish_folder
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -27,8 +34,35 @@ parser.add_argument(
     default=True,
     help="copy the Marian tokenizer (needs sentencepiece); --no-tokenizer writes the model alone",
 )
+card = parser.add_argument_group("model card (what push_to_hub.py needs): scores on a test file")
+card.add_argument("--test_file", help="local .tsv/.csv/.jsonl file of sentence pairs to score")
+card.add_argument("--source_lang", help="its source language code (a column name, and the card's)")
+card.add_argument("--target_lang", help="its target language code")
+card.add_argument("--source_column", help="default: --source_lang")
+card.add_argument("--target_column", help="default: --target_lang")
+card.add_argument("--max_samples", type=positive_int, help="score only the first N pairs")
+card.add_argument("--batch_size", type=positive_int, default=32, help="sentences per batch (default: 32)")
 args = parser.parse_args()
 output = Path(args.output)
+columns = ("source_lang", "target_lang", "source_column", "target_column")
+if args.test_file is None:
+    given = [f"--{name}" for name in (*columns, "max_samples") if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)} only apply with --test_file (the data to score for the model card)")
+else:
+    if not (args.source_lang and args.target_lang):
+        parser.error("--test_file needs --source_lang and --target_lang (the languages the card states)")
+    if not args.tokenizer:
+        parser.error("--test_file needs the tokenizer to translate with; it cannot go with --no-tokenizer")
+    if not Path(args.test_file).is_file():
+        parser.error(f"--test_file {args.test_file}: no such file")
+    scoring_data = {"test_file": args.test_file, **{name: getattr(args, name) for name in columns}}
+    try:  # its columns and pairs checked now, not after the conversion
+        pairs = len(load_parallel_data(**scoring_data, for_training=False)[0]["test"])
+    except (OSError, ValueError) as error:
+        parser.error(f"--test_file {args.test_file}: {first_line(error)}")
+    if not pairs:
+        parser.error(f"--test_file {args.test_file} has no sentence pair with both sides non-empty")
 try:
     check_new_folder(output)  # refused now, not after the work
 except ValueError as error:
@@ -75,4 +109,25 @@ with publish_folder(args.output) as staging:  # the folder appears complete or n
     model.save_pretrained(staging)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
+    if args.test_file is not None:
+        scores = evaluate_model(
+            staging, max_samples=args.max_samples, batch_size=args.batch_size, data_options=scoring_data
+        )
+        for line in scores["skipped"]:
+            print(line)
+        print(f"test: {scores['sentences']} sentences")
+        print(f"BLEU  {scores['bleu']:.2f}   {scores['bleu_signature']}")
+        print(f"chrF  {scores['chrf']:.2f}   {scores['chrf_signature']}")
+        write_converted_card(
+            staging,
+            model_name=output.resolve().name,
+            converted_from=args.model,
+            scores=scores,
+            test_file=args.test_file,
+            source_lang=args.source_lang,
+            target_lang=args.target_lang,
+            license=base_license(args.model),
+        )
 print(f"model written to {args.output}")
+if args.test_file is None:
+    print("no model card: --test_file (with --source_lang, --target_lang) scores the model and writes one")

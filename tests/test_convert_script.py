@@ -85,3 +85,67 @@ def test_convert_script_refuses_a_checkpoint_without_the_encoder(tmp_path):
     result = subprocess.run([*command, "--no-tokenizer"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "lacks" in result.stderr and "model.encoder." in result.stderr
     assert "not a complete translation model" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path):
+    """A converted folder had no card, so push_to_hub.py refused it. With --test_file the script scores
+    the converted model and writes one; its scores are what scripts/evaluate_model.py measures on the
+    written folder."""
+    import json
+
+    from vanilla_transformer.corpus import load_default_corpus
+    from vanilla_transformer.hub import check_model_folder
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    test = load_default_corpus()["test"].select(range(6))
+    tokenizer = train_bpe_tokenizer(list(test["en"]) + list(test["es"]), 120)
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    marian = marian_model(
+        vocab_size=len(tokenizer),
+        decoder_start_token_id=tokenizer.pad_token_id,
+        forced_eos_token_id=tokenizer.eos_token_id,
+        **special,
+    )
+    marian.save_pretrained(tmp_path / "opus-mt-en-es")
+    tokenizer.save_pretrained(tmp_path / "opus-mt-en-es")
+    (tmp_path / "opus-mt-en-es" / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n# OPUS-MT\n")
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("en\tes\n" + "".join(f"{s}\t{t}\n" for s, t in zip(test["en"], test["es"], strict=True)))
+
+    def run(script: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, script, *flags], capture_output=True, text=True, timeout=300, check=False
+        )
+
+    convert = [SCRIPT, "--model", str(tmp_path / "opus-mt-en-es"), "--output", str(tmp_path / "out")]
+    # Refused before any work, and nothing written.
+    en_es = ["--source_lang", "en", "--target_lang", "es"]
+    for flags, said in (
+        (["--test_file", str(pairs), "--source_lang", "en"], "needs --source_lang and --target_lang"),
+        (["--test_file", str(pairs), "--source_lang", "en", "--target_lang", "de"], "'de'"),
+        (["--test_file", str(pairs), *en_es, "--no-tokenizer"], "cannot go with --no-tokenizer"),
+    ):
+        refused = run(*convert, *flags)
+        assert refused.returncode == 2 and said in refused.stderr, (flags, refused.stderr[-1500:])
+        assert not (tmp_path / "out").exists()
+
+    scored = run(*convert, "--test_file", str(pairs), *en_es)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    card = check_model_folder(tmp_path / "out")  # what push_to_hub.py checks
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "holding the weights of\n`opus-mt-en-es`, a MarianMTModel" in text and "Not trained here" in text
+    assert "Fine-tuned" not in text and "recipe of the paper" not in text and "Optimiser" not in text
+    assert card.data.license == "cc-by-4.0" and card.data.language == ["en", "es"]
+    assert card.data.base_model is None  # a local folder, not a Hub model to link
+    results = {r.metric_type: r for r in card.data.eval_results}
+    assert results["bleu"].dataset_name == "pairs.tsv" and results["bleu"].dataset_split == "test"
+    assert "(6 sentence pairs) of pairs.tsv" in text
+    # The same scores as the evaluation script gives the written folder, in another process.
+    evaluate = str(Path(SCRIPT).parent / "evaluate_model.py")
+    checked = run(evaluate, "--model", str(tmp_path / "out"), "--test_file", str(pairs), *en_es)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    line = next(line for line in checked.stdout.splitlines() if line.startswith("BLEU"))
+    assert f"{results['bleu'].metric_value:.2f}" == line.split()[1]
+    chrf = next(line for line in checked.stdout.splitlines() if line.startswith("chrF"))
+    assert f"{results['chrf'].metric_value:.2f}" == chrf.split()[1]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "vanilla_transformer"

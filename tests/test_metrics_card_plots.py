@@ -14,9 +14,11 @@ from transformers import PreTrainedTokenizerFast
 from tests.conftest import tiny_config, tiny_model
 from vanilla_transformer.metrics import load_translation_metric, metric_module_path, score_translations
 from vanilla_transformer.model_card import (
+    TRANSFORMERS_DECODING,
     _card_data,
     _template_variables,
     build_model_card,
+    decoding_settings,
     default_template_path,
     write_model_card,
 )
@@ -388,6 +390,42 @@ def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_o
     assert local.data.base_model is None and "fine-tuned from `tiny-en-es`" in " ".join(local.text.split())
     scratch = build_model_card(**card_kwargs())
     assert scratch.data.base_model is None and "trained from scratch" in " ".join(scratch.text.split())
+
+
+def test_a_converted_model_card_describes_no_training_and_links_its_hub_source():
+    hub = {"converted_from": "Helsinki-NLP/opus-mt-en-es", "converted_from_hub": True}
+    converted = build_model_card(**card_kwargs(training=hub, dataset={}))
+    assert converted.data.base_model == "Helsinki-NLP/opus-mt-en-es"
+    text = " ".join(converted.text.split())
+    assert "holding the weights of `Helsinki-NLP/opus-mt-en-es`, a MarianMTModel" in text
+    assert "trained from scratch" not in text and "Not trained here: the card of" in text
+    training = text.split("## Training procedure")[1].split("## Results")[0]
+    assert "Not trained here." in training
+    assert "Optimiser" not in training and "Label smoothing" not in training
+    assert "**Converted.**" in text and "Far less training" not in text
+    # The other cards are as they were: the converted branch only where asked for.
+    for card in (build_model_card(**card_kwargs()), build_model_card(**card_kwargs(training=TRAINING))):
+        assert "Not trained here" not in card.text and "**Optimiser**" in card.text
+
+
+def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generate_does():
+    """A converted OPUS-MT generation config may leave num_beams and length_penalty unset (None in
+    transformers 5): a card stated "beam search with None beams"."""
+    from transformers import GenerationConfig
+
+    unset = decoding_settings(GenerationConfig(max_length=64))
+    assert unset == {
+        "num_beams": 1,
+        "length_penalty": 1.0,
+        "length_penalty_form": "power",
+        "max_length_offset": None,
+        "no_repeat_ngram_size": None,
+    }
+    set_ = decoding_settings(GenerationConfig(num_beams=6, length_penalty=0.6, no_repeat_ngram_size=4))
+    assert (set_["num_beams"], set_["length_penalty"], set_["no_repeat_ngram_size"]) == (6, 0.6, 4)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)  # transformers' own
+    if defaults is not None:
+        assert {key: defaults()[key] for key in TRANSFORMERS_DECODING} == TRANSFORMERS_DECODING
 
 
 @pytest.mark.parametrize("full", [True, False])

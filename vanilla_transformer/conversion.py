@@ -8,10 +8,15 @@ target vocabularies, and the pad token as decoder start. Logits and `generate()`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .model_card import decoding_settings, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 
@@ -111,4 +116,48 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
     return model
 
 
-__all__ = ["config_from_marian", "convert_from_marian"]
+def write_converted_card(
+    folder: str | Path,
+    *,
+    model_name: str,
+    converted_from: str,
+    scores: Mapping[str, Any],
+    test_file: str | Path,
+    source_lang: str,
+    target_lang: str,
+    license: str | None,
+) -> Path:
+    """The model card of a converted model folder (`folder/README.md`): the model whose weights it holds
+    (`converted_from`, a folder or a Hub id, linked as `base_model` if it is not a folder here) and its
+    `scores` on `test_file`, an `evaluate_model` result decoded with the folder's generation config.
+    No training is described: the card of `converted_from` describes it."""
+    folder = Path(folder)
+    metrics = {
+        "split": "test",
+        "dataset_name": Path(test_file).name,
+        "scored_pairs": scores["sentences"],
+        "split_pairs": scores["split_pairs"],
+        **{key: scores[key] for key in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
+        "repetition": scores.get("repetition"),
+        "reference_repetition": scores.get("reference_repetition"),
+        **decoding_settings(GenerationConfig.from_pretrained(folder)),
+    }
+    local = Path(converted_from).exists()
+    return write_model_card(
+        folder,
+        model_name=model_name,
+        config=VanillaTransformerConfig.from_pretrained(folder),
+        metrics=metrics,
+        training={
+            "converted_from": Path(converted_from).resolve().name if local else converted_from,
+            "converted_from_hub": not local,
+        },
+        dataset={},
+        source_lang=source_lang,
+        target_lang=target_lang,
+        license=license,
+        examples=list(scores["sources"][:3]),
+    )
+
+
+__all__ = ["config_from_marian", "convert_from_marian", "write_converted_card"]

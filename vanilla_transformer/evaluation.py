@@ -92,12 +92,14 @@ def evaluate_model(
     """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus).
 
     Returns the scores, the sacreBLEU signatures, the share of outputs (and of references) with a word
-    4-gram repeated three or more times, and the sources, references and hypotheses.
+    4-gram repeated three or more times, the number of pairs scored and the split's size, and the
+    sources, references and hypotheses.
     """
     data, report = load_parallel_data(**(data_options or {}), for_training=False)
     if split not in data:
         raise ValueError(f"No {split!r} split in the data (splits: {sorted(data)}).")
     rows = data[split]
+    split_pairs = len(rows)
     if max_samples is not None:
         rows = rows.select(range(min(max_samples, len(rows))))
     model, tokenizer = load_model_folder(model_path, device)
@@ -109,6 +111,7 @@ def evaluate_model(
         "reference_repetition": repetition_rate(rows["target"]),
         "split": split,
         "sentences": len(rows),
+        "split_pairs": split_pairs,  # the split's size, of which `sentences` were scored
         "skipped": report.lines(),
         "sources": rows["source"],
         "references": rows["target"],

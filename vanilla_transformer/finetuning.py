@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from huggingface_hub import ModelCard
 from transformers import (
     DataCollatorForSeq2Seq,
     EvalPrediction,
@@ -29,7 +28,7 @@ from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
 from .machine import describe_machine, format_machine, processes_without_a_gpu
 from .metrics import score_translations
-from .model_card import write_model_card
+from .model_card import base_license, decoding_settings, write_model_card
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 
 logger = logging.getLogger(__name__)
@@ -257,12 +256,9 @@ def write_finetuned_card(
         "bleu_signature": scores["bleu_signature"],
         "chrf_signature": scores["chrf_signature"],
         # The evaluation's beams; the rest is the model's generation config, and so is its default.
+        **decoding_settings(generation),
         "num_beams": config.num_beams,
-        "default_num_beams": generation.num_beams,
-        "length_penalty": generation.length_penalty,
-        "length_penalty_form": getattr(generation, "length_penalty_form", "power"),
-        "max_length_offset": getattr(generation, "max_length_offset", None),
-        "no_repeat_ngram_size": generation.no_repeat_ngram_size or None,
+        "default_num_beams": decoding_settings(generation)["num_beams"],
     }
     training = {
         "finetuned_from": Path(config.model).resolve().name if local else config.model,
@@ -299,19 +295,6 @@ def write_finetuned_card(
         license=base_license(config.model),
         examples=list(validation["source"][:3]),
     )
-
-
-def base_license(model: str) -> str | None:
-    """The licence stated by the card of `model` (a folder's README.md, or the Hub repo's), if any: what
-    a model fine-tuned from it inherits."""
-    readme = Path(model) / "README.md"
-    if Path(model).exists() and not readme.is_file():
-        return None
-    try:
-        card = ModelCard.load(readme if Path(model).exists() else model)
-    except Exception:  # no card, no network, malformed metadata: no licence is stated
-        return None
-    return card.data.license
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers import GenerationConfig
 
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 
@@ -26,6 +27,8 @@ DEFAULT_DECODING = {
     "length_penalty_form": "power",
     "max_length_offset": 50,
 }
+# What `generate` uses where a generation config leaves a setting unset (None in transformers 5).
+TRANSFORMERS_DECODING = {"num_beams": 1, "length_penalty": 1.0}
 LANGUAGE_NAMES = {
     "ar": "Arabic",
     "de": "German",
@@ -141,6 +144,7 @@ def _template_variables(
         batch_pairs=training.get("batch_pairs"),
         max_grad_norm=training.get("max_grad_norm"),
         finetuned_from=training.get("finetuned_from"),
+        converted_from=training.get("converted_from"),
         warmup_steps=training.get("warmup_steps"),
         recipe=training.get("preset"),
         lr_schedule=training.get("lr_schedule", "inverse_sqrt"),
@@ -276,10 +280,12 @@ def build_model_card(
     count for the split). `training` and `dataset` keys are all optional (see the template); a
     fine-tuned model's `training` names the model it started from as "finetuned_from" (a folder's
     name or a Hub id), and with "finetuned_from_hub" true the metadata's `base_model` links that Hub
-    model. `license` None leaves the licence unstated. `base_template` is the path of a Jinja2
-    template (default: the packaged `model_card_template.md`). `examples`: source sentences for the
-    usage examples (e.g. from the test split; default: three English Bible verses). The YAML metadata
-    carries a model-index with the scores; the card is re-parsed to check it.
+    model; a converted one's names the model whose weights it holds as "converted_from" (and
+    "converted_from_hub"), and the card then describes no training. `license` None leaves the
+    licence unstated. `base_template` is the path of a Jinja2 template (default: the packaged
+    `model_card_template.md`). `examples`: source sentences for the usage examples (e.g. from the
+    test split; default: three English Bible verses). The YAML metadata carries a model-index with
+    the scores; the card is re-parsed to check it.
     """
     missing = [key for key in REQUIRED_METRICS if metrics.get(key) is None]
     if missing:
@@ -295,6 +301,9 @@ def build_model_card(
     if not template_path.is_file():
         raise FileNotFoundError(f"No model-card template at {template_path}.")
 
+    # The model this one started from, or holds the weights of, where it is a Hub model.
+    origins = [training[key] for key in ("finetuned_from", "converted_from") if training.get(f"{key}_hub")]
+    base_model = origins[0] if origins else None
     card_data = _card_data(
         model_name=model_name,
         metrics=metrics,
@@ -302,7 +311,7 @@ def build_model_card(
         source_lang=source_lang,
         target_lang=target_lang,
         license=license,
-        base_model=training.get("finetuned_from") if training.get("finetuned_from_hub") else None,
+        base_model=base_model,
     )
     variables = _template_variables(
         model_name=model_name,
@@ -317,6 +326,19 @@ def build_model_card(
     card = ModelCard.from_template(card_data, template_path=str(template_path), **variables)
     _check_metadata(str(card))
     return card
+
+
+def decoding_settings(generation: GenerationConfig) -> dict[str, Any]:
+    """The decoding settings of `generation` that a card states (`build_model_card`'s metrics keys), as
+    `generate` applies them: where the config leaves one unset, transformers' default."""
+    settings = {
+        "num_beams": generation.num_beams,
+        "length_penalty": generation.length_penalty,
+        "length_penalty_form": getattr(generation, "length_penalty_form", None) or "power",
+        "max_length_offset": getattr(generation, "max_length_offset", None),
+        "no_repeat_ngram_size": generation.no_repeat_ngram_size or None,
+    }
+    return settings | {key: value for key, value in TRANSFORMERS_DECODING.items() if settings[key] is None}
 
 
 def _check_metadata(content: str) -> None:
@@ -336,4 +358,23 @@ def write_model_card(output_dir: str | Path, **kwargs: Any) -> Path:
     return path
 
 
-__all__ = ["build_model_card", "default_template_path", "write_model_card"]
+def base_license(model: str) -> str | None:
+    """The licence stated by the card of `model` (a folder's README.md, or the Hub repo's), if any: what
+    a model fine-tuned from it, or converted from it, inherits."""
+    readme = Path(model) / "README.md"
+    if Path(model).exists() and not readme.is_file():
+        return None
+    try:
+        card = ModelCard.load(readme if Path(model).exists() else model)
+    except Exception:  # no card, no network, malformed metadata: no licence is stated
+        return None
+    return card.data.license
+
+
+__all__ = [
+    "base_license",
+    "build_model_card",
+    "decoding_settings",
+    "default_template_path",
+    "write_model_card",
+]
