@@ -178,6 +178,19 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     (unread / "model.safetensors").write_bytes(b"not weights")
     with pytest.raises(ValueError, match=r"position table of 119\.2 GiB"):
         export_ctranslate2(unread, tmp_path / "ct2", max_positions=10**9)
+    # That early look reads a folder's file only: a mistyped folder name, which transformers would ask
+    # the Hub for (waiting out its retries offline), is refused at once by the loading.
+    from unittest import mock
+
+    from transformers import PretrainedConfig
+
+    asked = mock.Mock(side_effect=AssertionError("the Hub was asked"))
+    with (
+        mock.patch.object(PretrainedConfig, "get_config_dict", asked),
+        pytest.raises(OSError, match="No model folder at"),
+    ):
+        export_ctranslate2(tmp_path / "mode", tmp_path / "ct2-typo", max_positions=10**9)
+    asked.assert_not_called()
     # An end token given as a list (the configuration allows it): one is exported, several are refused.
     listed = tmp_path / "listed"
     shutil.copytree(tmp_path / "model", listed)

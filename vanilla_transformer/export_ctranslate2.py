@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .modeling_vanilla_transformer import (
@@ -218,11 +217,13 @@ def export_ctranslate2(
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
     if max_positions < 2:
         raise ValueError(f"max_positions must be at least 2, got {max_positions}.")
-    # The table's size, from the configuration: refused before the weights are read (a folder without
-    # a readable configuration is named by `load_model_folder`).
+    # The table's size, from a local folder's configuration: refused before the weights are read. (Not
+    # asked of the Hub: a mistyped folder name would wait out its retries before `load_model_folder`
+    # says at once that there is no such folder; a folder without a readable configuration is named
+    # there too, and a Hub model is checked once loaded.)
     try:
-        width = PretrainedConfig.get_config_dict(str(model_dir))[0].get("d_model")
-    except (OSError, ValueError):
+        width = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("d_model")
+    except (OSError, ValueError, AttributeError):  # no such file, not JSON, not a JSON object
         width = None
     if isinstance(width, int) and width > 0:
         check_position_table(max_positions, width)
