@@ -93,6 +93,24 @@ def test_hub_style_translation_column_is_flattened(tmp_path):
     assert data["train"][1] == {"source": "Welt", "target": "World"}
 
 
+def test_a_plain_text_column_named_translation_is_an_ordinary_column(tmp_path):
+    """It was taken for a column of translation pairs, and a string's `.items()` ended in a traceback."""
+    tsv = write(tmp_path / "a.tsv", "english\ttranslation\nHello\tHola\n")
+    jsonl = write(tmp_path / "a.jsonl", '{"english": "Hello", "translation": "Hola"}\n')
+    for path in (tsv, jsonl):
+        with pytest.raises(DataError, match=r"has no column 'en' \(columns: \['english', 'translation'\]\)"):
+            load_parallel_data(test_file=path, for_training=False)
+        data, _ = load_parallel_data(
+            test_file=path, source_column="english", target_column="translation", for_training=False
+        )
+        assert data["test"][0] == {"source": "Hello", "target": "Hola"}
+    # Pairs and text mixed in one JSON column (datasets 5 reads it as a `Json` feature): the row is named.
+    rows = '{"translation": {"en": "Hi", "es": "Hola"}}\n{"translation": "Hola"}\n'
+    mixed = write(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(DataError, match=r"Row 2 of the test data has 'Hola' in its translation column"):
+        load_parallel_data(test_file=mixed, for_training=False)
+
+
 def test_translation_pairs_in_other_languages_are_named(tmp_path):
     """Once "no usable sentence pairs (all rows are empty)", which hid that the languages were wrong."""
     rows = '{"translation": {"de": "Hallo", "fr": "Bonjour"}}\n'

@@ -190,6 +190,11 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
     def flatten(batch: dict[str, list], indices: list[int], split: str, typed: bool) -> dict[str, list]:
         pairs = [pair or {} for pair in batch["translation"]]  # a null dict: an empty row
         for index, pair in zip(indices, pairs, strict=True):
+            if not isinstance(pair, dict):  # a `Json` column's rows may hold anything
+                raise DataError(
+                    f"Row {index + 1} of the {split} data has {pair!r:.60} in its translation column, not a "
+                    f'translation pair such as {{"{source_column}": "...", "{target_column}": "..."}}.'
+                )
             # A JSON file's dicts share one schema: a language a row lacks reads as None, as a null does.
             # A row with neither language but others is in other languages: refused. One with a side
             # missing or null is empty (skipped and counted), as in a Hub dataset's `Translation` rows
@@ -206,9 +211,14 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
         }
 
     for split, dataset in data.items():
-        if "translation" in dataset.column_names and source_column not in dataset.column_names:
+        feature = dataset.features.get("translation")
+        # Translation pairs: a Hub dataset's `Translation` feature, or a JSON file's dicts. (A column of
+        # plain text that happens to be named "translation" is an ordinary column, checked below.)
+        # (datasets 5 reads a JSON file's dicts of differing keys as a `Json` feature.)
+        pairs = isinstance(feature, dict) or type(feature).__name__ == "Json"
+        pairs = pairs or bool(getattr(feature, "languages", None))
+        if pairs and source_column not in dataset.column_names:
             # A Hub dataset's `Translation` feature lists its languages; a JSON file's dicts, their keys.
-            feature = dataset.features["translation"]
             languages = getattr(feature, "languages", None) or (
                 list(feature) if isinstance(feature, dict) else []
             )
