@@ -42,7 +42,7 @@ for checkpoint in args.checkpoints:
         parser.error(f"No checkpoint folder at {checkpoint}.")
     problems = checkpoint_problems(checkpoint)
     if problems:
-        parser.error(f"{checkpoint} is not a complete checkpoint: {'; '.join(problems)}")
+        parser.error(f"{checkpoint} cannot be averaged: {'; '.join(problems)}")
 if looks_local(args.model) and not Path(args.model).is_dir():
     parser.error(f"No model folder at {args.model}.")
 local = looks_local(args.model) or Path(args.model).is_dir()  # "my-model": a folder here, or a Hub id

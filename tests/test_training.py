@@ -225,7 +225,7 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert not (tmp_path / "averaged" / "README.md").exists()  # the run's card scores the run's model
 
     refused = average(tmp_path / "other", checkpoints[0], str(output_dir / "logs"))
-    assert refused.returncode == 2 and "is not a complete checkpoint" in refused.stderr
+    assert refused.returncode == 2 and "logs cannot be averaged: " in refused.stderr
     assert not (tmp_path / "other").exists()
     refused = average(tmp_path / "averaged", *checkpoints)
     assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
@@ -553,6 +553,17 @@ def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000004"]
     weights = checkpoint_weights(list_checkpoints(tmp_path / "run")[0])
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("content", [b"", b"hello world" * 10, b"PK\x03\x04truncated", bytes(64)])
+def test_damaged_fsdp_weights_are_an_oserror_naming_the_file(tmp_path, content):
+    """Garbage bytes made torch.load raise a KeyError (a pickle memo lookup), which the scripts did not
+    catch: a traceback instead of the file's name."""
+    from vanilla_transformer.training import FSDP_WEIGHTS
+
+    (tmp_path / FSDP_WEIGHTS).write_bytes(content)
+    with pytest.raises(OSError, match=f"{FSDP_WEIGHTS} is not readable"):
+        checkpoint_weights(tmp_path)
 
 
 def test_a_full_disk_while_checkpointing_is_explained_and_leaves_no_partial_folder(tmp_path, monkeypatch):

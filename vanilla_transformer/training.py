@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
 import shutil
 import time
@@ -691,7 +690,7 @@ def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / FSDP_WEIGHTS).is_file():
         try:
             return torch.load(folder / FSDP_WEIGHTS, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        except Exception as error:  # damaged bytes fail in many ways (a pickle's KeyError among them)
             raise OSError(f"{folder / FSDP_WEIGHTS} is not readable: {first_line(error)}") from None
     raise FileNotFoundError(
         f"{folder} holds no model.safetensors or {FSDP_WEIGHTS} (sharded FSDP checkpoints cannot be "
