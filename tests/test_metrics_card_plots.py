@@ -17,6 +17,7 @@ from vanilla_transformer.model_card import (
     TRANSFORMERS_DECODING,
     _card_data,
     _template_variables,
+    base_license,
     build_model_card,
     decoding_settings,
     default_template_path,
@@ -406,6 +407,34 @@ def test_a_converted_model_card_describes_no_training_and_links_its_hub_source()
     # The other cards are as they were: the converted branch only where asked for.
     for card in (build_model_card(**card_kwargs()), build_model_card(**card_kwargs(training=TRAINING))):
         assert "Not trained here" not in card.text and "**Optimiser**" in card.text
+
+
+def test_base_license_reads_a_card_and_says_when_it_cannot(tmp_path, caplog, monkeypatch):
+    """Offline, a Hub model's licence went unread without a word and the new card stated none."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from vanilla_transformer import model_card
+
+    (tmp_path / "licensed").mkdir()
+    (tmp_path / "licensed" / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n# A model\n")
+    (tmp_path / "bare").mkdir()  # a folder without a card states no licence: nothing to say
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "README.md").write_text("---\nlicense: [unclosed\n---\n")
+    with caplog.at_level("WARNING", logger="vanilla_transformer.model_card"):
+        assert base_license(str(tmp_path / "licensed")) == "cc-by-4.0"
+        assert base_license(str(tmp_path / "bare")) is None
+        assert not caplog.records
+        assert base_license(str(tmp_path / "broken")) is None
+        assert "licence of" in caplog.text and "broken could not be read" in caplog.text
+        caplog.clear()
+
+        def offline(*args, **kwargs):
+            raise LocalEntryNotFoundError("Cannot reach the Hub, and the file is not in the cache")
+
+        monkeypatch.setattr(model_card.ModelCard, "load", offline)
+        assert base_license("Helsinki-NLP/opus-mt-en-es") is None
+        assert "Helsinki-NLP/opus-mt-en-es could not be read (Cannot reach the Hub" in caplog.text
+        assert "the new model card states none" in caplog.text
 
 
 def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generate_does():

@@ -7,17 +7,22 @@ package as `model_card_template.md`, with `huggingface_hub.ModelCard.from_templa
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers import GenerationConfig
 
+from .cli import first_line
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 
 TEMPLATE_NAME = "model_card_template.md"
+logger = logging.getLogger(__name__)
+
 TAGS = ["translation", "transformer", "vanilla-transformer", "seq2seq"]
 REQUIRED_METRICS = ("bleu", "chrf", "bleu_signature")
 # Decoding defaults of the paper (Section 6.1) and of the model's generation config.
@@ -366,7 +371,15 @@ def base_license(model: str) -> str | None:
         return None
     try:
         card = ModelCard.load(readme if Path(model).exists() else model)
-    except Exception:  # no card, no network, malformed metadata: no licence is stated
+    except RemoteEntryNotFoundError:  # a Hub repo without a card states no licence
+        return None
+    except Exception as error:  # no network, a malformed card: the licence is unknown, not absent
+        logger.warning(
+            "The licence of %s could not be read (%s); the new model card states none. If it has one, "
+            "add it to the card's metadata before publishing.",
+            model,
+            first_line(error),
+        )
         return None
     return card.data.license
 
