@@ -6,22 +6,32 @@
 
 The training job already averages its last `--average_checkpoints`; this script averages any others
 (another span, an earlier point of a longer run). The new folder gets the run's configuration, code,
-generation settings and tokenizer, and the averaged weights; not the run's model card, metrics or curves,
-which describe the run's own model. --output must be a new or empty folder. Checkpoints of different
-runs (each run records an id in its checkpoints and metrics.json), of another run than --model's, or
-trained with another vocabulary than --model's tokenizer are refused.
+generation settings and tokenizer, and the averaged weights; not the run's metrics or curves, which
+describe the run's own model. Its model card is the run's with the averaged checkpoints and their own
+scores, measured on the split the run scored, decoded as the run decoded (--no-card skips that); a run
+whose metrics.json predates that record, or whose scored split was held out of its training data at
+random, gets no card. --output must be a new or empty folder. Checkpoints of different runs (each run
+records an id in its checkpoints and metrics.json), of another run than --model's, or trained with
+another vocabulary than --model's tokenizer are refused.
 """
 
 import argparse
+import contextlib
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
-from vanilla_transformer.cli import first_line
-from vanilla_transformer.evaluation import TOKENIZER_FILES, looks_local
+from vanilla_transformer.cli import first_line, positive_int
+from vanilla_transformer.evaluation import TOKENIZER_FILES, evaluate_model, looks_local
 from vanilla_transformer.publishing import check_new_folder, publish_folder
-from vanilla_transformer.training import checkpoint_problems, foreign_checkpoints, load_averaged_weights
+from vanilla_transformer.training import (
+    checkpoint_problems,
+    foreign_checkpoints,
+    load_averaged_weights,
+    write_averaged_card,
+)
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="the run's model folder (configuration and tokenizer)")
@@ -29,6 +39,15 @@ parser.add_argument(
     "--checkpoints", required=True, nargs="+", type=Path, help="checkpoint folders to average"
 )
 parser.add_argument("--output", required=True, help="folder to write")
+parser.add_argument(
+    "--card",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="score the average on the run's test split and write its model card (what push_to_hub.py needs)",
+)
+parser.add_argument(
+    "--batch_size", type=positive_int, default=32, help="sentences per batch when scoring (default: 32)"
+)
 args = parser.parse_args()
 output = Path(args.output)
 try:
@@ -51,6 +70,27 @@ if local and not any((Path(args.model) / name).is_file() for name in TOKENIZER_F
 problems = foreign_checkpoints(Path(args.model), args.checkpoints)
 if problems:
     parser.error(" ".join(problems))
+# The run's record of its card and of the data it scored, for the average's card.
+record: dict = {}
+with contextlib.suppress(OSError, ValueError):  # a Hub model's is not read; an unreadable one is none
+    record = json.loads((Path(args.model) / "metrics.json").read_text(encoding="utf-8"))
+no_card = None
+if not args.card:
+    no_card = "--no-card"
+elif not (Path(args.model) / "metrics.json").is_file():
+    no_card = f"{args.model} has no metrics.json (a Hub model, or a folder scripts/train.py did not write)"
+elif not isinstance(record, dict) or "card" not in record:
+    no_card = f"{args.model}'s metrics.json does not record its card's contents (an earlier version's run)"
+elif record.get("scored_data") is None:
+    no_card = f"the split {args.model}'s run scored was held out of its training data at random"
+else:
+    data_files = [path for key, path in record["scored_data"].items() if key.endswith("_file")]
+    for path in data_files:
+        if not Path(path).is_file():
+            parser.error(
+                f"{path}, the data {args.model}'s run scored, is gone: the average's card cannot be scored "
+                "(--no-card writes the average without a card)"
+            )
 try:
     model = VanillaTransformerForConditionalGeneration.from_pretrained(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -67,4 +107,30 @@ except RuntimeError as error:  # torch lists every mismatched weight: name the f
 with publish_folder(output) as staging:  # the folder appears complete or not at all
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    if no_card is None:
+        try:
+            scores = evaluate_model(
+                staging,
+                split=record["metrics"]["split"],
+                max_samples=record["metrics"]["scored_pairs"],
+                batch_size=args.batch_size,
+                data_options=record["scored_data"],
+            )
+        except (OSError, ValueError) as error:  # the run's data moved, or a Hub dataset not reached
+            split = record["metrics"]["split"]
+            parser.error(
+                f"the run's {split} data could not be scored: {first_line(error)} (--no-card skips it)"
+            )
+        print(f"{scores['split']}: {scores['sentences']} sentences")
+        print(f"BLEU  {scores['bleu']:.2f}   {scores['bleu_signature']}")
+        print(f"chrF  {scores['chrf']:.2f}   {scores['chrf_signature']}")
+        write_averaged_card(
+            staging,
+            model_name=output.resolve().name,
+            run_record=record,
+            checkpoints=args.checkpoints,
+            scores=scores,
+        )
 print(f"the average of {len(args.checkpoints)} checkpoints written to {output}")
+if no_card is not None and args.card:
+    print(f"no model card: {no_card}")

@@ -21,6 +21,7 @@ from vanilla_transformer import training as training_module
 from vanilla_transformer.batching import TokenBatchSampler
 from vanilla_transformer.cli import InputError, check_output_file
 from vanilla_transformer.corpus import default_corpus_path, load_default_corpus
+from vanilla_transformer.hub import check_model_folder
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
 from vanilla_transformer.training import (
     MANIFEST_FILE,
@@ -222,7 +223,26 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert written.keys() == run_model.keys()
     assert all(torch.equal(written[name], run_model[name]) for name in written)
     assert (tmp_path / "averaged" / "tokenizer.json").is_file()
-    assert not (tmp_path / "averaged" / "README.md").exists()  # the run's card scores the run's model
+    # Its own card, publishable: the run's, with the averaged steps and the average's own scores on the
+    # split the run scored. The same weights as the run's model: the same scores as the run measured.
+    card = check_model_folder(tmp_path / "averaged")
+    record = json.loads((output_dir / "metrics.json").read_text())
+    scores = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    run_scores = {key: round(record["metrics"][f"test_{key}"], 2) for key in ("bleu", "chrf")}
+    assert scores == run_scores
+    text = " ".join(card.text.split())
+    steps = ", ".join(str(int(Path(p).name.split("-")[1])) for p in checkpoints)
+    assert f"average 3 of the run's checkpoints, those written after updates {steps}" in text
+    # The pairs come from the run's test file (the run's own card named its training file there).
+    assert "(its first 8 of 16 sentence pairs) of test.tsv" in text
+    assert "of test.tsv" in " ".join((output_dir / "README.md").read_text().split())
+    assert "**Optimiser**" in text and "training steps | 24 |" in text
+    earlier = average(tmp_path / "earlier", *checkpoints[:2])  # a span ending before the run did
+    assert earlier.returncode == 0, earlier.stderr[-2000:]
+    text = " ".join((tmp_path / "earlier" / "README.md").read_text().split())
+    assert f"training steps | {steps.split(', ')[1]} |" in text and "training time" not in text
+    bare = average(tmp_path / "bare", *checkpoints, "--no-card")
+    assert bare.returncode == 0 and not (tmp_path / "bare" / "README.md").exists()
 
     refused = average(tmp_path / "other", checkpoints[0], str(output_dir / "logs"))
     assert refused.returncode == 2 and "logs cannot be averaged: " in refused.stderr

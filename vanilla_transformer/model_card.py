@@ -165,6 +165,7 @@ def _template_variables(
         dropout_training=training.get("dropout", config.dropout),
         qkv_init_gain=training.get("qkv_init_gain"),
         averaged_checkpoints=training.get("averaged_checkpoints"),
+        averaged_steps=training.get("averaged_steps"),
         adam_beta1=training.get("adam_beta1", 0.9),
         adam_beta2=training.get("adam_beta2", 0.98),
         adam_epsilon=training.get("adam_epsilon", 1e-9),

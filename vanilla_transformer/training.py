@@ -58,7 +58,7 @@ from .machine import (
     resident_bytes,
 )
 from .metrics import repetition_rate, score_translations
-from .model_card import write_model_card
+from .model_card import decoding_settings, write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
@@ -760,6 +760,43 @@ def load_averaged_weights(model: VanillaTransformerForConditionalGeneration, pat
     if untied or result.unexpected_keys:
         raise RuntimeError(f"Checkpoint weights do not match the model: {untied or result.unexpected_keys}")
     model.tie_weights()
+
+
+def write_averaged_card(
+    folder: Path, *, model_name: str, run_record: dict[str, Any], checkpoints: Sequence[Path], scores: dict
+) -> Path:
+    """The model card of a folder holding the average of a run's `checkpoints`: the run's card (from
+    the `card` its metrics.json records), with the averaged steps and `scores` (an `evaluate_model`
+    result on the split the run scored, decoded with the folder's generation config)."""
+    steps = [_json_field(path / STATE_FILE, "step") for path in checkpoints]
+    last = max(step for step in steps if isinstance(step, int))
+    training = dict(run_record["card"]["training"])
+    if last != training.get("steps"):  # an earlier span: the run's epochs and time are not this model's
+        training |= {"steps": last, "epochs": None, "train_time_s": None}
+    training["averaged_steps"] = sorted(steps)
+    split = run_record["metrics"]["split"]
+    scored_file = run_record["scored_data"].get(f"{split}_file")
+    metrics = {
+        "split": split,
+        "dataset_name": Path(scored_file).name if scored_file else None,
+        "scored_pairs": scores["sentences"],
+        "split_pairs": scores["split_pairs"],
+        **{key: scores[key] for key in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
+        "repetition": scores["repetition"],
+        "reference_repetition": scores["reference_repetition"],
+        **decoding_settings(GenerationConfig.from_pretrained(folder)),
+    }
+    return write_model_card(
+        folder,
+        model_name=model_name,
+        config=VanillaTransformerConfig.from_pretrained(folder),
+        metrics={key: value for key, value in metrics.items() if value is not None},
+        training={key: value for key, value in training.items() if value is not None},
+        dataset=run_record["card"]["dataset"],
+        source_lang=run_record["card"]["source_lang"],
+        target_lang=run_record["card"]["target_lang"],
+        examples=list(scores["sources"][:3]),
+    )
 
 
 # Batches, loss and evaluation ----------------------------------------------------------------------
@@ -1741,8 +1778,6 @@ def write_model_folder(
     config, tokenizer, tokenized, accelerator = run.config, run.tokenizer, run.tokenized, run.accelerator
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    record = {"metrics": metrics, "samples": samples, "run_id": run.state.get("run_id")}
-    (output_dir / "metrics.json").write_text(json.dumps(record, indent=1))
     plot_training_curves(run.state["history"], output_dir / "training_curves.png")
     # The dataset's own metadata (the embedded corpus ships its own; Hub datasets carry theirs), or for
     # local files their names.
@@ -1761,8 +1796,11 @@ def write_model_folder(
     }
     if config.dataset_name:
         dataset["hub_id"] = config.dataset_name
+    scored_file = config.test_file if metrics["split"] == "test" else config.validation_file
     card_metrics = {
         "split": metrics["split"],
+        # The scored split's own file, where it is not the training data's (a --test_file, say).
+        "dataset_name": Path(scored_file).name if scored_file else None,
         "scored_pairs": metrics["scored_pairs"],
         "bleu": metrics["test_bleu"],
         "chrf": metrics["test_chrf"],
@@ -1800,17 +1838,49 @@ def write_model_folder(
         "adam_epsilon": config.adam_epsilon,
         "max_grad_norm": config.max_grad_norm,
     }
+    card = {
+        "training": training,
+        "dataset": {k: v for k, v in dataset.items() if v is not None},
+        "source_lang": config.source_lang,
+        "target_lang": config.target_lang,
+    }
     write_model_card(
         output_dir,
         model_name=run.output_dir.name,
         config=model.config,
         metrics={k: v for k, v in card_metrics.items() if v is not None},
-        training=training,
-        dataset={k: v for k, v in dataset.items() if v is not None},
-        source_lang=config.source_lang,
-        target_lang=config.target_lang,
         examples=[sample["source"] for sample in samples],  # sentences of its own test split
+        **card,
     )
+    # What the card was made of, and the data its scores came from: what a model derived from this run's
+    # checkpoints (scripts/average_checkpoints.py) needs for a card of its own.
+    record = {
+        "metrics": metrics,
+        "samples": samples,
+        "run_id": run.state.get("run_id"),
+        "card": card,
+        "scored_data": scored_data(config, metrics["split"]),
+    }
+    (output_dir / "metrics.json").write_text(json.dumps(record, indent=1))
+
+
+def scored_data(config: TrainingConfig, split: str) -> dict[str, Any] | None:
+    """`load_parallel_data` options that load the split the run scored (with `for_training=False`, its
+    pairs in the same order), or None where that split was held out of the training data at random."""
+    if split == "validation" and config.validation_file is None:
+        return None
+    options = {
+        "dataset_name": config.dataset_name,
+        "dataset_config": config.dataset_config,
+        f"{split}_file": config.test_file if split == "test" else config.validation_file,
+        "source_lang": config.source_lang,
+        "target_lang": config.target_lang,
+        "source_column": config.source_column,
+        "target_column": config.target_column,
+    }
+    if options[f"{split}_file"] is not None:  # absolute: the record is read from other folders
+        options[f"{split}_file"] = str(Path(options[f"{split}_file"]).resolve())
+    return {key: value for key, value in options.items() if value is not None}
 
 
 __all__ = [
