@@ -140,6 +140,11 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     results = {r.metric_type: r for r in card.data.eval_results}
     assert results["bleu"].dataset_name == "pairs.tsv" and results["bleu"].dataset_split == "test"
     assert "(6 sentence pairs) of pairs.tsv" in text
+    # Marian's generation config sets no length: transformers' 20 tokens cut the scored translations.
+    assert (
+        "at most 20 tokens per output, the decoder's start token included (transformers' default"
+        in " ".join(text.split())
+    )
     # The same scores as the evaluation script gives the written folder, in another process.
     evaluate = str(Path(SCRIPT).parent / "evaluate_model.py")
     checked = run(evaluate, "--model", str(tmp_path / "out"), "--test_file", str(pairs), *en_es)

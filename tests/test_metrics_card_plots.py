@@ -437,6 +437,14 @@ def test_base_license_reads_a_card_and_says_when_it_cannot(tmp_path, caplog, mon
         assert "the new model card states none" in caplog.text
 
 
+def test_a_card_of_separate_vocabularies_gives_both_sizes():
+    """A converted Marian model with separate vocabularies was described as having one joint vocabulary."""
+    config = tiny_config(share_encoder_decoder_embeddings=False, vocab_size=40, decoder_vocab_size=30)
+    text = build_model_card(**card_kwargs(config=config)).text
+    assert "| vocabularies, source (en) and target (es) | 40 and 30 |" in text and "(joint en/es)" not in text
+    assert "| vocabulary (joint en/es) |" in build_model_card(**card_kwargs()).text
+
+
 def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generate_does():
     """A converted OPUS-MT generation config may leave num_beams and length_penalty unset (None in
     transformers 5): a card stated "beam search with None beams"."""
@@ -449,9 +457,37 @@ def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generat
         "length_penalty_form": "power",
         "max_length_offset": None,
         "no_repeat_ngram_size": None,
+        "max_new_tokens": None,
+        "max_length": 64,
     }
     set_ = decoding_settings(GenerationConfig(num_beams=6, length_penalty=0.6, no_repeat_ngram_size=4))
     assert (set_["num_beams"], set_["length_penalty"], set_["no_repeat_ngram_size"]) == (6, 0.6, 4)
+    # No length at all: transformers' 20 tokens, which cut a converted model's translations short
+    # while its card stated no limit; this package's offset rule where it is set, and no other.
+    assert (set_["max_length"], set_["max_length_is_default"], set_["max_length_offset"]) == (20, True, None)
+    offset = GenerationConfig(num_beams=4)
+    offset.max_length_offset = 50
+    assert (
+        decoding_settings(offset)["max_length_offset"] == 50
+        and decoding_settings(offset)["max_length"] is None
+    )
+    offset.max_new_tokens = 30  # a length set wins over the rule, as in generate()
+    assert decoding_settings(offset)["max_length_offset"] is None
+    assert decoding_settings(offset)["max_new_tokens"] == 30 and "max_length" not in decoding_settings(offset)
+    cards = {
+        kind: " ".join(build_model_card(**card_kwargs(metrics=METRICS | settings)).text.split())
+        for kind, settings in (
+            ("default", decoding_settings(GenerationConfig(num_beams=4))),
+            ("new tokens", decoding_settings(offset)),
+            ("length", decoding_settings(GenerationConfig(num_beams=4, max_length=512))),
+        )
+    }
+    assert (
+        "at most 20 tokens per output, the decoder's start token included (transformers' default"
+        in cards["default"]
+    )
+    assert "at most 30 output tokens." in cards["new tokens"]
+    assert "at most 512 tokens per output, the decoder's start token included." in cards["length"]
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)  # transformers' own
     if defaults is not None:
         assert {key: defaults()[key] for key in TRANSFORMERS_DECODING} == TRANSFORMERS_DECODING

@@ -68,8 +68,9 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         missing.append("tokenizer.json (or an OPUS-MT tokenizer's source.spm, target.spm and vocab.json)")
     if missing:
         card = (
-            " The model card (README.md), with the model's measured scores, is written by scripts/train.py;"
-            " folders from average_checkpoints.py and convert_marian.py have none: write one (as"
+            " The model card (README.md), with the model's measured scores, is written by scripts/train.py"
+            " and finetune.py, by average_checkpoints.py (unless --no-card) and by convert_marian.py given a"
+            " --test_file to score; for another folder, write one (as"
             " vanilla_transformer.model_card.write_model_card does) before publishing."
             if "README.md" in missing
             else ""

@@ -32,8 +32,9 @@ DEFAULT_DECODING = {
     "length_penalty_form": "power",
     "max_length_offset": 50,
 }
-# What `generate` uses where a generation config leaves a setting unset (None in transformers 5).
-TRANSFORMERS_DECODING = {"num_beams": 1, "length_penalty": 1.0}
+# What `generate` uses where a generation config leaves a setting unset (None in transformers 5); the
+# length where no length rule is set either (this package's `max_length_offset` one included).
+TRANSFORMERS_DECODING = {"num_beams": 1, "length_penalty": 1.0, "max_length": 20}
 LANGUAGE_NAMES = {
     "ar": "Arabic",
     "de": "German",
@@ -49,6 +50,7 @@ LANGUAGE_NAMES = {
 }
 ARCHITECTURE_FIELDS = (
     "vocab_size",
+    "decoder_vocab_size",
     "d_model",
     "num_heads",
     "head_dim",
@@ -206,6 +208,9 @@ def _template_variables(
     for key, default in DEFAULT_DECODING.items():
         variables[key] = metrics.get(key, default)
     variables["no_repeat_ngram_size"] = metrics.get("no_repeat_ngram_size")
+    variables["max_new_tokens"] = metrics.get("max_new_tokens")
+    variables["max_length"] = metrics.get("max_length")
+    variables["max_length_is_default"] = bool(metrics.get("max_length_is_default"))
     return variables
 
 
@@ -337,14 +342,23 @@ def build_model_card(
 def decoding_settings(generation: GenerationConfig) -> dict[str, Any]:
     """The decoding settings of `generation` that a card states (`build_model_card`'s metrics keys), as
     `generate` applies them: where the config leaves one unset, transformers' default."""
+    # The output length: a length the config sets, else this package's source length + offset rule,
+    # else transformers' default maximum.
+    length = {"max_new_tokens": generation.max_new_tokens, "max_length": generation.max_length}
+    offset = getattr(generation, "max_length_offset", None)
     settings = {
         "num_beams": generation.num_beams,
         "length_penalty": generation.length_penalty,
         "length_penalty_form": getattr(generation, "length_penalty_form", None) or "power",
-        "max_length_offset": getattr(generation, "max_length_offset", None),
+        "max_length_offset": offset if length == {"max_new_tokens": None, "max_length": None} else None,
         "no_repeat_ngram_size": generation.no_repeat_ngram_size or None,
+        **(length if length["max_new_tokens"] is None else {"max_new_tokens": length["max_new_tokens"]}),
     }
-    return settings | {key: value for key, value in TRANSFORMERS_DECODING.items() if settings[key] is None}
+    unset = {key for key, value in settings.items() if value is None}
+    if settings["max_length_offset"] is not None or settings.get("max_new_tokens") is not None:
+        unset.discard("max_length")
+    settings |= {key: value for key, value in TRANSFORMERS_DECODING.items() if key in unset}
+    return settings | ({"max_length_is_default": True} if "max_length" in unset else {})
 
 
 def _check_metadata(content: str) -> None:
