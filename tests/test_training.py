@@ -866,6 +866,16 @@ def test_bad_flags_are_rejected(tmp_path):
         TrainingConfig(dataset_name="wmt/wmt14", train_file=__file__)
     with pytest.raises(ValueError, match="--test_samples must be positive"):
         TrainingConfig(test_samples=-5)  # it once failed only after training, when scoring nothing
+    # A mistyped tracker was a traceback from Accelerate; an uninstalled one logged nothing, silently.
+    with pytest.raises(ValueError, match=r"--report_to must be one of \['none', 'all', .*got 'tensorbord'"):
+        TrainingConfig(report_to="tensorbord")
+    from accelerate.tracking import get_available_trackers
+
+    if "aim" not in {tracker.value for tracker in get_available_trackers()}:
+        with pytest.raises(
+            ValueError, match=r"--report_to aim: its package is not installed \(pip install aim\)"
+        ):
+            TrainingConfig(report_to="aim")
     for name in ("lr_scale", "length_penalty", "adam_epsilon"):
         with pytest.raises(ValueError, match=f"--{name} must be a finite number"):
             TrainingConfig(**{name: float("nan")})

@@ -30,9 +30,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.tracking import get_available_trackers
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
+    LoggerType,
     ProjectConfiguration,
     broadcast_object_list,
     gather_object,
@@ -333,6 +335,7 @@ class TrainingConfig:
                 f"--vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
                 f"got {self.vocab_size}."
             )
+        check_report_to(self.report_to)
         if not 0 <= self.seed < 2**32:  # what numpy's generator, which set_seed seeds, accepts
             raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}.")
         if self.max_tokens < 2 * self.max_length:
@@ -490,6 +493,21 @@ def lr_factor(
     if cooldown > 0:
         factor *= min(1.0, max(0.0, (1.0 - progress) / cooldown))
     return factor
+
+
+def check_report_to(report_to: str) -> None:
+    """Refuse a `--report_to` that Accelerate does not know (it raised a ValueError deep in the run's
+    start) or whose package is not installed (Accelerate then only warns, and nothing is logged)."""
+    known = ["none", *(tracker.value for tracker in LoggerType)]
+    if report_to not in known:
+        raise ValueError(f"--report_to must be one of {known}, got {report_to!r}.")
+    available = {tracker.value for tracker in get_available_trackers()}
+    if report_to not in ("none", "all") and report_to not in available:
+        package = report_to.replace("_", "-")
+        raise ValueError(
+            f"--report_to {report_to}: its package is not installed (pip install {package}); installed "
+            f"trackers: {sorted(available) or 'none'}; or --report_to none."
+        )
 
 
 def paper_peak_lr(d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
