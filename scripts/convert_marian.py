@@ -41,14 +41,15 @@ card.add_argument("--target_lang", help="its target language code")
 card.add_argument("--source_column", help="default: --source_lang")
 card.add_argument("--target_column", help="default: --target_lang")
 card.add_argument("--max_samples", type=positive_int, help="score only the first N pairs")
-card.add_argument("--batch_size", type=positive_int, default=32, help="sentences per batch (default: 32)")
+card.add_argument("--batch_size", type=positive_int, help="sentences per batch when scoring (default: 32)")
 args = parser.parse_args()
 output = Path(args.output)
 columns = ("source_lang", "target_lang", "source_column", "target_column")
 if args.test_file is None:
-    given = [f"--{name}" for name in (*columns, "max_samples") if getattr(args, name) is not None]
+    scoring = (*columns, "max_samples", "batch_size")
+    given = [f"--{name}" for name in scoring if getattr(args, name) is not None]
     if given:
-        parser.error(f"{', '.join(given)} only apply with --test_file (the data to score for the model card)")
+        parser.error(f"{', '.join(given)}: only with --test_file (the data to score for the model card)")
 else:
     if not (args.source_lang and args.target_lang):
         parser.error("--test_file needs --source_lang and --target_lang (the languages the card states)")
@@ -111,7 +112,7 @@ with publish_folder(args.output) as staging:  # the folder appears complete or n
         tokenizer.save_pretrained(staging)
     if args.test_file is not None:
         scores = evaluate_model(
-            staging, max_samples=args.max_samples, batch_size=args.batch_size, data_options=scoring_data
+            staging, max_samples=args.max_samples, batch_size=args.batch_size or 32, data_options=scoring_data
         )
         for line in scores["skipped"]:
             print(line)

@@ -80,6 +80,8 @@ try:
     )
 except (ValueError, OSError) as error:
     parser.error(str(error))
+except KeyboardInterrupt:  # Ctrl-C: nothing was written; stop as command-line tools do
+    sys.exit(130)
 for line in result["skipped"]:
     print(line)
 print(f"{result['split']}: {result['sentences']} sentences")

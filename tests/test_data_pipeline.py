@@ -86,6 +86,17 @@ def test_local_tsv_jsonl_and_csv(tmp_path):
     assert data["train"][0] == {"source": "one, two", "target": "uno"}
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
+    """With a BOM, a JSONL file was refused as "not valid JSON" and a TSV's repeated header row passed
+    as a sentence pair; both readers of the data itself skip the mark."""
+    jsonl = write(tmp_path / "b.jsonl", '\ufeff{"en": "Hi", "es": "Hola"}\n')
+    data, _ = load_parallel_data(test_file=jsonl, for_training=False)
+    assert data["test"][0] == {"source": "Hi", "target": "Hola"}
+    tsv = write(tmp_path / "b.tsv", "\ufeffen\tes\nHello.\tHola.\nen\tes\nBye.\tAdios.\n")
+    with pytest.raises(DataError, match=r"b\.tsv, line 3: repeats the header row \['en', 'es'\]"):
+        load_parallel_data(test_file=tsv, for_training=False)
+
+
 def test_hub_style_translation_column_is_flattened(tmp_path):
     rows = '{"translation": {"de": "Hallo", "en": "Hello"}}\n{"translation": {"de": "Welt", "en": "World"}}\n'
     jsonl = write(tmp_path / "t.jsonl", rows)

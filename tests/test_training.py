@@ -180,6 +180,27 @@ def test_every_epoch_has_its_own_batch_order_on_each_process():
     assert list(reference) != list(sampler())  # the epochs do differ
 
 
+def test_ctrl_c_names_the_checkpoint_to_resume_from_without_a_traceback(tmp_path, corpus_files):
+    import signal
+
+    args = small_args(tmp_path / "run", corpus_files, max_steps=10_000, save_steps=2, eval_steps=0)
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not list_checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    last = list_checkpoints(tmp_path / "run")[-1].name
+    assert f"interrupted: {last} is the last checkpoint; --resume_from_checkpoint latest" in stderr
+    assert "Traceback" not in stderr
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     common = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "eval_steps": 0, "test_samples": 1}
     whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, **common)))

@@ -77,7 +77,8 @@ def check_delimited(path: Path) -> None:
     CSV: standard quoting (fields with commas, quotes or line breaks are double-quoted, quotes doubled).
     A row that repeats the header (files concatenated with their headers) is refused too.
     """
-    with path.open(encoding="utf-8", newline="") as handle:
+    # utf-8-sig: a byte-order mark (as Windows editors write) is not part of the header's first name.
+    with path.open(encoding="utf-8-sig", newline="") as handle:
         if path.suffix == ".tsv":
             rows = ((number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(handle, 1))
         else:
@@ -124,7 +125,7 @@ def _csv_quoted(field: str) -> bool:
 
 def check_jsonl(path: Path) -> None:
     """Raise a ValueError naming file and line unless every non-blank line is one JSON object."""
-    with path.open(encoding="utf-8") as handle:
+    with path.open(encoding="utf-8-sig") as handle:  # a byte-order mark, as datasets' reader skips it
         rows = 0
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -247,7 +248,7 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
             if not (isinstance(kind, Value) and kind.dtype in ("string", "large_string", "null")):
                 raise DataError(
                     f"The {split} data's column {column!r} holds {kind}, not text: every value must be a "
-                    "string (a JSON list or object is not a sentence)."
+                    "string (a JSON number, list or object is not a sentence)."
                 )
         data[split] = dataset.select_columns([source_column, target_column]).rename_columns(
             {source_column: "source", target_column: "target"}
@@ -332,8 +333,8 @@ def load_parallel_data(
         if len(data["train"]) <= 2 * validation_size:
             raise DataError(
                 f"No validation split, and train ({len(data['train'])} pairs) is too small to hold out "
-                f"{validation_size} for validation; pass a validation file (--validation_file) or hold out "
-                "fewer pairs (validation_size; --validation_size in scripts/finetune.py)."
+                f"{validation_size} for validation: pass a validation file (--validation_file), or in "
+                "scripts/finetune.py hold out fewer pairs (--validation_size)."
             )
         held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
         # A pair the file repeats ("Thank you." is common in OPUS data) could land on both sides, and
