@@ -49,6 +49,8 @@ parser.add_argument(
     "--batch_size", type=positive_int, default=32, help="sentences per batch when scoring (default: 32)"
 )
 args = parser.parse_args()
+if not args.output.strip():  # Path("") is the current folder
+    parser.error("--output is empty: name a new folder to write")
 output = Path(args.output)
 try:
     check_new_folder(output)  # refused now, not after the work

@@ -43,6 +43,8 @@ card.add_argument("--target_column", help="default: --target_lang")
 card.add_argument("--max_samples", type=positive_int, help="score only the first N pairs")
 card.add_argument("--batch_size", type=positive_int, help="sentences per batch when scoring (default: 32)")
 args = parser.parse_args()
+if not args.output.strip():  # Path("") is the current folder
+    parser.error("--output is empty: name a new folder to write")
 output = Path(args.output)
 columns = ("source_lang", "target_lang", "source_column", "target_column")
 if args.test_file is None:
