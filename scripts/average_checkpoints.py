@@ -28,6 +28,7 @@ from vanilla_transformer.evaluation import TOKENIZER_FILES, evaluate_model, look
 from vanilla_transformer.publishing import check_new_folder, publish_folder
 from vanilla_transformer.training import (
     checkpoint_problems,
+    checkpoint_steps,
     foreign_checkpoints,
     load_averaged_weights,
     write_averaged_card,
@@ -86,8 +87,12 @@ elif not isinstance(record, dict) or "card" not in record:
 elif record.get("scored_data") is None:
     no_card = f"the split {args.model}'s run scored was held out of its training data at random"
 else:
+    try:  # the card names the steps averaged
+        checkpoint_steps(args.checkpoints)
+    except ValueError as error:
+        no_card = str(error)
     data_files = [path for key, path in record["scored_data"].items() if key.endswith("_file")]
-    for path in data_files:
+    for path in data_files if no_card is None else []:
         if not Path(path).is_file():
             parser.error(
                 f"{path}, the data {args.model}'s run scored, is gone: the average's card cannot be scored "

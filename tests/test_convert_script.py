@@ -109,8 +109,18 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     marian.save_pretrained(tmp_path / "opus-mt-en-es")
     tokenizer.save_pretrained(tmp_path / "opus-mt-en-es")
     (tmp_path / "opus-mt-en-es" / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n# OPUS-MT\n")
+    # References the model can score on: half of them are the MarianMTModel's own translations (a random
+    # model's are no Spanish), so the scores are not 0 and tell decodings apart.
+    from vanilla_transformer.evaluation import evaluate_model
+
     pairs = tmp_path / "pairs.tsv"
     pairs.write_text("en\tes\n" + "".join(f"{s}\t{t}\n" for s, t in zip(test["en"], test["es"], strict=True)))
+    marian_outputs = evaluate_model(
+        tmp_path / "opus-mt-en-es",
+        data_options={"test_file": pairs, "source_lang": "en", "target_lang": "es"},
+    )["hypotheses"]
+    targets = [*marian_outputs[:3], *test["es"][3:]]
+    pairs.write_text("en\tes\n" + "".join(f"{s}\t{t}\n" for s, t in zip(test["en"], targets, strict=True)))
 
     def run(script: str, *flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -147,6 +157,7 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     )
     # The same scores as the evaluation script gives the written folder, in another process.
     evaluate = str(Path(SCRIPT).parent / "evaluate_model.py")
+    assert results["chrf"].metric_value > 10  # (the random model writes one word: BLEU, on 4-grams, is 0)
     checked = run(evaluate, "--model", str(tmp_path / "out"), "--test_file", str(pairs), *en_es)
     assert checked.returncode == 0, checked.stderr[-2000:]
     line = next(line for line in checked.stdout.splitlines() if line.startswith("BLEU"))

@@ -92,9 +92,19 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
     jsonl = write(tmp_path / "b.jsonl", '\ufeff{"en": "Hi", "es": "Hola"}\n')
     data, _ = load_parallel_data(test_file=jsonl, for_training=False)
     assert data["test"][0] == {"source": "Hi", "target": "Hola"}
-    tsv = write(tmp_path / "b.tsv", "\ufeffen\tes\nHello.\tHola.\nen\tes\nBye.\tAdios.\n")
-    with pytest.raises(DataError, match=r"b\.tsv, line 3: repeats the header row \['en', 'es'\]"):
-        load_parallel_data(test_file=tsv, for_training=False)
+    for second in ("en", "\ufeffen"):  # two such files concatenated: the second header has its mark too
+        tsv = write(tmp_path / "b.tsv", f"\ufeffen\tes\nHello.\tHola.\n{second}\tes\nBye.\tAdios.\n")
+        with pytest.raises(DataError, match=r"b\.tsv, line 3: repeats the header row \['en', 'es'\]"):
+            load_parallel_data(test_file=tsv, for_training=False)
+
+
+def test_the_report_says_whether_validation_was_drawn_from_train(tmp_path):
+    """An averaged model's card can rescore a split of the data's own, not one drawn at random."""
+    rows = "".join(f"s{i}\tt{i}\n" for i in range(30))
+    train = write(tmp_path / "train.tsv", "en\tes\n" + rows)
+    _, drawn = load_parallel_data(train_file=train, validation_size=5)
+    _, own = load_parallel_data(train_file=train, validation_file=train)
+    assert drawn.validation_held_out and not own.validation_held_out
 
 
 def test_hub_style_translation_column_is_flattened(tmp_path):

@@ -488,6 +488,13 @@ def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generat
     )
     assert "at most 30 output tokens." in cards["new tokens"]
     assert "at most 512 tokens per output, the decoder's start token included." in cards["length"]
+    # Seq2SeqTrainer fills this model's generation config with transformers' defaults, max_length 20
+    # among them, which its generate() unsets again: the card kept stating 20 tokens.
+    model_config = tiny_model().generation_config
+    model_config.update(max_length=20, num_beams=1, defaults_only=True)
+    filled = decoding_settings(model_config)
+    assert filled["max_length_offset"] == 50 and filled["max_length"] is None
+    assert model_config.max_length == 20  # the model's own config is left as it is
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)  # transformers' own
     if defaults is not None:
         assert {key: defaults()[key] for key in TRANSFORMERS_DECODING} == TRANSFORMERS_DECODING

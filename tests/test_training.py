@@ -596,6 +596,18 @@ def test_a_non_finite_loss_stops_training_before_it_reaches_the_weights(tmp_path
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
+def test_checkpoint_steps_name_a_checkpoint_without_one(tmp_path):
+    from vanilla_transformer.training import STATE_FILE, checkpoint_steps
+
+    for name, state in (("a", {"step": 8}), ("b", {"run_id": "r"}), ("c", {"step": True})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / STATE_FILE).write_text(json.dumps(state))
+    assert checkpoint_steps([tmp_path / "a"]) == [8]
+    for bad in ("b", "c"):
+        with pytest.raises(ValueError, match=f"{bad}/{STATE_FILE} records no step"):
+            checkpoint_steps([tmp_path / "a", tmp_path / bad])
+
+
 @pytest.mark.parametrize("content", [b"", b"hello world" * 10, b"PK\x03\x04truncated", bytes(64)])
 def test_damaged_fsdp_weights_are_an_oserror_naming_the_file(tmp_path, content):
     """Garbage bytes made torch.load raise a KeyError (a pickle memo lookup), which the scripts did not

@@ -6,6 +6,7 @@ package as `model_card_template.md`, with `huggingface_hub.ModelCard.from_templa
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -342,6 +343,11 @@ def build_model_card(
 def decoding_settings(generation: GenerationConfig) -> dict[str, Any]:
     """The decoding settings of `generation` that a card states (`build_model_card`'s metrics keys), as
     `generate` applies them: where the config leaves one unset, transformers' default."""
+    if hasattr(generation, "unset_default_max_length"):  # this package's model's own config
+        # A `max_length` Seq2SeqTrainer filled in from transformers' defaults is not chosen: `generate`
+        # unsets it, and decodes by the source length rule.
+        generation = copy.copy(generation)
+        generation.unset_default_max_length()
     # The output length: a length the config sets, else this package's source length + offset rule,
     # else transformers' default maximum.
     length = {"max_new_tokens": generation.max_new_tokens, "max_length": generation.max_length}

@@ -36,6 +36,7 @@ class DataReport:
     empty: dict[str, int] = field(default_factory=dict)
     too_long: dict[str, int] = field(default_factory=dict)
     held_out_in_train: int = 0
+    validation_held_out: bool = False  # the validation split was drawn from train at random
 
     def lines(self) -> list[str]:
         out = [
@@ -93,7 +94,7 @@ def check_delimited(path: Path) -> None:
             if row == [""] or not row:  # a blank line
                 continue
             pairs += 1
-            if row == header:
+            if [row[0].removeprefix("\ufeff"), *row[1:]] == header:  # with its own mark, after `cat`
                 raise DataError(f"{path}, line {line}: repeats the header row {header}; remove it.")
             if path.suffix == ".tsv" and (quoted := next(filter(_csv_quoted, row), None)) is not None:
                 raise DataError(
@@ -345,6 +346,7 @@ def load_parallel_data(
         if len(validation) == 0:
             raise DataError("Every held-out validation pair also occurs in train; pass validation_file.")
         data["train"], data["validation"] = held_out["train"], validation
+        report.validation_held_out = True
     return data, report
 
 

@@ -780,14 +780,24 @@ def load_averaged_weights(model: VanillaTransformerForConditionalGeneration, pat
     model.tie_weights()
 
 
+def checkpoint_steps(checkpoints: Sequence[Path]) -> list[int]:
+    """The update after which each checkpoint was written (its state file's `step`); a ValueError names
+    a checkpoint that does not record one."""
+    steps = [_json_field(path / STATE_FILE, "step") for path in checkpoints]
+    for path, step in zip(checkpoints, steps, strict=True):
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"{path / STATE_FILE} records no step (the update it was written after).")
+    return steps
+
+
 def write_averaged_card(
     folder: Path, *, model_name: str, run_record: dict[str, Any], checkpoints: Sequence[Path], scores: dict
 ) -> Path:
     """The model card of a folder holding the average of a run's `checkpoints`: the run's card (from
     the `card` its metrics.json records), with the averaged steps and `scores` (an `evaluate_model`
     result on the split the run scored, decoded with the folder's generation config)."""
-    steps = [_json_field(path / STATE_FILE, "step") for path in checkpoints]
-    last = max(step for step in steps if isinstance(step, int))
+    steps = checkpoint_steps(checkpoints)
+    last = max(steps)
     training = dict(run_record["card"]["training"])
     if last != training.get("steps"):  # an earlier span: the run's epochs and time are not this model's
         training |= {"steps": last, "epochs": None, "train_time_s": None}
@@ -808,7 +818,7 @@ def write_averaged_card(
         folder,
         model_name=model_name,
         config=VanillaTransformerConfig.from_pretrained(folder),
-        metrics={key: value for key, value in metrics.items() if value is not None},
+        metrics=metrics,  # None values included: an unset length rule says which length applied
         training={key: value for key, value in training.items() if value is not None},
         dataset=run_record["card"]["dataset"],
         source_lang=run_record["card"]["source_lang"],
@@ -941,6 +951,7 @@ class Run:
     train_loader: Any
     valid_loader: Any
     state: dict[str, Any]
+    validation_held_out: bool = False  # drawn from the training data at random, not a split of its own
 
     @property
     def unwrapped(self) -> VanillaTransformerForConditionalGeneration:
@@ -1165,6 +1176,7 @@ def start(config: TrainingConfig) -> Run:
         train_loader,
         valid_loader,
         state,
+        report.validation_held_out,
     )
 
 
@@ -1877,16 +1889,16 @@ def write_model_folder(
         "samples": samples,
         "run_id": run.state.get("run_id"),
         "card": card,
-        "scored_data": scored_data(config, metrics["split"]),
+        "scored_data": None
+        if run.validation_held_out and metrics["split"] == "validation"
+        else scored_data(config, metrics["split"]),
     }
     (output_dir / "metrics.json").write_text(json.dumps(record, indent=1))
 
 
-def scored_data(config: TrainingConfig, split: str) -> dict[str, Any] | None:
+def scored_data(config: TrainingConfig, split: str) -> dict[str, Any]:
     """`load_parallel_data` options that load the split the run scored (with `for_training=False`, its
-    pairs in the same order), or None where that split was held out of the training data at random."""
-    if split == "validation" and config.validation_file is None:
-        return None
+    pairs in the same order), where that split is the data's own (not drawn from train at random)."""
     options = {
         "dataset_name": config.dataset_name,
         "dataset_config": config.dataset_config,
@@ -1896,8 +1908,10 @@ def scored_data(config: TrainingConfig, split: str) -> dict[str, Any] | None:
         "source_column": config.source_column,
         "target_column": config.target_column,
     }
-    if options[f"{split}_file"] is not None:  # absolute: the record is read from other folders
-        options[f"{split}_file"] = str(Path(options[f"{split}_file"]).resolve())
+    # Local paths made absolute: the record is read from other folders.
+    for key in (f"{split}_file", "dataset_name"):
+        if options[key] is not None and (key != "dataset_name" or Path(options[key]).exists()):
+            options[key] = str(Path(options[key]).resolve())
     return {key: value for key, value in options.items() if value is not None}
 
 
