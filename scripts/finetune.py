@@ -16,8 +16,8 @@ if __name__ == "__main__":
         metrics = finetune(config)
     except (OSError, ValueError) as error:  # files, columns, data that cannot train
         sys.exit(f"error: {error}")
-    except KeyboardInterrupt:  # Ctrl-C: the output folder is written only at the end
-        print("interrupted: no model folder written", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: stop as command-line tools do, without a traceback
+        print("interrupted", file=sys.stderr)
         sys.exit(130)
     for name in ("loss", "bleu", "chrf", "gen_len"):
         print(f"{name:8s} before {metrics[f'before_{name}']:8.3f}   after {metrics[f'after_{name}']:8.3f}")
