@@ -1348,15 +1348,21 @@ def test_a_failed_upload_after_training_keeps_the_folder_and_says_how_to_publish
     class ConnectError(Exception):  # what httpx raises: neither an OSError nor a ValueError
         pass
 
+    calls = []
+
     def unreachable(*args, **kwargs):
+        calls.append(kwargs)
         raise ConnectError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(hub, "get_token", lambda: "hf_dummy")
     monkeypatch.setattr(training_module, "push_model_folder", unreachable)
     args = small_args(tmp_path / "run", corpus_files, max_steps=4, eval_steps=0, save_steps=4)
-    config = parse_config([*args, "--push_to_hub", "--hub_model_id", "someone/tiny"])
+    hub_flags = ["--push_to_hub", "--hub_model_id", "someone/tiny", "--hub_keep_other_files"]
+    config = parse_config([*args, *hub_flags])
     with pytest.raises(InputError, match=r"is complete, but publishing it failed \(ConnectError: \[Errno"):
         train(config)
+    assert calls[0]["delete_other_files"] is False  # the repo's other files left in place, as asked
+    assert parse_config(args).hub_keep_other_files is False  # by default it holds the folder's files only
     assert (tmp_path / "run" / "model.safetensors").is_file() and (tmp_path / "run" / "README.md").is_file()
 
 

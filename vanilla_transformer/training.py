@@ -292,6 +292,13 @@ class TrainingConfig:
         default=None,
         metadata={"help": "create the Hub repo private (--no-hub_private: public; default: the namespace's)"},
     )
+    hub_keep_other_files: bool = field(
+        default=False,
+        metadata={
+            "help": "leave files the repo has and the folder lacks (default: the push deletes them, so that "
+            "the repo holds this folder's files only, as push_to_hub.py does)"
+        },
+    )
     report_to: str = field(default="tensorboard", metadata={"help": "Accelerate tracker, or 'none'"})
 
     def model_fields(self) -> dict[str, Any]:
@@ -1685,7 +1692,12 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
     if run.config.push_to_hub:
         repo_id = run.config.hub_model_id or run.output_dir.name
         try:
-            metrics["hub_commit"] = push_model_folder(run.output_dir, repo_id, private=run.config.hub_private)
+            metrics["hub_commit"] = push_model_folder(
+                run.output_dir,
+                repo_id,
+                private=run.config.hub_private,
+                delete_other_files=not run.config.hub_keep_other_files,
+            )
         except Exception as error:  # the Hub not reached or refusing: the run's work is safe on disk
             raise InputError(
                 f"The model folder {run.output_dir} is complete, but publishing it failed "
