@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.cli import first_line, positive_int
-from vanilla_transformer.evaluation import TOKENIZER_FILES, evaluate_model, looks_local
+from vanilla_transformer.evaluation import TOKENIZER_FILES, evaluate_model, format_scores, looks_local
 from vanilla_transformer.publishing import check_new_folder, publish_folder
 from vanilla_transformer.training import (
     checkpoint_problems,
@@ -88,7 +88,7 @@ elif record.get("scored_data") is None:
     no_card = f"the split {args.model}'s run scored was held out of its training data at random"
 else:
     try:  # the card names the steps averaged
-        checkpoint_steps(args.checkpoints)
+        steps = checkpoint_steps(args.checkpoints)
     except ValueError as error:
         no_card = str(error)
     data_files = [path for key, path in record["scored_data"].items() if key.endswith("_file")]
@@ -128,14 +128,12 @@ with publish_folder(output) as staging:  # the folder appears complete or not at
             parser.error(
                 f"the run's {split} data could not be scored: {first_line(error)} (--no-card skips it)"
             )
-        print(f"{scores['split']}: {scores['sentences']} sentences")
-        print(f"BLEU  {scores['bleu']:.2f}   {scores['bleu_signature']}")
-        print(f"chrF  {scores['chrf']:.2f}   {scores['chrf_signature']}")
+        print("\n".join(format_scores(scores)))
         write_averaged_card(
             staging,
             model_name=output.resolve().name,
             run_record=record,
-            checkpoints=args.checkpoints,
+            steps=steps,
             scores=scores,
         )
 print(f"the average of {len(args.checkpoints)} checkpoints written to {output}")

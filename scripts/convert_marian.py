@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
 from vanilla_transformer.cli import first_line, positive_int
 from vanilla_transformer.conversion import convert_from_marian, write_converted_card
-from vanilla_transformer.evaluation import evaluate_model, looks_local
+from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
 from vanilla_transformer.model_card import base_license
 from vanilla_transformer.parallel_data import load_parallel_data
 from vanilla_transformer.publishing import check_new_folder, publish_folder
@@ -116,11 +116,7 @@ with publish_folder(args.output) as staging:  # the folder appears complete or n
         scores = evaluate_model(
             staging, max_samples=args.max_samples, batch_size=args.batch_size or 32, data_options=scoring_data
         )
-        for line in scores["skipped"]:
-            print(line)
-        print(f"test: {scores['sentences']} sentences")
-        print(f"BLEU  {scores['bleu']:.2f}   {scores['bleu_signature']}")
-        print(f"chrF  {scores['chrf']:.2f}   {scores['chrf_signature']}")
+        print("\n".join(format_scores(scores)))
         write_converted_card(
             staging,
             model_name=output.resolve().name,

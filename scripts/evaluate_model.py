@@ -18,7 +18,7 @@ from vanilla_transformer.cli import (
     replaced_when_complete,
 )
 from vanilla_transformer.corpus import default_corpus_path
-from vanilla_transformer.evaluation import evaluate_model
+from vanilla_transformer.evaluation import evaluate_model, format_scores
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id)")
@@ -82,15 +82,7 @@ except (ValueError, OSError) as error:
     parser.error(str(error))
 except KeyboardInterrupt:  # Ctrl-C: nothing was written; stop as command-line tools do
     sys.exit(130)
-for line in result["skipped"]:
-    print(line)
-print(f"{result['split']}: {result['sentences']} sentences")
-print(f"BLEU  {result['bleu']:.2f}   {result['bleu_signature']}")
-print(f"chrF  {result['chrf']:.2f}   {result['chrf_signature']}")
-print(
-    f"outputs with a word 4-gram repeated 3+ times: {result['repetition']:.1%} "
-    f"(references: {result['reference_repetition']:.1%})"
-)
+print("\n".join(format_scores(result)))
 if args.hypotheses:
     try:
         with replaced_when_complete(args.hypotheses) as stream:

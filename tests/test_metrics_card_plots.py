@@ -473,7 +473,8 @@ def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generat
     )
     offset.max_new_tokens = 30  # a length set wins over the rule, as in generate()
     assert decoding_settings(offset)["max_length_offset"] is None
-    assert decoding_settings(offset)["max_new_tokens"] == 30 and "max_length" not in decoding_settings(offset)
+    new_tokens = decoding_settings(offset)
+    assert new_tokens["max_new_tokens"] == 30 and new_tokens["max_length"] is None
     cards = {
         kind: " ".join(build_model_card(**card_kwargs(metrics=METRICS | settings)).text.split())
         for kind, settings in (

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .model_card import decoding_settings, write_model_card
+from .model_card import evaluation_metrics, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
 
 
@@ -132,22 +132,12 @@ def write_converted_card(
     `scores` on `test_file`, an `evaluate_model` result decoded with the folder's generation config.
     No training is described: the card of `converted_from` describes it."""
     folder = Path(folder)
-    metrics = {
-        "split": "test",
-        "dataset_name": Path(test_file).name,
-        "scored_pairs": scores["sentences"],
-        "split_pairs": scores["split_pairs"],
-        **{key: scores[key] for key in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
-        "repetition": scores.get("repetition"),
-        "reference_repetition": scores.get("reference_repetition"),
-        **decoding_settings(GenerationConfig.from_pretrained(folder)),
-    }
     local = Path(converted_from).exists()
     return write_model_card(
         folder,
         model_name=model_name,
         config=VanillaTransformerConfig.from_pretrained(folder),
-        metrics=metrics,
+        metrics=evaluation_metrics(scores, GenerationConfig.from_pretrained(folder), Path(test_file).name),
         training={
             "converted_from": Path(converted_from).resolve().name if local else converted_from,
             "converted_from_hub": not local,

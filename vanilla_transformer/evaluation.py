@@ -119,4 +119,17 @@ def evaluate_model(
     }
 
 
-__all__ = ["evaluate_model", "load_model_folder", "looks_local"]
+def format_scores(result: dict[str, Any]) -> list[str]:
+    """The lines the scripts print for an `evaluate_model` result: what was skipped, the pairs scored,
+    BLEU and chrF with their signatures, and the share of outputs repeating a 4-gram."""
+    return [
+        *result["skipped"],
+        f"{result['split']}: {result['sentences']} sentences",
+        f"BLEU  {result['bleu']:.2f}   {result['bleu_signature']}",
+        f"chrF  {result['chrf']:.2f}   {result['chrf_signature']}",
+        f"outputs with a word 4-gram repeated 3+ times: {result['repetition']:.1%} "
+        f"(references: {result['reference_repetition']:.1%})",
+    ]
+
+
+__all__ = ["evaluate_model", "format_scores", "load_model_folder", "looks_local"]

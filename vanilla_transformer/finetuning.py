@@ -246,6 +246,7 @@ def write_finetuned_card(
     else:
         processes = f", {args.world_size} processes" if args.world_size > 1 else ""
         hardware = format_machine(describe_machine(measure=False)) + processes
+    settings = decoding_settings(generation)
     card_metrics = {
         "split": "validation",
         "dataset_name": Path(config.validation_file or config.train_file).name,
@@ -256,9 +257,9 @@ def write_finetuned_card(
         "bleu_signature": scores["bleu_signature"],
         "chrf_signature": scores["chrf_signature"],
         # The evaluation's beams; the rest is the model's generation config, and so is its default.
-        **decoding_settings(generation),
+        **settings,
         "num_beams": config.num_beams,
-        "default_num_beams": decoding_settings(generation)["num_beams"],
+        "default_num_beams": settings["num_beams"],
     }
     training = {
         "finetuned_from": Path(config.model).resolve().name if local else config.model,

@@ -348,23 +348,46 @@ def decoding_settings(generation: GenerationConfig) -> dict[str, Any]:
         # unsets it, and decodes by the source length rule.
         generation = copy.copy(generation)
         generation.unset_default_max_length()
-    # The output length: a length the config sets, else this package's source length + offset rule,
-    # else transformers' default maximum.
-    length = {"max_new_tokens": generation.max_new_tokens, "max_length": generation.max_length}
-    offset = getattr(generation, "max_length_offset", None)
     settings = {
         "num_beams": generation.num_beams,
         "length_penalty": generation.length_penalty,
         "length_penalty_form": getattr(generation, "length_penalty_form", None) or "power",
-        "max_length_offset": offset if length == {"max_new_tokens": None, "max_length": None} else None,
         "no_repeat_ngram_size": generation.no_repeat_ngram_size or None,
-        **(length if length["max_new_tokens"] is None else {"max_new_tokens": length["max_new_tokens"]}),
+        "max_new_tokens": None,
+        "max_length": None,
+        "max_length_offset": None,
     }
-    unset = {key for key, value in settings.items() if value is None}
-    if settings["max_length_offset"] is not None or settings.get("max_new_tokens") is not None:
-        unset.discard("max_length")
-    settings |= {key: value for key, value in TRANSFORMERS_DECODING.items() if key in unset}
-    return settings | ({"max_length_is_default": True} if "max_length" in unset else {})
+    for key in ("num_beams", "length_penalty"):
+        if settings[key] is None:
+            settings[key] = TRANSFORMERS_DECODING[key]
+    # The output length that applies, in generate's order: a set number of new tokens, a set length, this
+    # package's source length + offset rule, else transformers' default maximum.
+    offset = getattr(generation, "max_length_offset", None)
+    if generation.max_new_tokens is not None:
+        settings["max_new_tokens"] = generation.max_new_tokens
+    elif generation.max_length is not None:
+        settings["max_length"] = generation.max_length
+    elif offset is not None:
+        settings["max_length_offset"] = offset
+    else:
+        settings |= {"max_length": TRANSFORMERS_DECODING["max_length"], "max_length_is_default": True}
+    return settings
+
+
+def evaluation_metrics(
+    scores: Mapping[str, Any], generation: GenerationConfig, dataset_name: str | None
+) -> dict[str, Any]:
+    """`build_model_card`'s `metrics` from an `evaluate_model` result (`scores`), decoded with
+    `generation`, on the pairs of `dataset_name` (None: the training data's)."""
+    measured = ("bleu", "chrf", "bleu_signature", "chrf_signature", "repetition", "reference_repetition")
+    return {
+        "split": scores["split"],
+        "dataset_name": dataset_name,
+        "scored_pairs": scores["sentences"],
+        "split_pairs": scores["split_pairs"],
+        **{key: scores[key] for key in measured},
+        **decoding_settings(generation),
+    }
 
 
 def _check_metadata(content: str) -> None:
@@ -410,5 +433,6 @@ __all__ = [
     "build_model_card",
     "decoding_settings",
     "default_template_path",
+    "evaluation_metrics",
     "write_model_card",
 ]

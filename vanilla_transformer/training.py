@@ -60,7 +60,7 @@ from .machine import (
     resident_bytes,
 )
 from .metrics import repetition_rate, score_translations
-from .model_card import decoding_settings, write_model_card
+from .model_card import evaluation_metrics, write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
@@ -798,34 +798,25 @@ def checkpoint_steps(checkpoints: Sequence[Path]) -> list[int]:
 
 
 def write_averaged_card(
-    folder: Path, *, model_name: str, run_record: dict[str, Any], checkpoints: Sequence[Path], scores: dict
+    folder: Path, *, model_name: str, run_record: dict[str, Any], steps: Sequence[int], scores: dict
 ) -> Path:
-    """The model card of a folder holding the average of a run's `checkpoints`: the run's card (from
-    the `card` its metrics.json records), with the averaged steps and `scores` (an `evaluate_model`
-    result on the split the run scored, decoded with the folder's generation config)."""
-    steps = checkpoint_steps(checkpoints)
-    last = max(steps)
+    """The model card of a folder holding the average of a run's checkpoints of `steps`
+    (`checkpoint_steps`): the run's card (from the `card` its metrics.json records), with the averaged
+    steps and `scores` (an `evaluate_model` result on the split the run scored, decoded with the
+    folder's generation config)."""
     training = dict(run_record["card"]["training"])
-    if last != training.get("steps"):  # an earlier span: the run's epochs and time are not this model's
-        training |= {"steps": last, "epochs": None, "train_time_s": None}
+    if max(steps) != training.get("steps"):  # an earlier span: the run's epochs and time are not this one's
+        training |= {"steps": max(steps), "epochs": None, "train_time_s": None}
     training["averaged_steps"] = sorted(steps)
-    split = run_record["metrics"]["split"]
-    scored_file = run_record["scored_data"].get(f"{split}_file")
-    metrics = {
-        "split": split,
-        "dataset_name": Path(scored_file).name if scored_file else None,
-        "scored_pairs": scores["sentences"],
-        "split_pairs": scores["split_pairs"],
-        **{key: scores[key] for key in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
-        "repetition": scores["repetition"],
-        "reference_repetition": scores["reference_repetition"],
-        **decoding_settings(GenerationConfig.from_pretrained(folder)),
-    }
+    generation = GenerationConfig.from_pretrained(folder)
     return write_model_card(
         folder,
         model_name=model_name,
         config=VanillaTransformerConfig.from_pretrained(folder),
-        metrics=metrics,  # None values included: an unset length rule says which length applied
+        # None values included: an unset length rule says which length applied.
+        metrics=evaluation_metrics(
+            scores, generation, scored_file_name(run_record["scored_data"], scores["split"])
+        ),
         training={key: value for key, value in training.items() if value is not None},
         dataset=run_record["card"]["dataset"],
         source_lang=run_record["card"]["source_lang"],
@@ -1838,11 +1829,11 @@ def write_model_folder(
     }
     if config.dataset_name:
         dataset["hub_id"] = config.dataset_name
-    scored_file = config.test_file if metrics["split"] == "test" else config.validation_file
+    scored = scored_data(config, metrics["split"], run.validation_held_out)
     card_metrics = {
         "split": metrics["split"],
         # The scored split's own file, where it is not the training data's (a --test_file, say).
-        "dataset_name": Path(scored_file).name if scored_file else None,
+        "dataset_name": scored_file_name(scored, metrics["split"]),
         "scored_pairs": metrics["scored_pairs"],
         "bleu": metrics["test_bleu"],
         "chrf": metrics["test_chrf"],
@@ -1901,16 +1892,16 @@ def write_model_folder(
         "samples": samples,
         "run_id": run.state.get("run_id"),
         "card": card,
-        "scored_data": None
-        if run.validation_held_out and metrics["split"] == "validation"
-        else scored_data(config, metrics["split"]),
+        "scored_data": scored,
     }
     (output_dir / "metrics.json").write_text(json.dumps(record, indent=1))
 
 
-def scored_data(config: TrainingConfig, split: str) -> dict[str, Any]:
+def scored_data(config: TrainingConfig, split: str, validation_held_out: bool) -> dict[str, Any] | None:
     """`load_parallel_data` options that load the split the run scored (with `for_training=False`, its
-    pairs in the same order), where that split is the data's own (not drawn from train at random)."""
+    pairs in the same order); None where that split was drawn from the training data at random."""
+    if split == "validation" and validation_held_out:
+        return None
     options = {
         "dataset_name": config.dataset_name,
         "dataset_config": config.dataset_config,
@@ -1925,6 +1916,12 @@ def scored_data(config: TrainingConfig, split: str) -> dict[str, Any]:
         if options[key] is not None and (key != "dataset_name" or Path(options[key]).exists()):
             options[key] = str(Path(options[key]).resolve())
     return {key: value for key, value in options.items() if value is not None}
+
+
+def scored_file_name(scored: dict[str, Any] | None, split: str) -> str | None:
+    """The name of the file a run's scored `split` came from (`scored_data`), where it had one."""
+    path = (scored or {}).get(f"{split}_file")
+    return Path(path).name if path else None
 
 
 __all__ = [
