@@ -529,6 +529,31 @@ def test_generate_follows_weights_written_through_data():
     assert torch.equal(after, other.generate(source, **options)) and not torch.equal(after, before)
 
 
+@pytest.mark.parametrize("write", ["fused AdamW", "data"])
+def test_evaluation_loss_follows_weights_changed_without_a_version_bump(batch, write):
+    """An evaluation loss (eval mode, labels, no gradients: `Seq2SeqTrainer.evaluate`) runs the
+    decoder's products on kept weight copies. A fused optimiser step (transformers' default optimiser)
+    and `.data` writes leave the version counter as it was, and the copies were checked against the
+    values only when a decoding started: from the second evaluation on, the loss was computed with the
+    weights of the first. Reference: the same forward with gradients on, all on torch's kernel."""
+    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(2):
+        with torch.no_grad():
+            loss = model(**batch).loss
+        assert_same_up_to_rounding(loss, model(**batch).loss.detach(), 2 * 32)
+        if write == "data":
+            with torch.no_grad():
+                for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+                    mine.data.copy_(mine + theirs)
+        else:
+            model.train()
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+
+
 def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A hand-written decoding loop: one cached forward per target token, as users write beside
     `generate()`."""

@@ -157,16 +157,17 @@ def _mode_from_environment() -> str:
     return _parse_mode(value)
 
 
-# Decodings started so far (`new_generate_call`: each `generate()` call and each first cached forward):
-# kept weight copies are checked against their sources' values once per decoding.
+# Decodings started so far (`new_generate_call`: each `generate()` call, first cached forward and
+# forward without a cache): kept weight copies are checked against their sources' values once in each.
 _GENERATE_CALLS = [0]
 CHECKSUM_CHUNK = 1 << 20  # elements of a narrower-than-float32 tensor widened at once by `value_checksum`
 _PROBES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def new_generate_call() -> None:
-    """Start a `generate()` call, or another decoding (a first cached forward, as a hand-written decoding
-    loop runs): each kept copy is checked against its sources' values once in it."""
+    """Start a `generate()` call, another decoding (a first cached forward, as a hand-written decoding
+    loop runs) or a forward without a cache: each kept copy is checked against its sources' values once
+    in it."""
     _GENERATE_CALLS[0] += 1
 
 
@@ -201,11 +202,13 @@ def value_checksum(tensors: tuple[torch.Tensor, ...]) -> tuple[float, ...]:
 
 class WeightCopies:
     """Tensors derived from weights for inference (a reordered layout, a concatenation), kept while their
-    sources are unchanged: the same storage and version counter (optimiser steps and `load_state_dict`
-    write in place and bump it). Writes through `weight.data` do not bump it (it has a version counter
-    of its own): PEFT's adapter merging (`weight.data += delta`), weights averaged or swapped with
-    `p.data.copy_(...)`. So once per `generate()` call (`new_generate_call`) a copy is also checked
-    against its sources' values (`value_checksum`, one read of them) and remade if they changed.
+    sources are unchanged: the same storage and version counter (most optimiser steps and
+    `load_state_dict` write in place and bump it). Some writes do not bump it: fused optimisers
+    (`torch.optim.AdamW(fused=True)`, transformers' default), and writes through `weight.data` (it has a
+    version counter of its own): PEFT's adapter merging (`weight.data += delta`), weights averaged or
+    swapped with `p.data.copy_(...)`. So once per decoding, and once per forward that continues no
+    decoding (`new_generate_call`), a copy is also checked against its sources' values
+    (`value_checksum`, one read of them) and remade if they changed.
     At most one copy per first source tensor, dropped when that tensor is freed. Tensors of
     `torch.inference_mode` keep no version counter: nothing is kept for them.
 

@@ -592,9 +592,12 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             raise ValueError(EMPTY_BATCH)
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        if checking and cache is not None and not isinstance(past_length, torch.Tensor) and past_length == 0:
-            # A decoding starts (in `generate` or a loop of the user's own): the weight copies that
-            # decoding steps use are checked against the weights' current values once in it.
+        if checking and (cache is None or (not isinstance(past_length, torch.Tensor) and past_length == 0)):
+            # A decoding starts (in `generate` or a loop of the user's own), or a forward that continues
+            # none (an evaluation loss, a loop without a cache): the weight copies kept for other
+            # kernels are checked against the weights' current values once in it. Fused optimisers
+            # (transformers' default) and writes through `.data` change values without the version
+            # counter that a copy is otherwise kept by.
             new_generate_call()
         if checking:
             check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
