@@ -467,7 +467,8 @@ def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatc
     with torch.inference_mode():
         output, weights = kernels.decoding_attention(module, query, key, value, None, scaling=8**-0.5)
         kernels.decoding_attention(module, query, key[:, :, :5], value[:, :, :5], None, scaling=8**-0.5)
-    assert attention_policy.decisions == {(16, 8, 8, "none"): True}  # 3 x 4 -> 16 rows, 6 and 5 -> 8 keys
+    # 3 x 4 -> 16 rows, 6 and 5 -> 8 keys
+    assert attention_policy.decisions == {(16, 8, 8, "none", torch.float32): True}
     assert len(calls) == 2 and output.shape == (3, 1, 4, 8) and weights is None
     torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value).transpose(1, 2))
     many = torch.randn(3, 4, 2, 8)
@@ -475,6 +476,29 @@ def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatc
     kernels.decoding_attention(module, query.requires_grad_(), key, value, None)
     kernels.decoding_attention(module, query.detach(), key, value, None, dropout=0.1)
     assert len(calls) == 2
+
+
+def test_attention_is_measured_again_in_another_dtype(attention_policy, monkeypatch):
+    """Matrix products that give SDPA's float32 result may not give its bfloat16 result: a choice
+    measured in float32 once computed a later bfloat16 model's steps, whose translations then depended
+    on what the process had decoded before."""
+    measured = []
+
+    def faster_as_matmul(query, *_):
+        measured.append(query.dtype)
+        return query.dtype is torch.float32
+
+    monkeypatch.setattr(attention_policy, "_faster_as_matmul", faster_as_matmul)
+    module = torch.nn.Module()
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16):
+            query, key, value = (t.to(dtype) for t in single_query())
+            kernels.decoding_attention(module, query, key, value, None, scaling=8**-0.5)
+    assert measured == [torch.float32, torch.bfloat16]
+    assert attention_policy.decisions == {
+        (16, 8, 8, "none", torch.float32): True,
+        (16, 8, 8, "none", torch.bfloat16): False,
+    }
 
 
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
@@ -489,7 +513,7 @@ def test_attention_probe_fails_closed(attention_policy, monkeypatch, failure):
     with torch.inference_mode():
         output, _ = kernels.decoding_attention(torch.nn.Module(), query, key, value, None)
     torch.testing.assert_close(output, F.scaled_dot_product_attention(query, key, value).transpose(1, 2))
-    assert attention_policy.decisions == {(16, 8, 8, "none"): False}
+    assert attention_policy.decisions == {(16, 8, 8, "none", torch.float32): False}
 
 
 @pytest.mark.parametrize("empty_row", [False, True])

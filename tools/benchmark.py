@@ -758,8 +758,17 @@ def run(
     results["decode_attention"] = {
         "mode": attention.mode,
         "matmul_chosen": [
-            {"rows_x_heads": rows, "keys": keys, "head_dim": width, "mask": mask, "matmul": chosen}
-            for (rows, keys, width, mask), chosen in sorted(attention.decisions.items())
+            {
+                "rows_x_heads": rows,
+                "keys": keys,
+                "head_dim": width,
+                "mask": mask,
+                "dtype": str(dtype).removeprefix("torch."),
+                "matmul": chosen,
+            }
+            for (rows, keys, width, mask, dtype), chosen in sorted(
+                attention.decisions.items(), key=lambda item: (*item[0][:4], str(item[0][4]))
+            )
         ],
         "probe_seconds": attention.probe_seconds,
     }

@@ -631,11 +631,12 @@ class AttentionKernel:
     """Which computation a decoding step's attention uses: the mode and the decisions measured so far."""
 
     mode: str
-    # (rows x heads, keys, head width, mask kind), the first two rounded up to a power of two -> matmul?
-    decisions: dict[tuple[int, int, int, str], bool] = field(default_factory=dict)
+    # (rows x heads, keys, head width, mask kind, dtype), the first two rounded up to a power of two ->
+    # matmul?
+    decisions: dict[tuple[int, int, int, str, torch.dtype], bool] = field(default_factory=dict)
     probe_seconds: float = 0.0
 
-    def decide(self, key_: tuple[int, int, int, str], *inputs: object) -> bool:
+    def decide(self, key_: tuple[int, int, int, str, torch.dtype], *inputs: object) -> bool:
         started = time.perf_counter()
         decision = self._faster_as_matmul(*inputs)
         self.decisions[key_] = decision
@@ -702,6 +703,7 @@ def decoding_attention(
         1 << (key.shape[2] - 1).bit_length(),
         query.shape[-1],
         "none" if mask is None else str(mask.dtype),
+        query.dtype,  # a choice measured in float32 may not give the same result in bfloat16
     )
     decision = True if policy.mode == "matmul" else policy.decisions.get(class_)
     if decision is None:
