@@ -245,6 +245,27 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
     assert torch.equal(model.generate(other, pad_token_id=7, **options), masked)
 
 
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams):
+    """`forced_eos_token_id` under the per-sentence limit: transformers forces the end token at the
+    batch's limit (the longest sentence's), so the shorter rows of a padded batch, stopped at their
+    own, ended without it, and under beam search with another translation than alone."""
+    from tests.conftest import PAD
+
+    model = tiny_model("sdpa", seed=2, tie_word_embeddings=False)
+    model.generation_config.max_length_offset = 3
+    attention_mask = torch.ones_like(source)
+    attention_mask[1, 5:] = attention_mask[2, 2:] = 0
+    padded = source.masked_fill(attention_mask == 0, PAD)
+    options = {"num_beams": num_beams, "forced_eos_token_id": EOS}
+    batch = model.generate(padded, attention_mask=attention_mask, **options)
+    for row, length in enumerate(attention_mask.sum(-1).tolist()):
+        alone = model.generate(source[row : row + 1, :length], **options)[0]
+        assert alone[-1] == EOS and alone.shape[0] <= 1 + length + 3
+        assert torch.equal(batch[row, : alone.shape[0]], alone), row
+        assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+
+
 def test_the_length_rule_counts_the_start_token_put_before_a_prompt(source):
     """A decoder prompt that does not begin with the start token gets it put in front by `generate`;
     padded rows once stopped one token before their limit, which counted the prompt without it."""

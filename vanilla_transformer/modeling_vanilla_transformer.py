@@ -32,7 +32,12 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation import StoppingCriteria, StoppingCriteriaList
+from transformers.generation import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -1184,7 +1189,12 @@ class VanillaTransformerForConditionalGeneration(
         own source length (its attention-mask count; `input_ids`, `inputs_embeds` or `encoder_outputs`)
         + `max_length_offset` new tokens, instead of transformers' silent 20-token default. The offset
         comes from the `max_length_offset` keyword, else the generation config in use, else the model's
-        (50), so a fresh `GenerationConfig` keeps the rule.
+        (50), so a fresh `GenerationConfig` keeps the rule. In a padded batch each sentence stops at its
+        own limit (`SourceLengthLimit`) and gets a `forced_eos_token_id` as its last token there
+        (`SourceLengthForcedEOS`). One estimate of transformers' beam search stays batch-wide: with
+        `early_stopping="never"` and a positive length penalty it judges whether a sentence's running
+        beams could still win by the longest sentence's limit, so there a shorter sentence may end
+        with another translation than it gets alone.
 
         `length_penalty_form` (a keyword or a generation-config field, default "power"): "power" ranks
         finished beams as transformers does, by log P(Y) / |Y|^length_penalty; "gnmt" by the paper's
@@ -1247,9 +1257,15 @@ class VanillaTransformerForConditionalGeneration(
                 generation_config.max_new_tokens = longest
             mask = kwargs.get("attention_mask")
             if mask is not None and mask.dim() == 2 and bool((mask.sum(-1) < mask.shape[1]).any()):
-                limit = SourceLengthLimit(mask.sum(-1) + offset, self._prompt_length(config, kwargs))
+                limits, prompt_length = mask.sum(-1) + offset, self._prompt_length(config, kwargs)
                 criteria = kwargs.get("stopping_criteria")
+                limit = SourceLengthLimit(limits, prompt_length)
                 kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
+                forced_eos = self._setting("forced_eos_token_id", config, kwargs)
+                if forced_eos is not None:  # transformers forces it at the longest sentence's limit only
+                    processors = kwargs.get("logits_processor")
+                    forcing = SourceLengthForcedEOS(limits, prompt_length, forced_eos)
+                    kwargs["logits_processor"] = LogitsProcessorList([*(processors or []), forcing])
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
     def _padding_mask(
@@ -1356,6 +1372,29 @@ class SourceLengthLimit(StoppingCriteria):
         if input_ids.shape[0] != limits.shape[0]:
             limits = limits.repeat_interleave(input_ids.shape[0] // limits.shape[0])
         return (input_ids.shape[1] - self.prompt_length) >= limits
+
+
+class SourceLengthForcedEOS(LogitsProcessor):
+    """`forced_eos_token_id` at each sentence's own last token under `SourceLengthLimit`: transformers
+    forces it at the batch's length limit, which the shorter sentences of a padded batch never reach
+    (they ended without it, unlike the same sentence generated alone). Rows as `SourceLengthLimit`'s."""
+
+    def __init__(self, limits: torch.Tensor, prompt_length: int, eos_token_id: int | list[int]):
+        self.limits = limits
+        self.prompt_length = prompt_length
+        self.eos_token_id = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.last_steps = {int(limit) - 1 for limit in limits.tolist()}  # read once, on the host
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids.shape[1] - self.prompt_length
+        if generated not in self.last_steps:  # no sentence's last token: nothing to force
+            return scores
+        limits = self.limits.to(input_ids.device)
+        if input_ids.shape[0] != limits.shape[0]:
+            limits = limits.repeat_interleave(input_ids.shape[0] // limits.shape[0])
+        forced = torch.full_like(scores, -math.inf)
+        forced[:, self.eos_token_id] = 0
+        return torch.where((limits - 1 == generated)[:, None], forced, scores)
 
 
 __all__ = [
