@@ -266,6 +266,27 @@ def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams)
         assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_sources_padded_on_the_left_translate_as_alone(source, num_beams):
+    """A batch padded on the left (with its mask, or read from the token ids) translates each sentence
+    as it would alone, to the same per-sentence limit."""
+    from tests.conftest import PAD
+
+    model = tiny_model("sdpa")
+    model.generation_config.max_length_offset = 5
+    lengths = [source.shape[1], 5, 2]
+    padded = torch.full_like(source, PAD)
+    for row, length in enumerate(lengths):
+        padded[row, source.shape[1] - length :] = source[row, :length]
+    options = {"num_beams": num_beams, "suppress_tokens": [EOS]}
+    batch = model.generate(padded, attention_mask=(padded != PAD).long(), **options)
+    assert torch.equal(model.generate(padded, **options), batch)
+    for row, length in enumerate(lengths):
+        alone = model.generate(source[row : row + 1, :length], **options)[0]
+        assert torch.equal(batch[row, : alone.shape[0]], alone), row
+        assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+
+
 def test_the_length_rule_counts_the_start_token_put_before_a_prompt(source):
     """A decoder prompt that does not begin with the start token gets it put in front by `generate`;
     padded rows once stopped one token before their limit, which counted the prompt without it."""

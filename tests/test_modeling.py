@@ -248,13 +248,23 @@ def test_decoder_is_causal(attn_implementation, batch):
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_padding_does_not_change_outputs(attn_implementation):
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_does_not_change_outputs(attn_implementation, side):
+    """A padded batch equals each pair alone. Sources padded on the left too (as tokenizers set up for
+    decoder-only models pad): such a row once had its positions counted from the padding, so its
+    encoding and translation changed."""
     model = tiny_model(attn_implementation)
     generator = torch.Generator().manual_seed(3)
     short_src, long_src = torch.randint(3, 99, (1, 4), generator=generator), torch.randint(3, 99, (1, 9))
     short_tgt, long_tgt = torch.randint(3, 99, (1, 3), generator=generator), torch.randint(3, 99, (1, 6))
-    source = torch.cat([torch.cat([short_src, torch.full((1, 5), PAD)], 1), long_src])
-    source_mask = torch.tensor([[1] * 4 + [0] * 5, [1] * 9])
+    padding = [torch.full((1, 5), PAD), short_src] if side == "left" else [short_src, torch.full((1, 5), PAD)]
+    source = torch.cat([torch.cat(padding, 1), long_src])
+    source_mask = (source != PAD).long()
+    with torch.no_grad():
+        encoded = model.get_encoder()(input_ids=source, attention_mask=source_mask).last_hidden_state
+        short_encoded = model.get_encoder()(input_ids=short_src).last_hidden_state
+    real = source_mask[0].bool()
+    assert_same_up_to_rounding(encoded[0, real], short_encoded[0], TINY_TERMS)
     target = torch.cat([torch.cat([short_tgt, torch.full((1, 3), PAD)], 1), long_tgt])
     target_mask = torch.tensor([[1] * 3 + [0] * 3, [1] * 6])
     with torch.no_grad():

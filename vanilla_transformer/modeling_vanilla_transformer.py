@@ -453,6 +453,17 @@ class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
             init.zeros_(module.final_logits_bias)
 
 
+def leading_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B,) the padding positions before each row's first token of a (B, S) mask, or None where no row
+    is padded on the left (read on the host only where that is free: on an accelerator the count is
+    computed, never waited for)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    if reads_are_free(attention_mask) and bool(attention_mask[:, 0].all()):
+        return None
+    return (attention_mask.cumsum(-1) == 0).sum(-1)
+
+
 def may_read(mask: torch.Tensor | None) -> bool:
     """Whether transformers' mask builders may read `mask` to skip it when nothing is masked (on CPU)."""
     return mask is None or reads_are_free(mask)
@@ -512,9 +523,12 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
                 "The source sequence is empty: every input needs at least one token (e.g. </s>)."
             )
 
-        hidden_states = inputs_embeds * self.embed_scale + self.position_table(
-            0, length, inputs_embeds.device, inputs_embeds.dtype
-        )
+        positions = self.position_table(0, length, inputs_embeds.device, inputs_embeds.dtype)  # (S, D)
+        shift = leading_padding(attention_mask)
+        if shift is not None:  # a row padded on the left starts at position 0 where its tokens start
+            index = (torch.arange(length, device=shift.device) - shift[:, None]).clamp_(min=0)  # (B, S)
+            positions = positions[index]  # (B, S, D)
+        hidden_states = inputs_embeds * self.embed_scale + positions
         # Padding is never attended to, so only real tokens go through the layers (zeros come back).
         packing = TokenPacking.from_mask(attention_mask)
         if packing is not None:
