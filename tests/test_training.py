@@ -924,15 +924,33 @@ def test_bad_flags_are_rejected(tmp_path):
             TrainingConfig(seed=bad)
     with pytest.raises(ValueError, match="raise --max_tokens to at least 256 or lower --max_length to 100"):
         TrainingConfig(max_tokens=200, max_length=128)
-    # Another model's folder (a converted one, a user's) would have its files replaced without a word.
+    # Another model's folder (a converted one, a user's) would have its files replaced without a word;
+    # a user's other files would be moved into the model folder, and published with it.
     other = tmp_path / "other_model"
     other.mkdir()
     (other / "config.json").write_text("{}")
     (other / "README.md").write_text("my notes")
-    with pytest.raises(ValueError, match=r"holds README\.md, config\.json, which the trained model's folder"):
+    refused = r"holds README\.md, config\.json, and is not the folder of an earlier training run"
+    with pytest.raises(ValueError, match=refused):
         TrainingConfig(output_dir=str(other))
-    (other / "checkpoints").mkdir()  # an earlier run's folder: retrained or resumed, as before
+    (other / "checkpoints").mkdir()  # a folder named so is not enough: it once made any folder a run's
+    (other / "checkpoints" / "my_model.pt").write_text("weights")
+    with pytest.raises(ValueError, match=r"holds README\.md, checkpoints, config\.json, and is not"):
+        TrainingConfig(output_dir=str(other))
+    (other / "checkpoints" / "my_model.pt").unlink()
+    (other / "checkpoints" / "step-00000050").mkdir()  # an earlier run's folder: retrained or resumed
     assert TrainingConfig(output_dir=str(other)).output_dir == str(other)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds notes\.txt, and is not the folder of an earlier"):
+        TrainingConfig(output_dir=str(notes))
+    # What a run writes before its first checkpoint (interrupted there), and hidden files, are no one's.
+    (notes / "notes.txt").unlink()
+    for name in ("tokenizer", "logs", ".cache"):
+        (notes / name).mkdir()
+    (notes / ".DS_Store").write_text("")
+    assert TrainingConfig(output_dir=str(notes)).output_dir == str(notes)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     absent = str(tmp_path / "nonexistent" / "run")

@@ -81,14 +81,10 @@ STATE_FILE = "trainer_state.json"
 CHECKPOINT_TOKENIZER = "tokenizer"  # a checkpoint's copy of the run's tokenizer
 MANIFEST_FILE = "manifest.json"  # every file of a checkpoint: size and SHA-256
 MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
-# Files of the final model folder that would replace another folder's files of the same name.
-FINAL_FOLDER_FILES = (
-    "README.md",
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-)
+# What a run writes into --output_dir before its model folder: the tokenizer it trains, logs,
+# checkpoints (in `checkpoints/`: step-N, .partial-step-N while written, retired-<time>).
+RUN_WORKING_ENTRIES = ("checkpoints", "logs", "tokenizer")
+RUN_CHECKPOINT_ENTRY = re.compile(r"step-\d+|\.partial-step-\d+|retired-[\d-]+")
 
 
 # Schedule and batching per model size. base/big are the paper's (Section 5.2-5.3, 6.1): 8 processes x 6,250
@@ -414,13 +410,15 @@ class TrainingConfig:
                 "written beside it and renamed into place, so name a subfolder."
             )
         # A folder of an earlier run here is resumed or retrained (its checkpoints are kept apart); any
-        # other folder's model, card or tokenizer would be replaced by this run's without a word.
-        replaced = sorted(name for name in FINAL_FOLDER_FILES if (output / name).is_file())
-        earlier_run = (output / "checkpoints").is_dir() or _json_field(output / "metrics.json", "run_id")
-        if replaced and not earlier_run:
+        # other folder's files would be replaced by the model folder's (a card, a config, a tokenizer)
+        # or moved into it, and published with it, without a word.
+        foreign = [] if earlier_run_folder(output) else foreign_entries(output)
+        if foreign:
+            listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise ValueError(
-                f"--output_dir {self.output_dir} holds {', '.join(replaced)}, which the trained model's "
-                "folder would replace, and is not the folder of an earlier training run; name a new folder."
+                f"--output_dir {self.output_dir} holds {listed}, and is not the folder of an earlier "
+                "training run: the trained model's folder would replace or take in its files. Name a new "
+                "or empty folder."
             )
         # The final folder is written into a sibling, then renamed: the parent must be writable too, and
         # on the same file system.
@@ -721,6 +719,34 @@ def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
         f"{folder} holds no model.safetensors or {FSDP_WEIGHTS} (sharded FSDP checkpoints cannot be "
         "averaged: use fsdp_state_dict_type FULL_STATE_DICT, as configs/accelerate/fsdp.yaml does)."
     )
+
+
+def earlier_run_folder(folder: Path) -> bool:
+    """Whether `folder` is the --output_dir of an earlier run: its model folder (a metrics.json with a
+    run id) or its checkpoints."""
+    if _json_field(folder / "metrics.json", "run_id"):
+        return True
+    checkpoints = folder / "checkpoints"
+    entries = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
+    return bool(entries) and all(RUN_CHECKPOINT_ENTRY.fullmatch(name) for name in entries)
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """The names in `folder` that a run did not write there (hidden ones aside: a model folder has none,
+    so they are neither replaced nor published); [] for a folder that does not exist."""
+    if not folder.is_dir():
+        return []
+    foreign = []
+    for path in folder.iterdir():
+        if path.name.startswith("."):
+            continue
+        if path.name == "checkpoints" and path.is_dir():
+            if all(RUN_CHECKPOINT_ENTRY.fullmatch(p.name) for p in path.iterdir()):
+                continue
+        elif path.name in RUN_WORKING_ENTRIES and path.is_dir():
+            continue
+        foreign.append(path.name)
+    return sorted(foreign)
 
 
 def _json_field(path: Path, name: str) -> Any:
