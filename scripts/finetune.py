@@ -17,7 +17,11 @@ if __name__ == "__main__":
     except (OSError, ValueError) as error:  # files, columns, data that cannot train
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:  # Ctrl-C: stop as command-line tools do, without a traceback
-        print("interrupted", file=sys.stderr)
+        print(
+            "interrupted; if a checkpoint-N folder was written in --output_dir, continue with the same flags "
+            "and --resume_from_checkpoint latest",
+            file=sys.stderr,
+        )
         sys.exit(130)
     for name in ("loss", "bleu", "chrf", "gen_len"):
         print(f"{name:8s} before {metrics[f'before_{name}']:8.3f}   after {metrics[f'after_{name}']:8.3f}")

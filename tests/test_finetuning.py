@@ -272,6 +272,40 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt"))
 
 
+def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path):
+    """Seq2SeqTrainer keeps its last two checkpoints in --output_dir: a second fine-tune started there
+    once deleted an interrupted one's, and there was no way to continue it."""
+    start_dir, data = start
+    output = tmp_path / "tuned"
+    options = {"eval_steps": 3, "max_eval_samples": 4, "num_beams": 1, "per_device_train_batch_size": 16}
+    finetune(small_config(start_dir, data, output, max_steps=6, **options))
+    for path in output.iterdir():  # what a kill before the final save leaves: the checkpoints
+        if not path.name.startswith("checkpoint-"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert sorted(p.name for p in output.iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    with pytest.raises(
+        ValueError, match=r"checkpoints of an earlier fine-tune \(checkpoint-3, checkpoint-6\)"
+    ):
+        small_config(start_dir, data, output, max_steps=9, **options)
+    with pytest.raises(ValueError, match="is not a checkpoint of a fine-tune"):
+        small_config(start_dir, data, output, resume_from_checkpoint=str(tmp_path), **options)
+    with pytest.raises(ValueError, match="holds no checkpoint-N folder"):
+        small_config(start_dir, data, tmp_path / "new", resume_from_checkpoint="latest", **options)
+    state_file = output / "checkpoint-6" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["log_history"].append({"step": 6, "marker": "from the interrupted run"})  # carried on if resumed
+    state_file.write_text(json.dumps(state))
+    resumed = small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint="latest", **options)
+    finetune(resumed)
+    card = " ".join((output / "README.md").read_text().split())
+    assert "| training steps | 9 |" in card
+    state = json.loads((output / "checkpoint-9" / "trainer_state.json").read_text())
+    assert (
+        state["global_step"] == 9
+        and {"step": 6, "marker": "from the interrupted run"} in state["log_history"]
+    )
+
+
 def test_scores_are_against_the_reference_texts_not_the_decoded_labels():
     """References were once the labels decoded: characters the tokenizer cannot represent ("{0}" for
     a vocabulary learnt without braces) vanished from them, and outputs missing them scored 100."""

@@ -62,6 +62,12 @@ class FinetuneConfig:
     max_eval_samples: int | None = field(default=None, metadata={"help": "evaluate on the first N pairs"})
     validation_size: int = field(default=500, metadata={"help": "pairs held out when no validation_file"})
     seed: int = 0
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "continue an interrupted fine-tune: a checkpoint-N folder, or 'latest' in --output_dir"
+        },
+    )
 
     def __post_init__(self) -> None:
         positive = ["max_length", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size"]
@@ -98,6 +104,27 @@ class FinetuneConfig:
             raise ValueError(f"--output_dir {self.output_dir} already holds a model; name a new folder.")
         if (output / "README.md").exists():  # the fine-tuned model's card is written there
             raise ValueError(f"--output_dir {self.output_dir} holds a README.md; name a new folder.")
+        # Seq2SeqTrainer keeps its last two checkpoints in --output_dir: a new fine-tune there would
+        # delete an interrupted one's.
+        earlier = sorted(p.name for p in output.glob("checkpoint-*") if p.is_dir()) if output.is_dir() else []
+        if earlier and self.resume_from_checkpoint is None:
+            raise ValueError(
+                f"--output_dir {self.output_dir} holds the checkpoints of an earlier fine-tune "
+                f"({', '.join(earlier)}), which this one would delete: continue it with "
+                "--resume_from_checkpoint latest (and its flags), or name a new folder."
+            )
+        if self.resume_from_checkpoint == "latest" and not earlier:
+            raise ValueError(
+                f"--resume_from_checkpoint latest: {self.output_dir} holds no checkpoint-N folder."
+            )
+        if (
+            self.resume_from_checkpoint not in (None, "latest")
+            and not (Path(self.resume_from_checkpoint) / "trainer_state.json").is_file()
+        ):
+            raise ValueError(
+                f"--resume_from_checkpoint {self.resume_from_checkpoint} is not a checkpoint of a fine-tune "
+                "(a checkpoint-N folder with a trainer_state.json)."
+            )
 
 
 class BleuMetric:
@@ -219,7 +246,8 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
     trainer = build_trainer(config)
     before = trainer.evaluate(metric_key_prefix="before")
     started = time.perf_counter()
-    trainer.train()
+    resume = config.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
     seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
     trainer.save_model(config.output_dir)
