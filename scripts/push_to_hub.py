@@ -28,6 +28,11 @@ parser.add_argument(
     help="leave files of the repo that the folder does not have (default: delete them in the same commit; "
     "they stay in the repo's history)",
 )
+parser.add_argument(
+    "--include_other_files",
+    action="store_true",
+    help="also upload files that are not a model folder's (notes, data, subfolders; default: refuse them)",
+)
 args = parser.parse_args()
 try:
     url = push_model_folder(
@@ -37,6 +42,7 @@ try:
         private=args.private,
         commit_message=args.commit_message,
         delete_other_files=not args.keep_other_files,
+        include_other_files=args.include_other_files,
     )
 except (OSError, ValueError) as error:  # the folder, the repo id, the token; the Hub's HTTP answers
     parser.error(str(error))

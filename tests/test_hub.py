@@ -465,6 +465,15 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     assert len(commits) == 2  # nothing uploaded
     push_model_folder(folder, "alice/new-private", token="hf_dummy", private=True)
     assert created[-1] == ("alice/new-private", True) and commits[-1][0] == "alice/new-private"
+    # A user's own files in the folder went up with the model, unlisted; now only when asked.
+    (folder / "notes.txt").write_text("private")
+    (folder / "mydata").mkdir()
+    (folder / "mydata" / "pairs.tsv").write_text("en\tes\n")
+    with pytest.raises(ValueError, match=r"not a model folder's: mydata/pairs\.tsv, notes\.txt\. Nothing"):
+        push_model_folder(folder, "tiny-en-es", token="hf_dummy")
+    assert len(commits) == 3 and len(created) == 4  # refused before the Hub was asked anything
+    push_model_folder(folder, "tiny-en-es", token="hf_dummy", include_other_files=True)
+    assert {"notes.txt", "mydata/pairs.tsv"} <= set(commits[-1][1])
 
 
 def test_a_folder_needs_the_kernels_file_and_a_tokenizer_of_either_kind(model_folder, tmp_path):

@@ -31,6 +31,20 @@ TOKENIZER_FILE_SETS = (("tokenizer.json",), ("source.spm", "target.spm", "vocab.
 LOCAL_ONLY = ("checkpoints", "logs", "tokenizer", "checkpoint-*", "runs", "training_args.bin")
 # Files of a repo that an upload leaves alone although the folder does not have them: the Hub's own.
 HUB_OWN = (".gitattributes",)
+# What a model folder holds at its top level (this package's, a converted or a fine-tuned one): weights,
+# configs, code, tokenizers (fast, sentencepiece, BPE), the card and its plots. Anything else in a folder
+# to publish is someone's own (notes, data) and goes up only when asked: a commit cannot be taken back.
+MODEL_FILES = (
+    "README.md",
+    "*.json",
+    "*.safetensors",
+    "*.py",
+    "*.png",
+    "*.spm",
+    "*.model",
+    "merges.txt",
+    "vocab.txt",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +144,7 @@ def push_model_folder(
     commit_message: str = "Upload vanilla_transformer model",
     endpoint: str | None = None,
     delete_other_files: bool = True,
+    include_other_files: bool = False,
 ) -> str:
     """Create the repo if needed and upload the folder in one commit; returns the commit URL.
 
@@ -138,10 +153,11 @@ def push_model_folder(
     load would read them with the new files (a `tokenizer.json` left by an earlier model is preferred
     over a converted OPUS-MT model's sentencepiece files); `delete_other_files=False` leaves them. The
     commit is made on the revision whose files were listed: if another lands in between, the Hub
-    refuses it and nothing changes. The model card goes up with its usage
-    examples loading the repo (`card_for_repo`; a `repo_id` without a namespace is the token owner's,
-    and the card names it in full). Training by-products
-    (`LOCAL_ONLY`) stay local. `private`: True creates the repo private, and refuses to upload into an
+    refuses it and nothing changes. The model card goes up with its usage examples loading the repo
+    (`card_for_repo`; a `repo_id` without a namespace is the token owner's, and the card names it in
+    full). Training by-products (`LOCAL_ONLY`) stay local. Files that are not a model folder's
+    (`MODEL_FILES`; notes, data, anything in a subfolder) stop the upload before anything is sent,
+    unless `include_other_files`. `private`: True creates the repo private, and refuses to upload into an
     existing public one (the Hub leaves an existing repo's visibility as it is); False creates it
     public; None leaves it to the namespace's default. `endpoint` selects another Hub deployment
     (default: HF_ENDPOINT or huggingface.co).
@@ -157,6 +173,17 @@ def push_model_folder(
         and not any(fnmatch.fnmatchcase(path.relative_to(folder).parts[0], kept) for kept in LOCAL_ONLY)
         and not any(part.startswith(".") for part in path.relative_to(folder).parts)
     )
+    others = [
+        name
+        for name in (path.relative_to(folder).as_posix() for path in files)
+        if "/" in name or not any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES)
+    ]
+    if others and not include_other_files:
+        listed = ", ".join(others[:10]) + (f" and {len(others) - 10} more" if len(others) > 10 else "")
+        raise ValueError(
+            f"{folder} holds files that are not a model folder's: {listed}. Nothing was uploaded; move them "
+            "out, or publish them too with --include_other_files (include_other_files=True)."
+        )
     operations = [
         CommitOperationAdd(path.relative_to(folder).as_posix(), str(path))
         for path in files
