@@ -35,6 +35,7 @@ from vanilla_transformer.training import (
     checkpoint_problems,
     checkpoint_weights,
     foreign_checkpoints,
+    format_summary,
     list_checkpoints,
     make_loader,
     parse_config,
@@ -1418,3 +1419,11 @@ def test_help_states_each_default_once():
     assert "(default: recipe)" in text and "(default: recipe) (default:" not in text
     assert "(default: outputs/tiny-en-es)" in text and "(default: 0)" in text  # seed: no help text of its own
     assert "(default: None)" not in text  # nothing to state
+
+
+def test_the_summary_names_the_split_it_scored():
+    """A run without a test split scores its validation split: the summary said "test BLEU" for it."""
+    metrics = {"test_bleu": 1.5, "test_chrf": 11.0, "test_bleu_signature": "nrefs:1"}
+    for split in ("validation", "test"):
+        summary = format_summary({"metrics": metrics | {"split": split}, "samples": []})
+        assert summary.splitlines()[0] == f"{split} BLEU 1.50, chrF 11.00"

@@ -1733,7 +1733,8 @@ def memory() -> str:
 
 
 def format_summary(result: dict[str, Any]) -> str:
-    """The end-of-run report: test scores and sample translations."""
+    """The end-of-run report: the scores on the split scored (test, else validation) and sample
+    translations."""
     metrics, lines = result["metrics"], []
     if "train_time_s" in metrics:
         minutes, seconds = divmod(round(metrics["train_time_s"]), 60)
@@ -1744,8 +1745,9 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(line)
     if "machine" in metrics:
         lines.append(f"  machine: {format_machine(metrics['machine'])}")
-    if "test_bleu" in metrics:
-        lines.append(f"test BLEU {metrics['test_bleu']:.2f}, chrF {metrics['test_chrf']:.2f}")
+    if "test_bleu" in metrics:  # the held-out scores ("test_" in metrics.json), of the split scored
+        split = metrics.get("split", "test")
+        lines.append(f"{split} BLEU {metrics['test_bleu']:.2f}, chrF {metrics['test_chrf']:.2f}")
         lines.append(f"  {metrics['test_bleu_signature']}")
     for sample in result["samples"]:
         lines += ["", f"  source:      {sample['source']}", f"  reference:   {sample['reference']}"]
