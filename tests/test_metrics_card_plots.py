@@ -700,3 +700,15 @@ def test_model_card_names_repetition_loops_as_a_limitation_of_short_runs():
     assert "share of such outputs on the test split is under Results" in short
     assert "under Results" not in limitations(metrics={k: v for k, v in METRICS.items() if k != "repetition"})
     assert "Rare repetition loops" not in limitations(training=TRAINING | {"steps": 100_000})
+
+
+def test_a_card_says_whose_steps_ended_in_the_warm_up():
+    """An average of checkpoints written during the warm-up of a longer run: its card said the run had
+    stopped there."""
+    early = TRAINING | {"steps": 250, "warmup_steps": 600}
+    run = " ".join(str(build_model_card(**card_kwargs(training=early))).split())
+    assert "600 warm-up steps (the run stopped after 250, still warming up)" in run
+    averaged = early | {"averaged_steps": [200, 250]}
+    text = " ".join(str(build_model_card(**card_kwargs(training=averaged))).split())
+    assert "600 warm-up steps (the averaged checkpoints end at update 250, still warming up)" in text
+    assert "the run stopped" not in text
