@@ -187,6 +187,12 @@ def test_bad_data_gives_clear_errors(tmp_path):
         load_parallel_data(train_file=tmp_path / "missing.tsv", validation_file=good)
     with pytest.raises(ValueError, match=r"not UTF-8 text \(undecodable bytes on line 3\)"):
         load_parallel_data(train_file=write(tmp_path / "l1.tsv", "en\tes\nhi\thola\nno\tadiós\n", "latin-1"))
+    # UTF-16 (as some Windows tools save text): the hint was Latin-1's, which turns it into garbage.
+    for encoding, wide in (("utf-16", "UTF-16"), ("utf-16-le", "UTF-16"), ("utf-32", "UTF-32")):
+        data = write(tmp_path / f"{encoding}.tsv", "en\tes\nhi\thola\n", encoding)
+        hint = rf"not UTF-8 text but {wide}, .*\(line 1\); convert it, e.g. `iconv -f {wide} -t UTF-8`"
+        with pytest.raises(ValueError, match=hint):
+            load_parallel_data(train_file=data)
     with pytest.raises(ValueError, match="has no column 'de'"):
         load_parallel_data(train_file=good, validation_file=good, source_lang="de")
     with pytest.raises(

@@ -59,6 +59,15 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
     line = 1
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_size):
+            if (line == 1 and chunk.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))) or b"\0" in chunk:
+                # UTF-16 or UTF-32 text: with a byte-order mark not UTF-8; without one, ASCII text in it
+                # is UTF-8 with NUL bytes between the characters, which no text file holds.
+                wide = "UTF-32" if chunk.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)) else "UTF-16"
+                bad_line = line + chunk[: max(chunk.find(b"\0"), 0)].count(b"\n")
+                raise DataError(
+                    f"{path} is not UTF-8 text but {wide}, by its byte-order mark or NUL bytes (line "
+                    f"{bad_line}); convert it, e.g. `iconv -f {wide} -t UTF-8`."
+                )
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as error:
