@@ -148,6 +148,14 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", quantization="int3")
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=8)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 8
+    # A start token left unset (a MarianConfig built with transformers 5's defaults): what to set, where.
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config | {"bos_token_id": None}))
+    with pytest.raises(
+        ValueError, match=r"bos_token_id is None; .* set `bos_token_id` in the model folder's"
+    ):
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2-unset")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     too_long = r"sentences\[1\] has \d+ tokens; .* position table holds 8"
     with pytest.raises(SentenceError, match=too_long) as error:
         CTranslate2Translator(tmp_path / "ct2").translate(

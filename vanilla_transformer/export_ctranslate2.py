@@ -176,7 +176,9 @@ def _one_token_id(config: Any, field: str) -> int:
         value = value[0]
     if not isinstance(value, int):
         raise ValueError(
-            f"The model's {field} is {value!r}; a CTranslate2 export needs exactly one such token id."
+            f"The model's {field} is {value!r}; a CTranslate2 export needs exactly one such token id: "
+            f"set `{field}` in the model folder's config.json to that token's id in its tokenizer, and "
+            "export again."
         )
     return value
 
