@@ -61,6 +61,13 @@ class TranslationPipeline(Pipeline):
             raise ValueError("The translation pipeline takes a string or a list of strings.")
         if not inputs:  # no sentences, no translations (transformers' batching fails on an empty list)
             return []
+        blank = [index for index, text in enumerate(inputs) if not text.strip()]
+        if blank:  # named before any is translated (one would otherwise stop the batch midway)
+            raise ValueError(
+                f"Cannot translate an empty string: inputs[{blank[0]}]"
+                + (f" (and {len(blank) - 1} more)" if len(blank) > 1 else "")
+                + " is blank."
+            )
         results = super().__call__(list(inputs), **kwargs)
         # One translation per sentence: a flat list, as the pipeline of transformers 4 returned.
         return [result[0] for result in results] if all(len(r) == 1 for r in results) else results
