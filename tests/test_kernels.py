@@ -139,7 +139,7 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
         for _ in range(3):
             kernels.linear(torch.randn(3, 8), weight)  # class: 4 padded rows, 16 x 8, no bias
     assert state.decisions == {(4, (16, 8), False, False): "torch"}
-    assert len(slow_calls) == 1 + kernels.PROBE_ROUNDS  # the probe only: then torch's kernel
+    assert len(slow_calls) == 1 + 2  # the probe only, out after two rounds: then torch's kernel
     assert state.probe_seconds > 0
 
     # The other way round: torch's kernel slowed down, so oneDNN measures faster and is kept.
@@ -159,7 +159,36 @@ def test_probe_runs_once_per_class_and_keeps_the_faster_kernel(policy, monkeypat
         kernels.linear(torch.randn(5, 8), weight)
         kernels.linear(torch.randn(6, 8), weight)  # same class: decided already
     assert state.decisions[(8, (16, 8), False, False)] == "onednn"
-    assert len(shapes) == 2 + 1 + kernels.PROBE_ROUNDS
+    assert len(shapes) == 2 + 1 + 2
+
+
+def test_probe_stops_timing_a_kernel_once_it_cannot_win(monkeypatch):
+    """On a fake clock: a kernel whose fastest call is over PROBE_MARGIN times another's slowest is
+    timed twice and no more; kernels within the margin are timed every round, and one slow outlier
+    call (a machine hiccup) does not put the fastest kernel out."""
+    clock = [0.0]
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+    result = torch.ones(2, 2)
+
+    def kernel(costs, calls):
+        def run():
+            clock[0] += costs[min(len(calls), len(costs) - 1)]
+            calls.append(1)
+            return result
+
+        return run
+
+    calls = {name: [] for name in ("torch", "close", "slow")}
+    plain = kernel([1.0, 9.0, 1.0], calls["torch"])  # the untimed call, a hiccup, then steady
+    candidates = {"close": kernel([1.1], calls["close"]), "slow": kernel([2.0], calls["slow"])}
+    assert kernels.fastest_equal(plain, candidates, terms=2) == "torch"
+    rounds = kernels.PROBE_ROUNDS
+    assert [len(calls[name]) for name in ("torch", "close", "slow")] == [1 + rounds, 1 + rounds, 1 + 2]
+
+    calls = {name: [] for name in ("torch", "close", "slow")}
+    plain = kernel([1.0, 3.0], calls["torch"])  # three times the candidate's time, from the first round
+    assert kernels.fastest_equal(plain, {"close": kernel([1.0], calls["close"])}, terms=2) == "close"
+    assert [len(calls["torch"]), len(calls["close"])] == [1 + 2, 1 + 2]  # one kernel left: decided
 
 
 @needs_onednn
