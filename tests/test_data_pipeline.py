@@ -193,6 +193,8 @@ def test_bad_data_gives_clear_errors(tmp_path):
         hint = rf"not UTF-8 text but {wide}, .*\(line 1\); convert it, e.g. `iconv -f {wide} -t UTF-8`"
         with pytest.raises(ValueError, match=hint):
             load_parallel_data(train_file=data)
+    stray = write(tmp_path / "stray.tsv", "en\tes\nhi\thola\na\x00b\tc\n")  # UTF-8 with a stray NUL
+    assert load_parallel_data(train_file=stray, validation_file=stray)[0]["train"][1]["source"] == "a\x00b"
     with pytest.raises(ValueError, match="has no column 'de'"):
         load_parallel_data(train_file=good, validation_file=good, source_lang="de")
     with pytest.raises(

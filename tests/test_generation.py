@@ -264,6 +264,13 @@ def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams)
         assert alone[-1] == EOS and alone.shape[0] <= 1 + length + 3
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
         assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+    # Set in the generation config and switched off by the keyword, as transformers reads it.
+    model.generation_config.forced_eos_token_id = EOS
+    options["forced_eos_token_id"] = None
+    batch = model.generate(padded, attention_mask=attention_mask, **options)
+    for row, length in enumerate(attention_mask.sum(-1).tolist()):
+        alone = model.generate(source[row : row + 1, :length], **options)[0]
+        assert torch.equal(batch[row, : alone.shape[0]], alone), row
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])

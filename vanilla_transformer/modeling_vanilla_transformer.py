@@ -1275,7 +1275,11 @@ class VanillaTransformerForConditionalGeneration(
                 criteria = kwargs.get("stopping_criteria")
                 limit = SourceLengthLimit(limits, prompt_length)
                 kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
-                forced_eos = self._setting("forced_eos_token_id", config, kwargs)
+                forced_eos = (  # a keyword None switches it off, as in transformers
+                    kwargs["forced_eos_token_id"]
+                    if "forced_eos_token_id" in kwargs
+                    else self._setting("forced_eos_token_id", config, kwargs)
+                )
                 if forced_eos is not None:  # transformers forces it at the longest sentence's limit only
                     processors = kwargs.get("logits_processor")
                     forcing = SourceLengthForcedEOS(limits, prompt_length, forced_eos)

@@ -59,9 +59,10 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
     line = 1
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_size):
-            if (line == 1 and chunk.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))) or b"\0" in chunk:
+            bom = line == 1 and chunk.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+            if bom or chunk.count(b"\0") * 4 >= len(chunk):
                 # UTF-16 or UTF-32 text: with a byte-order mark not UTF-8; without one, ASCII text in it
-                # is UTF-8 with NUL bytes between the characters, which no text file holds.
+                # is UTF-8 with a NUL byte beside every character (a stray NUL in UTF-8 text is not that).
                 wide = "UTF-32" if chunk.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)) else "UTF-16"
                 bad_line = line + chunk[: max(chunk.find(b"\0"), 0)].count(b"\n")
                 raise DataError(
