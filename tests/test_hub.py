@@ -469,11 +469,15 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     (folder / "notes.txt").write_text("private")
     (folder / "mydata").mkdir()
     (folder / "mydata" / "pairs.tsv").write_text("en\tes\n")
-    with pytest.raises(ValueError, match=r"not a model folder's: mydata/pairs\.tsv, notes\.txt\. Nothing"):
+    (folder / "valid.json").write_text("[]")  # data of a format the loader reads, not a model's JSON
+    (folder / "train.log").write_text("")  # local, as the logs folder
+    refused = r"not a model folder's: mydata/pairs\.tsv, notes\.txt, valid\.json\. Nothing"
+    with pytest.raises(ValueError, match=refused):
         push_model_folder(folder, "tiny-en-es", token="hf_dummy")
     assert len(commits) == 3 and len(created) == 4  # refused before the Hub was asked anything
     push_model_folder(folder, "tiny-en-es", token="hf_dummy", include_other_files=True)
-    assert {"notes.txt", "mydata/pairs.tsv"} <= set(commits[-1][1])
+    assert {"notes.txt", "mydata/pairs.tsv", "valid.json"} <= set(commits[-1][1])
+    assert "train.log" not in commits[-1][1]
 
 
 def test_a_folder_needs_the_kernels_file_and_a_tokenizer_of_either_kind(model_folder, tmp_path):

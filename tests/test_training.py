@@ -946,12 +946,18 @@ def test_bad_flags_are_rejected(tmp_path):
     (notes / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"holds notes\.txt, and is not the folder of an earlier"):
         TrainingConfig(output_dir=str(notes))
-    # What a run writes before its first checkpoint (interrupted there), and hidden files, are no one's.
+    # What a run writes before its first checkpoint (interrupted there), hidden files and a log the
+    # output is written to (`| tee out/train.log`) are no one's; also in checkpoints/, where a file
+    # browser's .DS_Store once made a run's folder someone else's.
     (notes / "notes.txt").unlink()
     for name in ("tokenizer", "logs", ".cache"):
         (notes / name).mkdir()
     (notes / ".DS_Store").write_text("")
+    (notes / "train.log").write_text("")
     assert TrainingConfig(output_dir=str(notes)).output_dir == str(notes)
+    (other / "checkpoints" / ".DS_Store").write_text("")
+    (other / "checkpoints" / "Thumbs.db").write_text("")
+    assert TrainingConfig(output_dir=str(other)).output_dir == str(other)
     with pytest.raises(SystemExit):
         parse_config(["--preset", "huge"])
     absent = str(tmp_path / "nonexistent" / "run")
@@ -1356,6 +1362,16 @@ def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch
     with pytest.raises(InputError, match="--push_to_hub: Invalid Hub repo id 'bad id//x'"):
         train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="bad id//x"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # An earlier run's folder keeps a user's files through the final swap: the upload would refuse them
+    # at the end, after the training (a log the output is written to is not one of them).
+    earlier = tmp_path / "earlier"
+    (earlier / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (earlier / "train.log").write_text("")
+    (earlier / "valid.json").write_text("[]")
+    with pytest.raises(
+        InputError, match=r"--push_to_hub: .* holds files that are not a model folder's \(valid\.json\)"
+    ):
+        train(TrainingConfig(output_dir=str(earlier), push_to_hub=True, hub_model_id="someone/tiny"))
 
 
 def test_a_failed_upload_after_training_keeps_the_folder_and_says_how_to_publish(

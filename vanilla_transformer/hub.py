@@ -28,23 +28,68 @@ REQUIRED_FILES = (
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("source.spm", "target.spm", "vocab.json"))
 # By-products that stay local, as patterns of top-level names: the training script's checkpoints, logs
 # and tokenizer working copy; Seq2SeqTrainer's checkpoints, TensorBoard runs and arguments (finetune.py).
-LOCAL_ONLY = ("checkpoints", "logs", "tokenizer", "checkpoint-*", "runs", "training_args.bin")
+LOCAL_ONLY = (
+    "checkpoints",
+    "logs",
+    "tokenizer",
+    "checkpoint-*",
+    "runs",
+    "training_args.bin",
+    "*.log",
+    "Thumbs.db",
+    "desktop.ini",
+)
 # Files of a repo that an upload leaves alone although the folder does not have them: the Hub's own.
 HUB_OWN = (".gitattributes",)
 # What a model folder holds at its top level (this package's, a converted or a fine-tuned one): weights,
-# configs, code, tokenizers (fast, sentencepiece, BPE), the card and its plots. Anything else in a folder
-# to publish is someone's own (notes, data) and goes up only when asked: a commit cannot be taken back.
+# configs, the package's code, tokenizers (fast, sentencepiece, BPE), the card, its metrics and plots.
+# Anything else in a folder to publish is someone's own (notes, data: a .json or .py file is data or a
+# script unless named as a model's) and goes up only when asked: a commit cannot be taken back.
 MODEL_FILES = (
     "README.md",
-    "*.json",
-    "*.safetensors",
-    "*.py",
-    "*.png",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "*_vanilla_transformer.py",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
     "*.spm",
     "*.model",
-    "merges.txt",
-    "vocab.txt",
+    "metrics.json",
+    "*.png",
 )
+
+
+def other_files(folder: str | Path) -> list[str]:
+    """The files under `folder` that an upload would send and that are not a model folder's
+    (`MODEL_FILES`, at the top level), as paths relative to it."""
+    folder = Path(folder)
+    names = [path.relative_to(folder).as_posix() for path in sorted(_uploadable(folder))]
+    return [
+        name
+        for name in names
+        if "/" in name or not any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES)
+    ]
+
+
+def _uploadable(folder: Path) -> list[Path]:
+    """The files of `folder` an upload sends: not the local by-products (`LOCAL_ONLY`), nothing hidden."""
+    return [
+        path
+        for path in folder.rglob("*")
+        if path.is_file()
+        and not any(fnmatch.fnmatchcase(path.relative_to(folder).parts[0], kept) for kept in LOCAL_ONLY)
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    ]
+
 
 logger = logging.getLogger(__name__)
 
@@ -166,18 +211,8 @@ def push_model_folder(
     check_model_folder(folder)
     folder = Path(folder)
     api = HfApi(token=resolve_token(token), endpoint=endpoint)
-    files = sorted(
-        path
-        for path in folder.rglob("*")
-        if path.is_file()
-        and not any(fnmatch.fnmatchcase(path.relative_to(folder).parts[0], kept) for kept in LOCAL_ONLY)
-        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
-    others = [
-        name
-        for name in (path.relative_to(folder).as_posix() for path in files)
-        if "/" in name or not any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES)
-    ]
+    files = sorted(_uploadable(folder))
+    others = other_files(folder)
     if others and not include_other_files:
         listed = ", ".join(others[:10]) + (f" and {len(others) - 10} more" if len(others) > 10 else "")
         raise ValueError(
@@ -223,4 +258,11 @@ def push_model_folder(
     return commit.commit_url
 
 
-__all__ = ["card_for_repo", "check_model_folder", "check_repo_id", "push_model_folder", "resolve_token"]
+__all__ = [
+    "card_for_repo",
+    "check_model_folder",
+    "check_repo_id",
+    "other_files",
+    "push_model_folder",
+    "resolve_token",
+]

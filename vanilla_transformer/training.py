@@ -50,7 +50,7 @@ from .batching import TokenBatchSampler
 from .cli import InputError, first_line, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .evaluation import TOKENIZER_FILES, looks_local
-from .hub import check_repo_id, push_model_folder, resolve_token
+from .hub import check_repo_id, other_files, push_model_folder, resolve_token
 from .machine import (
     describe_gpu,
     describe_machine,
@@ -85,6 +85,16 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # checkpoints (in `checkpoints/`: step-N, .partial-step-N while written, retired-<time>).
 RUN_WORKING_ENTRIES = ("checkpoints", "logs", "tokenizer")
 RUN_CHECKPOINT_ENTRY = re.compile(r"step-\d+|\.partial-step-\d+|retired-[\d-]+")
+# What a file browser or a shell leaves in a folder, which nobody would miss: hidden files, Windows'
+# thumbnails and folder settings, and a log the run's output is written to (`... | tee out/train.log`).
+INCIDENTAL_ENTRY = re.compile(r"\..*|Thumbs\.db|desktop\.ini|.*\.log")
+
+
+def _run_checkpoints(folder: Path) -> list[str] | None:
+    """The names in `folder` (a run's `checkpoints/`) other than incidental ones, or None where any of
+    them is not what a run writes there."""
+    names = [p.name for p in folder.iterdir() if not INCIDENTAL_ENTRY.fullmatch(p.name)]
+    return names if all(RUN_CHECKPOINT_ENTRY.fullmatch(name) for name in names) else None
 
 
 # Schedule and batching per model size. base/big are the paper's (Section 5.2-5.3, 6.1): 8 processes x 6,250
@@ -727,21 +737,21 @@ def earlier_run_folder(folder: Path) -> bool:
     if _json_field(folder / "metrics.json", "run_id"):
         return True
     checkpoints = folder / "checkpoints"
-    entries = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
-    return bool(entries) and all(RUN_CHECKPOINT_ENTRY.fullmatch(name) for name in entries)
+    return checkpoints.is_dir() and bool(_run_checkpoints(checkpoints))
 
 
 def foreign_entries(folder: Path) -> list[str]:
-    """The names in `folder` that a run did not write there (hidden ones aside: a model folder has none,
-    so they are neither replaced nor published); [] for a folder that does not exist."""
+    """The names in `folder` that a run did not write there, incidental ones aside (`INCIDENTAL_ENTRY`:
+    the model folder writes none of them, and an upload leaves them out); [] for a folder that does not
+    exist."""
     if not folder.is_dir():
         return []
     foreign = []
     for path in folder.iterdir():
-        if path.name.startswith("."):
+        if INCIDENTAL_ENTRY.fullmatch(path.name):
             continue
         if path.name == "checkpoints" and path.is_dir():
-            if all(RUN_CHECKPOINT_ENTRY.fullmatch(p.name) for p in path.iterdir()):
+            if _run_checkpoints(path) is not None:
                 continue
         elif path.name in RUN_WORKING_ENTRIES and path.is_dir():
             continue
@@ -1058,6 +1068,13 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
             resolve_token(flag=None)
         except ValueError as error:
             raise InputError(f"--push_to_hub: {error}") from None
+        # An earlier run's folder keeps its other files through the final swap: the upload would refuse them.
+        others = other_files(output_dir) if output_dir.is_dir() else []
+        if others:
+            raise InputError(
+                f"--push_to_hub: {output_dir} holds files that are not a model folder's "
+                f"({', '.join(others[:10])}), which the upload at the end would refuse; move them out first."
+            )
     problem = processes_without_a_gpu()
     if problem:
         raise InputError(problem)
