@@ -289,6 +289,13 @@ def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path):
         small_config(start_dir, data, output, max_steps=9, **options)
     with pytest.raises(ValueError, match="is not a checkpoint of a fine-tune"):
         small_config(start_dir, data, output, resume_from_checkpoint=str(tmp_path), **options)
+    train_checkpoint = tmp_path / "step-00000012"  # train.py's: a trainer_state.json of its own
+    train_checkpoint.mkdir()
+    (train_checkpoint / "trainer_state.json").write_text('{"step": 12}')
+    with pytest.raises(ValueError, match="is not a checkpoint of a fine-tune"):
+        small_config(start_dir, data, output, resume_from_checkpoint=str(train_checkpoint), **options)
+    with pytest.raises(ValueError, match=r"checkpoint-6 is at step 6, and --max_steps is 6: nothing is left"):
+        small_config(start_dir, data, output, max_steps=6, resume_from_checkpoint="latest", **options)
     with pytest.raises(ValueError, match="holds no checkpoint-N folder"):
         small_config(start_dir, data, tmp_path / "new", resume_from_checkpoint="latest", **options)
     state_file = output / "checkpoint-6" / "trainer_state.json"
@@ -298,7 +305,7 @@ def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path):
     resumed = small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint="latest", **options)
     finetune(resumed)
     card = " ".join((output / "README.md").read_text().split())
-    assert "| training steps | 9 |" in card
+    assert "| training steps | 9 |" in card and "training time" not in card  # this process's part only
     state = json.loads((output / "checkpoint-9" / "trainer_state.json").read_text())
     assert (
         state["global_step"] == 9

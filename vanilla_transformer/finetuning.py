@@ -8,6 +8,7 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -117,14 +118,23 @@ class FinetuneConfig:
             raise ValueError(
                 f"--resume_from_checkpoint latest: {self.output_dir} holds no checkpoint-N folder."
             )
-        if (
-            self.resume_from_checkpoint not in (None, "latest")
-            and not (Path(self.resume_from_checkpoint) / "trainer_state.json").is_file()
-        ):
-            raise ValueError(
-                f"--resume_from_checkpoint {self.resume_from_checkpoint} is not a checkpoint of a fine-tune "
-                "(a checkpoint-N folder with a trainer_state.json)."
+        if self.resume_from_checkpoint is not None:
+            checkpoint = (
+                max((output / name for name in earlier), key=lambda p: _checkpoint_step(p.name))
+                if self.resume_from_checkpoint == "latest"
+                else Path(self.resume_from_checkpoint)
             )
+            step = _json_field(checkpoint / "trainer_state.json", "global_step")
+            if not isinstance(step, int):  # train.py's checkpoints have a trainer_state.json of their own
+                raise ValueError(
+                    f"--resume_from_checkpoint {checkpoint} is not a checkpoint of a fine-tune (a "
+                    "checkpoint-N folder whose trainer_state.json has Trainer's global_step)."
+                )
+            if step >= self.max_steps:  # Trainer would take one more step, past --max_steps
+                raise ValueError(
+                    f"--resume_from_checkpoint {checkpoint} is at step {step}, and --max_steps is "
+                    f"{self.max_steps}: nothing is left to train. Raise --max_steps."
+                )
 
 
 class BleuMetric:
@@ -240,6 +250,21 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     )
 
 
+def _checkpoint_step(name: str) -> int:
+    """N of a `checkpoint-N` folder name (-1 for another name)."""
+    suffix = name.rsplit("-", 1)[-1]
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def _json_field(path: Path, name: str) -> Any:
+    """`name` of the JSON object in `path`; None where the file, the object or the field is missing."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value.get(name) if isinstance(value, dict) else None
+
+
 def finetune(config: FinetuneConfig) -> dict[str, float]:
     """Evaluate, fine-tune, evaluate again and save; returns the metrics before and after. The folder of
     a model of this package gets its model card (`write_finetuned_card`), so it can be published."""
@@ -294,7 +319,7 @@ def write_finetuned_card(
         "finetuned_from_hub": not local,
         "steps": trainer.state.global_step,
         "epochs": round(trainer.state.epoch or 0.0, 2),
-        "train_time_s": round(seconds),
+        "train_time_s": None if config.resume_from_checkpoint else round(seconds),  # only the resumed part
         "hardware": hardware,
         "batch_pairs": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         "warmup_steps": config.warmup_steps,
