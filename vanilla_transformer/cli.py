@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -36,6 +37,15 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         if "(default:" in text or action.required or action.default in (None, "", argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+def json_field(path: Path, name: str) -> Any:
+    """`name` of the JSON object in `path`; None where the file, the object or the field is missing."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value.get(name) if isinstance(value, dict) else None
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
@@ -183,6 +193,7 @@ __all__ = [
     "check_output_file",
     "dataclass_parser",
     "first_line",
+    "json_field",
     "parse_dataclass",
     "positive_int",
     "replaced_when_complete",

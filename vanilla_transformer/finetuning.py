@@ -8,7 +8,6 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -25,6 +24,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 
+from .cli import json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
 from .machine import describe_machine, format_machine, processes_without_a_gpu
@@ -124,7 +124,7 @@ class FinetuneConfig:
                 if self.resume_from_checkpoint == "latest"
                 else Path(self.resume_from_checkpoint)
             )
-            step = _json_field(checkpoint / "trainer_state.json", "global_step")
+            step = json_field(checkpoint / "trainer_state.json", "global_step")
             if not isinstance(step, int):  # train.py's checkpoints have a trainer_state.json of their own
                 raise ValueError(
                     f"--resume_from_checkpoint {checkpoint} is not a checkpoint of a fine-tune (a "
@@ -254,15 +254,6 @@ def _checkpoint_step(name: str) -> int:
     """N of a `checkpoint-N` folder name (-1 for another name)."""
     suffix = name.rsplit("-", 1)[-1]
     return int(suffix) if suffix.isdigit() else -1
-
-
-def _json_field(path: Path, name: str) -> Any:
-    """`name` of the JSON object in `path`; None where the file, the object or the field is missing."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value.get(name) if isinstance(value, dict) else None
 
 
 def finetune(config: FinetuneConfig) -> dict[str, float]:

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
 
 from .batching import TokenBatchSampler
-from .cli import InputError, first_line, parse_dataclass
+from .cli import InputError, first_line, json_field, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .evaluation import TOKENIZER_FILES, looks_local
 from .hub import check_repo_id, other_files, push_model_folder, resolve_token
@@ -677,7 +677,7 @@ def save_checkpoint(
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in list_checkpoints(output_dir)[:-1]:
-            if _json_field(old / STATE_FILE, "scheduled") is False:
+            if json_field(old / STATE_FILE, "scheduled") is False:
                 shutil.rmtree(old)
         for old in list_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old)
@@ -734,7 +734,7 @@ def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
 def earlier_run_folder(folder: Path) -> bool:
     """Whether `folder` is the --output_dir of an earlier run: its model folder (a metrics.json with a
     run id) or its checkpoints."""
-    if _json_field(folder / "metrics.json", "run_id"):
+    if json_field(folder / "metrics.json", "run_id"):
         return True
     checkpoints = folder / "checkpoints"
     return checkpoints.is_dir() and bool(_run_checkpoints(checkpoints))
@@ -759,23 +759,14 @@ def foreign_entries(folder: Path) -> list[str]:
     return sorted(foreign)
 
 
-def _json_field(path: Path, name: str) -> Any:
-    """`name` of the JSON object in `path`; None where the file, the object or the field is missing."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value.get(name) if isinstance(value, dict) else None
-
-
 def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list[str]:
     """Why `checkpoints` cannot be averaged into `model_folder`'s model ([] when they can): checkpoints of
     different training runs (an average of two runs' weights translates nothing), or of another run than
     the folder's, or trained with another vocabulary than the folder's tokenizer. Runs record an id in
     their checkpoints and metrics.json; those written before that are checked by their tokenizer only."""
     problems = []
-    model_run = _json_field(model_folder / "metrics.json", "run_id")
-    runs = {path: _json_field(path / STATE_FILE, "run_id") for path in checkpoints}
+    model_run = json_field(model_folder / "metrics.json", "run_id")
+    runs = {path: json_field(path / STATE_FILE, "run_id") for path in checkpoints}
     known = {path: run for path, run in runs.items() if run is not None}
     if len(set(known.values())) > 1:
         problems.append(
@@ -793,9 +784,9 @@ def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list
             "checked against it: name the folder of the run they belong to."
         )
     # The pieces and their ids (merges are written differently by different versions of `tokenizers`).
-    vocabulary = (_json_field(model_folder / "tokenizer.json", "model") or {}).get("vocab")
+    vocabulary = (json_field(model_folder / "tokenizer.json", "model") or {}).get("vocab")
     for path in checkpoints:
-        own = (_json_field(path / CHECKPOINT_TOKENIZER / "tokenizer.json", "model") or {}).get("vocab")
+        own = (json_field(path / CHECKPOINT_TOKENIZER / "tokenizer.json", "model") or {}).get("vocab")
         if vocabulary is not None and own is not None and own != vocabulary:
             problems.append(f"{path} was trained with another vocabulary than {model_folder}'s tokenizer.")
     return problems
@@ -826,7 +817,7 @@ def load_averaged_weights(model: VanillaTransformerForConditionalGeneration, pat
 def checkpoint_steps(checkpoints: Sequence[Path]) -> list[int]:
     """The update after which each checkpoint was written (its state file's `step`); a ValueError names
     a checkpoint that does not record one."""
-    steps = [_json_field(path / STATE_FILE, "step") for path in checkpoints]
+    steps = [json_field(path / STATE_FILE, "step") for path in checkpoints]
     for path, step in zip(checkpoints, steps, strict=True):
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"{path / STATE_FILE} records no step (the update it was written after).")
@@ -1631,7 +1622,7 @@ def check_averaged_checkpoints(paths: Sequence[Path], run_id: str) -> None:
             f"The checkpoints to average are damaged ({named}). Move the damaged ones out of "
             "checkpoints/ and resume with --resume_from_checkpoint latest, which averages the others."
         )
-    foreign = [path.name for path in paths if _json_field(path / STATE_FILE, "run_id") not in (None, run_id)]
+    foreign = [path.name for path in paths if json_field(path / STATE_FILE, "run_id") not in (None, run_id)]
     if foreign:
         raise InputError(
             f"Checkpoints {', '.join(foreign)} are another run's (another run id): averaged with this "
