@@ -23,6 +23,7 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
 from .cli import json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
@@ -114,16 +115,18 @@ class FinetuneConfig:
                 f"({', '.join(earlier)}), which this one would delete: continue it with "
                 "--resume_from_checkpoint latest (and its flags), or name a new folder."
             )
-        if self.resume_from_checkpoint == "latest" and not earlier:
-            raise ValueError(
-                f"--resume_from_checkpoint latest: {self.output_dir} holds no checkpoint-N folder."
-            )
         if self.resume_from_checkpoint is not None:
+            # "latest": what Trainer resumes from, given True
             checkpoint = (
-                max((output / name for name in earlier), key=lambda p: _checkpoint_step(p.name))
+                (get_last_checkpoint(output) if output.is_dir() else None)
                 if self.resume_from_checkpoint == "latest"
-                else Path(self.resume_from_checkpoint)
+                else self.resume_from_checkpoint
             )
+            if checkpoint is None:
+                raise ValueError(
+                    f"--resume_from_checkpoint latest: {self.output_dir} holds no checkpoint-N folder."
+                )
+            checkpoint = Path(checkpoint)
             step = json_field(checkpoint / "trainer_state.json", "global_step")
             if not isinstance(step, int):  # train.py's checkpoints have a trainer_state.json of their own
                 raise ValueError(
@@ -248,12 +251,6 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
             tokenizer, validation.select_columns(["source", "target", "labels"]), len(tokenized["validation"])
         ),
     )
-
-
-def _checkpoint_step(name: str) -> int:
-    """N of a `checkpoint-N` folder name (-1 for another name)."""
-    suffix = name.rsplit("-", 1)[-1]
-    return int(suffix) if suffix.isdigit() else -1
 
 
 def finetune(config: FinetuneConfig) -> dict[str, float]:
