@@ -28,6 +28,10 @@ REQUIRED_FILES = (
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("source.spm", "target.spm", "vocab.json"))
 # By-products that stay local, as patterns of top-level names: the training script's checkpoints, logs
 # and tokenizer working copy; Seq2SeqTrainer's checkpoints, TensorBoard runs and arguments (finetune.py).
+# What a file browser or a shell leaves in a folder, which nobody would miss or publish: hidden files
+# (never uploaded), Windows' thumbnails and folder settings, a log the output is written to
+# (`... | tee out/train.log`).
+INCIDENTAL_FILES = ("*.log", "Thumbs.db", "desktop.ini")
 LOCAL_ONLY = (
     "checkpoints",
     "logs",
@@ -35,9 +39,7 @@ LOCAL_ONLY = (
     "checkpoint-*",
     "runs",
     "training_args.bin",
-    "*.log",
-    "Thumbs.db",
-    "desktop.ini",
+    *INCIDENTAL_FILES,
 )
 # Files of a repo that an upload leaves alone although the folder does not have them: the Hub's own.
 HUB_OWN = (".gitattributes",)
@@ -68,11 +70,17 @@ MODEL_FILES = (
 )
 
 
-def other_files(folder: str | Path) -> list[str]:
-    """The files under `folder` that an upload would send and that are not a model folder's
-    (`MODEL_FILES`, at the top level), as paths relative to it."""
+def incidental(name: str) -> bool:
+    """Whether a file or folder of this name is hidden or `INCIDENTAL_FILES`."""
+    return name.startswith(".") or any(fnmatch.fnmatchcase(name, pattern) for pattern in INCIDENTAL_FILES)
+
+
+def other_files(folder: str | Path, uploadable: list[Path] | None = None) -> list[str]:
+    """The files under `folder` that an upload would send (`uploadable`, listed here if not given) and
+    that are not a model folder's (`MODEL_FILES`, at the top level), as paths relative to it."""
     folder = Path(folder)
-    names = [path.relative_to(folder).as_posix() for path in sorted(_uploadable(folder))]
+    paths = _uploadable(folder) if uploadable is None else uploadable
+    names = sorted(path.relative_to(folder).as_posix() for path in paths)
     return [
         name
         for name in names
@@ -212,7 +220,7 @@ def push_model_folder(
     folder = Path(folder)
     api = HfApi(token=resolve_token(token), endpoint=endpoint)
     files = sorted(_uploadable(folder))
-    others = other_files(folder)
+    others = other_files(folder, files)
     if others and not include_other_files:
         listed = ", ".join(others[:10]) + (f" and {len(others) - 10} more" if len(others) > 10 else "")
         raise ValueError(
@@ -262,6 +270,7 @@ __all__ = [
     "card_for_repo",
     "check_model_folder",
     "check_repo_id",
+    "incidental",
     "other_files",
     "push_model_folder",
     "resolve_token",

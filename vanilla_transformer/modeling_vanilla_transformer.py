@@ -1386,10 +1386,15 @@ class SourceLengthLimit(StoppingCriteria):
         self.prompt_length = prompt_length
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        limits = self.limits.to(input_ids.device)
-        if input_ids.shape[0] != limits.shape[0]:
-            limits = limits.repeat_interleave(input_ids.shape[0] // limits.shape[0])
-        return (input_ids.shape[1] - self.prompt_length) >= limits
+        return (input_ids.shape[1] - self.prompt_length) >= per_row(self.limits, input_ids)
+
+
+def per_row(limits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """(B,) per-sentence `limits` for the rows of `input_ids`: B x beams (or x sequences), batch-major."""
+    limits = limits.to(input_ids.device)
+    if input_ids.shape[0] != limits.shape[0]:
+        limits = limits.repeat_interleave(input_ids.shape[0] // limits.shape[0])
+    return limits
 
 
 class SourceLengthForcedEOS(LogitsProcessor):
@@ -1407,12 +1412,9 @@ class SourceLengthForcedEOS(LogitsProcessor):
         generated = input_ids.shape[1] - self.prompt_length
         if generated not in self.last_steps:  # no sentence's last token: nothing to force
             return scores
-        limits = self.limits.to(input_ids.device)
-        if input_ids.shape[0] != limits.shape[0]:
-            limits = limits.repeat_interleave(input_ids.shape[0] // limits.shape[0])
         forced = torch.full_like(scores, -math.inf)
         forced[:, self.eos_token_id] = 0
-        return torch.where((limits - 1 == generated)[:, None], forced, scores)
+        return torch.where((per_row(self.limits, input_ids) - 1 == generated)[:, None], forced, scores)
 
 
 __all__ = [

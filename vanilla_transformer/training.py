@@ -50,7 +50,7 @@ from .batching import TokenBatchSampler
 from .cli import InputError, first_line, json_field, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .evaluation import TOKENIZER_FILES, looks_local
-from .hub import check_repo_id, other_files, push_model_folder, resolve_token
+from .hub import check_repo_id, incidental, other_files, push_model_folder, resolve_token
 from .machine import (
     describe_gpu,
     describe_machine,
@@ -85,15 +85,12 @@ MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # checkpoints (in `checkpoints/`: step-N, .partial-step-N while written, retired-<time>).
 RUN_WORKING_ENTRIES = ("checkpoints", "logs", "tokenizer")
 RUN_CHECKPOINT_ENTRY = re.compile(r"step-\d+|\.partial-step-\d+|retired-[\d-]+")
-# What a file browser or a shell leaves in a folder, which nobody would miss: hidden files, Windows'
-# thumbnails and folder settings, and a log the run's output is written to (`... | tee out/train.log`).
-INCIDENTAL_ENTRY = re.compile(r"\..*|Thumbs\.db|desktop\.ini|.*\.log")
 
 
 def _run_checkpoints(folder: Path) -> list[str] | None:
     """The names in `folder` (a run's `checkpoints/`) other than incidental ones, or None where any of
     them is not what a run writes there."""
-    names = [p.name for p in folder.iterdir() if not INCIDENTAL_ENTRY.fullmatch(p.name)]
+    names = [p.name for p in folder.iterdir() if not incidental(p.name)]
     return names if all(RUN_CHECKPOINT_ENTRY.fullmatch(name) for name in names) else None
 
 
@@ -741,14 +738,14 @@ def earlier_run_folder(folder: Path) -> bool:
 
 
 def foreign_entries(folder: Path) -> list[str]:
-    """The names in `folder` that a run did not write there, incidental ones aside (`INCIDENTAL_ENTRY`:
+    """The names in `folder` that a run did not write there, incidental ones aside (`hub.incidental`:
     the model folder writes none of them, and an upload leaves them out); [] for a folder that does not
     exist."""
     if not folder.is_dir():
         return []
     foreign = []
     for path in folder.iterdir():
-        if INCIDENTAL_ENTRY.fullmatch(path.name):
+        if incidental(path.name):
             continue
         if path.name == "checkpoints" and path.is_dir():
             if _run_checkpoints(path) is not None:
