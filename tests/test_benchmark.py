@@ -256,3 +256,36 @@ def test_compiled_decoding_step_comparison_decodes_what_generate_does():
     assert all(value > 0 for value in result["seconds_per_token"].values())
     assert list(result["first_call_s"]) == variants and all(v > 0 for v in result["first_call_s"].values())
     assert result["same_tokens"] == dict.fromkeys(variants, True)
+
+
+def test_scoring_forward_comparison_times_what_it_names(monkeypatch):
+    """`tools.scoring_forward`: the shipped way checks no kept copy, the "checked copies" way checks
+    them at every forward and "unchecked copies" never; all three give the loss of torch's kernel."""
+    from tests.conftest import tiny_model
+    from tools.scoring_forward import WAYS, time_ways, way
+    from vanilla_transformer import kernels_vanilla_transformer as kernels
+
+    checked = []
+    original = kernels.value_checksum
+    monkeypatch.setattr(kernels, "value_checksum", lambda sources: checked.append(1) or original(sources))
+    previous = kernels.set_linear_kernel("onednn" if kernels.linear_kernel().onednn is not None else "torch")
+    try:
+        model = tiny_model("sdpa").eval()
+        source = torch.randint(4, 99, (1, 9), generator=torch.Generator().manual_seed(0))
+        labels = torch.randint(4, 99, (1, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = model(input_ids=source, labels=labels).loss
+            counts = {}
+            for name in WAYS:
+                with way(name):
+                    for _ in range(2):  # counted: the second forward's checks (the first may make copies)
+                        before = len(checked)
+                        torch.testing.assert_close(model(input_ids=source, labels=labels).loss, expected)
+                counts[name] = len(checked) - before
+            medians = time_ways(lambda: model(input_ids=source, labels=labels), rounds=1, calls=1)
+    finally:
+        kernels.set_linear_kernel(previous)
+    assert counts["shipped"] == 0 and counts["unchecked copies"] == 0
+    if kernels.linear_kernel().onednn is not None:
+        assert counts["checked copies"] > 0  # every forward checks the kept layouts
+    assert list(medians) == list(WAYS) and all(value > 0 for value in medians.values())

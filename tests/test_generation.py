@@ -603,6 +603,40 @@ def test_evaluation_loss_follows_weights_changed_without_a_version_bump(batch, w
             model.eval()
 
 
+def test_a_forward_that_continues_no_decoding_reads_no_kept_copies(batch, monkeypatch):
+    """Kept copies are checked against the weights' values (one more read of every decoder matrix) where
+    they are used after an unseen write may have happened. Forwards without a cache (an evaluation loss)
+    did that at every call, a quarter to a third of a one-sentence forward's time: they now compute
+    on the matrices themselves, keeping and checking nothing, while a decoding still does both."""
+    from vanilla_transformer import kernels_vanilla_transformer as kernels
+
+    checked = []
+    original = kernels.value_checksum
+    monkeypatch.setattr(kernels, "value_checksum", lambda sources: checked.append(1) or original(sources))
+    previous = kernels.set_linear_kernel("mkl")  # packed copies for every decoding-step product
+    try:
+        if kernels.linear_kernel().mkl is None:
+            pytest.skip("this torch build has no MKL packed product")
+        model = tiny_model("sdpa")
+        kept = len(kernels.linear_kernel().packed)
+        with torch.no_grad():
+            loss = model(**batch).loss
+            logits = model(
+                input_ids=batch["input_ids"], decoder_input_ids=batch["labels"].clamp(min=0), use_cache=False
+            ).logits
+        assert checked == [] and len(kernels.linear_kernel().packed) == kept
+        assert_same_up_to_rounding(loss, model(**batch).loss.detach(), 2 * 32)
+        model.generate(batch["input_ids"], max_new_tokens=3, num_beams=1, do_sample=False)
+        assert checked and len(kernels.linear_kernel().packed) > kept  # the decoding keeps and checks
+        with torch.no_grad():
+            again = model(
+                input_ids=batch["input_ids"], decoder_input_ids=batch["labels"].clamp(min=0), use_cache=False
+            ).logits
+        assert torch.equal(again, logits)
+    finally:
+        kernels.set_linear_kernel(previous)
+
+
 def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A hand-written decoding loop: one cached forward per target token, as users write beside
     `generate()`."""

@@ -47,7 +47,8 @@ and only where it costs nothing else:
   decoder's, the output projection: `Linear(..., per_step=True)`) is converted once into that layout for
   the row count in use and the copy is kept (`WeightCopies`: one per matrix and kernel, dropped when
   the matrix changes or is freed, or when the class is decided for another kernel), so decoding holds
-  one more copy of those matrices. The others (the encoder's, used once per input) may run on oneDNN,
+  one more copy of those matrices; a forward without a cache (an evaluation loss) keeps and reads
+  no copy. The others (the encoder's, used once per input) may run on oneDNN,
   which then reorders at each call, but never on packed MKL, whose packing would be paid at every call;
   training runs on neither.
 - The first product of a class (padded rows, weight shape, bias or not, kept layout or not) times the
@@ -62,11 +63,13 @@ is read when the new variable is unset. Only summation order differs between the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -160,17 +163,36 @@ def _mode_from_environment() -> str:
     return _parse_mode(value)
 
 
-# Decodings started so far (`new_generate_call`: each `generate()` call, first cached forward and
-# forward without a cache): kept weight copies are checked against their sources' values once in each.
+# Decodings started so far (`new_generate_call`: each `generate()` call and first cached forward): kept
+# weight copies are checked against their sources' values once in each.
 _GENERATE_CALLS = [0]
 CHECKSUM_CHUNK = 1 << 20  # elements of a narrower-than-float32 tensor widened at once by `value_checksum`
 _PROBES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
+# Whether products of per-step layers may use (and keep) copies of their matrices: False inside a
+# forward that continues no decoding (`no_kept_copies`), whose matrices would have to be checked
+# against their kept copies at every call, one more read of them than the product itself needs.
+_KEEP_COPIES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_weight_copies", default=True)
+
+
+@contextlib.contextmanager
+def no_kept_copies(active: bool = True) -> Iterator[None]:
+    """Inside it (where `active`), per-step layers compute as other layers do: on torch's kernel or
+    oneDNN with the matrix as it is, no kept copy made, looked up or checked."""
+    if not active:
+        yield
+        return
+    token = _KEEP_COPIES.set(False)
+    try:
+        yield
+    finally:
+        _KEEP_COPIES.reset(token)
+
+
 def new_generate_call() -> None:
-    """Start a `generate()` call, another decoding (a first cached forward, as a hand-written decoding
-    loop runs) or a forward without a cache: each kept copy is checked against its sources' values once
-    in it."""
+    """Start a `generate()` call or another decoding (a first cached forward, as a hand-written decoding
+    loop runs): each kept copy is checked against its sources' values once in it."""
     _GENERATE_CALLS[0] += 1
 
 
@@ -209,9 +231,9 @@ class WeightCopies:
     `load_state_dict` write in place and bump it). Some writes do not bump it: fused optimisers
     (`torch.optim.AdamW(fused=True)`, transformers' default), and writes through `weight.data` (it has a
     version counter of its own): PEFT's adapter merging (`weight.data += delta`), weights averaged or
-    swapped with `p.data.copy_(...)`. So once per decoding, and once per forward that continues no
-    decoding (`new_generate_call`), a copy is also checked against its sources' values
-    (`value_checksum`, one read of them) and remade if they changed.
+    swapped with `p.data.copy_(...)`. So once per decoding (`new_generate_call`) a copy is also checked
+    against its sources' values (`value_checksum`, one read of them) and remade if they changed. Forwards
+    that continue no decoding use no kept copies (`no_kept_copies`).
     At most one copy per first source tensor, dropped when that tensor is freed. Tensors of
     `torch.inference_mode` keep no version counter: nothing is kept for them.
 
@@ -470,6 +492,7 @@ def linear(
     if not 0 < rows <= MAX_ROWS:
         return F.linear(inputs, weight, bias)
     padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach the other kernels
+    per_step = per_step and _KEEP_COPIES.get()
     # A class measured fastest on torch's kernel goes straight there: decoding steps repeat the same
     # few classes, so this lookup is what most calls cost here.
     kernel = (
@@ -1211,6 +1234,7 @@ __all__ = [
     "matmul_attention",
     "merge_heads",
     "new_generate_call",
+    "no_kept_copies",
     "per_item",
     "plain_linear",
     "projected_label_smoothed_loss",

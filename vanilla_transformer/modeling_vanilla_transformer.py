@@ -73,6 +73,7 @@ from .kernels_vanilla_transformer import (
     loss_without_logits,
     merge_heads,
     new_generate_call,
+    no_kept_copies,
     per_item,
     reads_are_free,
     split_heads,
@@ -611,12 +612,12 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             raise ValueError(EMPTY_BATCH)
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        if checking and (cache is None or (not isinstance(past_length, torch.Tensor) and past_length == 0)):
-            # A decoding starts (in `generate` or a loop of the user's own), or a forward that continues
-            # none (an evaluation loss, a loop without a cache): the weight copies kept for other
-            # kernels are checked against the weights' current values once in it. Fused optimisers
+        if checking and cache is not None and not isinstance(past_length, torch.Tensor) and past_length == 0:
+            # A decoding starts (in `generate` or a loop of the user's own): the weight copies kept for
+            # other kernels are checked against the weights' current values once in it. Fused optimisers
             # (transformers' default) and writes through `.data` change values without the version
-            # counter that a copy is otherwise kept by.
+            # counter that a copy is otherwise kept by. A forward that continues no decoding (an
+            # evaluation loss, a loop without a cache) uses no kept copies (`no_kept_copies`, below).
             new_generate_call()
         if checking:
             check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
@@ -658,22 +659,23 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_self_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions else None
-        for layer in self.layers:
-            hidden_states, self_weights, cross_weights = layer(
-                hidden_states,
-                self_mask,
-                encoder_states,
-                encoder_attention_mask=cross_mask,
-                cache=cache,
-                use_cache=use_cache,
-                packing=packing,
-                encoder_packing=encoder_packing,
-            )
-            if output_hidden_states:
-                all_hidden_states += (padded(hidden_states),)
-            if output_attentions:
-                all_self_attentions += (self_weights,)
-                all_cross_attentions += (cross_weights,)
+        with no_kept_copies(cache is None):
+            for layer in self.layers:
+                hidden_states, self_weights, cross_weights = layer(
+                    hidden_states,
+                    self_mask,
+                    encoder_states,
+                    encoder_attention_mask=cross_mask,
+                    cache=cache,
+                    use_cache=use_cache,
+                    packing=packing,
+                    encoder_packing=encoder_packing,
+                )
+                if output_hidden_states:
+                    all_hidden_states += (padded(hidden_states),)
+                if output_attentions:
+                    all_self_attentions += (self_weights,)
+                    all_cross_attentions += (cross_weights,)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
 
@@ -1096,7 +1098,8 @@ class VanillaTransformerForConditionalGeneration(
                 self, hidden_states, labels, num_items_in_batch, label_smoothed_cross_entropy
             )
         else:
-            logits = self.project(hidden_states)  # (B, T, V)
+            with no_kept_copies(outputs.cache is None):  # a forward that continues no decoding
+                logits = self.project(hidden_states)  # (B, T, V)
             if labels is not None:
                 labels = labels.to(logits.device)
                 unlikelihood = self.config.unlikelihood_weight
