@@ -226,8 +226,8 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
         alone = model.generate(source[row : row + 1, :length], **options)[0]
         assert alone.shape[0] == 1 + length + 5
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
-        # after the limit only filler: padding (greedy) or end-of-sentence (beam search)
-        assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+        # after the limit only padding (beam search filled it with the end token)
+        assert (batch[row, alone.shape[0] :] == PAD).all(), row
     # Without the mask, as a direct call may leave it out: the padding is read from the token ids
     # (transformers infers it for decoder-only models alone; an encoder-decoder attended to the padding).
     assert torch.equal(model.generate(padded, **options), batch)
@@ -243,6 +243,44 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
     other = source.masked_fill(attention_mask == 0, 7)
     masked = model.generate(other, attention_mask=attention_mask, pad_token_id=7, **options)
     assert torch.equal(model.generate(other, pad_token_id=7, **options), masked)
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_finished_rows_are_filled_with_padding_as_greedy_search_and_marian_fill_them(source, num_beams):
+    """transformers' beam search fills a finished row with `pad_token_id or eos_token_id`: with this
+    model's padding id, 0, with the end token, and with -1 where there is no end token. Greedy search
+    (and MarianMTModel, whose padding id is not 0) fill it with padding, which is what counts a row's
+    length. Rows end at an end token or at their own source-length limit; both are filled with padding,
+    and what a row holds before that is its translation alone."""
+    from tests.conftest import PAD
+
+    model = tiny_model("sdpa", seed=2, tie_word_embeddings=False)
+    model.generation_config.max_length_offset = 3
+    attention_mask = torch.ones_like(source)
+    attention_mask[1, 5:] = attention_mask[2, 2:] = 0
+    padded = source.masked_fill(attention_mask == 0, PAD)
+    for options in (
+        {"forced_eos_token_id": EOS},  # each row ends with the end token at its limit
+        {"eos_token_id": None},  # no end token: each row stops at its limit
+    ):
+        options["num_beams"] = num_beams
+        batch = model.generate(padded, attention_mask=attention_mask, return_dict_in_generate=True, **options)
+        for row, length in enumerate(attention_mask.sum(-1).tolist()):
+            alone = model.generate(source[row : row + 1, :length], **options)[0]
+            assert torch.equal(batch.sequences[row, : alone.shape[0]], alone), (options, row)
+            assert (batch.sequences[row, alone.shape[0] :] == PAD).all(), (options, row)
+    # An end token that a keyword switches off is text (here forced as the third token): nothing after
+    # it is touched.
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class EndTokenThird(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            return scores.index_fill(1, torch.tensor([EOS]), 1e4) if input_ids.shape[1] == 3 else scores
+
+    options = {"num_beams": num_beams, "eos_token_id": None, "suppress_tokens": [PAD]}
+    text = model.generate(padded[:1], logits_processor=LogitsProcessorList([EndTokenThird()]), **options)
+    assert text.shape[1] == 1 + source.shape[1] + 3 and text[0, 3] == EOS
+    assert not (text[0, 1:] == PAD).any()
 
 
 @pytest.mark.parametrize("num_beams", [1, 4])
@@ -263,7 +301,7 @@ def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams)
         alone = model.generate(source[row : row + 1, :length], **options)[0]
         assert alone[-1] == EOS and alone.shape[0] <= 1 + length + 3
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
-        assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+        assert (batch[row, alone.shape[0] :] == PAD).all(), row  # not the end token (beam search did)
     # Set in the generation config and switched off by the keyword, as transformers reads it.
     model.generation_config.forced_eos_token_id = EOS
     options["forced_eos_token_id"] = None
@@ -291,7 +329,7 @@ def test_sources_padded_on_the_left_translate_as_alone(source, num_beams):
     for row, length in enumerate(lengths):
         alone = model.generate(source[row : row + 1, :length], **options)[0]
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
-        assert torch.isin(batch[row, alone.shape[0] :], torch.tensor([PAD, EOS])).all(), row
+        assert (batch[row, alone.shape[0] :] == PAD).all(), row  # not the end token (beam search did)
 
 
 def test_the_length_rule_counts_the_start_token_put_before_a_prompt(source):

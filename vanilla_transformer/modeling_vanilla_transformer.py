@@ -1219,6 +1219,10 @@ class VanillaTransformerForConditionalGeneration(
 
         A padded batch of token ids given without `attention_mask` is masked where it holds the padding
         token (`_padding_mask`), so that no row attends to padding or gets another row's length limit.
+
+        A row that ended before the longest is filled with the padding token after its end
+        (`pad_finished`), under beam search too, where transformers fills it with the end token when the
+        padding id is 0, as here.
         """
         # Kept weight copies are checked against the weights' values once per call. (The decoder also
         # starts a check at its first cached forward, but cannot tell a static cache's first step.)
@@ -1265,6 +1269,7 @@ class VanillaTransformerForConditionalGeneration(
             source = kwargs.get("inputs_embeds")  # (B, S, D): the length is the same dimension
         if source is None and kwargs.get("encoder_outputs") is not None:
             source = kwargs["encoder_outputs"][0]
+        limits = None  # each sentence's own limit of new tokens, where they differ
         if unset and offset is not None and source is not None:
             longest = source.shape[1] + offset  # the longest row's limit
             if generation_config is None:
@@ -1287,7 +1292,17 @@ class VanillaTransformerForConditionalGeneration(
                     processors = kwargs.get("logits_processor")
                     forcing = SourceLengthForcedEOS(limits, prompt_length, forced_eos)
                     kwargs["logits_processor"] = LogitsProcessorList([*(processors or []), forcing])
-        return super().generate(inputs, generation_config=generation_config, **kwargs)
+        # Read before transformers takes the keywords; a keyword None means no end token, as there.
+        ends = None
+        if not ("eos_token_id" in kwargs and kwargs["eos_token_id"] is None):
+            ends = self._setting("eos_token_id", config, kwargs)
+        pad = self._setting("pad_token_id", config, kwargs)
+        prompt_length = self._prompt_length(config, kwargs)
+        output = super().generate(inputs, generation_config=generation_config, **kwargs)
+        sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+        if isinstance(sequences, torch.Tensor) and sequences.dim() == 2 and pad is not None:
+            pad_finished(sequences, prompt_length, ends, pad, limits)
+        return output
 
     def _padding_mask(
         self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]
@@ -1331,6 +1346,35 @@ class VanillaTransformerForConditionalGeneration(
 
 
 LENGTH_PENALTY_FORMS = ("power", "gnmt")
+
+
+def pad_finished(
+    sequences: torch.Tensor,
+    start: int,
+    end_ids: int | list[int] | torch.Tensor | None,
+    pad: int,
+    limits: torch.Tensor | None = None,
+) -> None:
+    """Write the padding token, in place, where each row of `generate`'s output has ended: after its
+    first end token at or after position `start` (the prompt's length), and from its own limit of new
+    tokens on (`limits`, per sentence, as `SourceLengthLimit`'s).
+
+    transformers' beam search fills the positions after a translation that ended early with
+    `pad_token_id or eos_token_id`, so with this model's padding id, 0, with the end token; its greedy
+    search, and MarianMTModel's beam search (padding id 58100), fill them with padding. Nothing changes
+    where the padding token is itself an end token."""
+    generated = sequences[:, start:]
+    finished = torch.zeros_like(generated, dtype=torch.bool)
+    if end_ids is not None:
+        ends = torch.as_tensor(end_ids, device=sequences.device).flatten()
+        if bool((ends == pad).any()):
+            return
+        ended = torch.isin(generated, ends).int()
+        finished |= ended.cumsum(1) - ended > 0
+    if limits is not None:
+        positions = torch.arange(generated.shape[1], device=sequences.device)
+        finished |= positions >= per_row(limits, generated)[:, None]
+    generated.masked_fill_(finished, pad)
 
 
 def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: dict[str, Any]) -> None:
