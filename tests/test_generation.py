@@ -245,6 +245,21 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
     assert torch.equal(model.generate(other, pad_token_id=7, **options), masked)
 
 
+def test_encoder_outputs_given_to_generate_are_left_as_they_were(source):
+    """transformers expands `encoder_outputs` for beam search (or several sequences) in place: the
+    caller's object then held num_beams copies of each row, and a second decoding from it returned
+    num_beams times the rows (MarianMTModel still does)."""
+    model = tiny_model("sdpa")
+    encoder_outputs = model.get_encoder()(input_ids=source)
+    states = encoder_outputs.last_hidden_state
+    first = model.generate(encoder_outputs=encoder_outputs, num_beams=3, max_new_tokens=5)
+    assert encoder_outputs.last_hidden_state is states
+    again = model.generate(encoder_outputs=encoder_outputs, num_beams=3, max_new_tokens=5)
+    assert torch.equal(again, first) and first.shape[0] == source.shape[0]
+    several = model.generate(encoder_outputs=encoder_outputs, num_beams=3, num_return_sequences=2)
+    assert several.shape[0] == 2 * source.shape[0] and encoder_outputs.last_hidden_state is states
+
+
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_finished_rows_are_filled_with_padding_as_greedy_search_and_marian_fill_them(source, num_beams):
     """transformers' beam search fills a finished row with `pad_token_id or eos_token_id`: with this

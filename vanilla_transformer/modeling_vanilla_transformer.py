@@ -1234,6 +1234,10 @@ class VanillaTransformerForConditionalGeneration(
             generation_config.unset_default_max_length()
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(inputs if inputs is not None else kwargs.get("input_ids"), config, kwargs)
+        if isinstance(kwargs.get("encoder_outputs"), dict):  # a ModelOutput is a dict
+            # transformers expands it for beams or sequences in place: the caller's object, reused for
+            # another decoding, would then hold num_beams copies of each row (and give that many rows).
+            kwargs["encoder_outputs"] = copy.copy(kwargs["encoder_outputs"])
         form = kwargs.pop("length_penalty_form", None)
         if form is None:
             form = getattr(config, "length_penalty_form", None)
