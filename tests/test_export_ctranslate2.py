@@ -45,8 +45,9 @@ def corpus():
     return load_default_corpus()
 
 
-def trained_folder(path, corpus, **overrides):
-    """A tiny model trained for a few dozen updates on real pairs (peaked, non-trivial predictions)."""
+def trained_folder(path, corpus, steps: int = 40, **overrides):
+    """A tiny model trained for `steps` updates on real pairs (a few dozen: peaked, non-trivial
+    predictions)."""
     pairs = corpus["train"].select(range(256))
     tokenizer = train_bpe_tokenizer(list(pairs["en"]) + list(pairs["es"]), 400)
     torch.manual_seed(0)
@@ -64,7 +65,7 @@ def trained_folder(path, corpus, **overrides):
             model.final_logits_bias.normal_(0, 0.5)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
     model.train()
-    for step in range(40):
+    for step in range(steps):
         rows = range(32 * (step % 8), 32 * (step % 8 + 1))
         batch = tokenizer(
             [pairs["en"][i] for i in rows],
@@ -305,3 +306,24 @@ def test_empty_translations_length_offset_0_and_beam_differences(tmp_path, corpu
     with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
         CTranslate2Translator(tmp_path / "ct2").translate(sources[:2], num_beams=1)
     assert caplog.text == ""  # greedy search: the engines agree
+
+
+def test_translations_cut_by_a_small_position_table_are_named(tmp_path, corpus, caplog):
+    """An export with a small --max_positions stops translations at that many tokens, short of the
+    source length + 50 that generate() keeps, and said nothing: the output looked like a translation."""
+    model, _ = trained_folder(tmp_path / "model", corpus, steps=0, add_final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias[0, model.config.eos_token_id] = -1e4  # never ends: every limit is reached
+    model.save_pretrained(tmp_path / "model")
+    sources = ["short", "a sentence", "three words here"]
+    export_ctranslate2(tmp_path / "model", tmp_path / "small", max_positions=12)
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        cut = CTranslate2Translator(tmp_path / "small").translate(sources)
+    assert "sentences[0], sentences[1], sentences[2] were cut at 12 tokens" in caplog.text
+    assert "larger --max_positions" in caplog.text
+    caplog.clear()
+    export_ctranslate2(tmp_path / "model", tmp_path / "large", max_positions=128)
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        whole = CTranslate2Translator(tmp_path / "large").translate(sources)
+    assert "were cut" not in caplog.text  # stopped by the source length + 50 rule, as generate() stops
+    assert all(len(a) < len(b) for a, b in zip(cut, whole, strict=True))

@@ -412,16 +412,31 @@ class CTranslate2Translator:
         for index, tokens in enumerate(sources):
             by_length.setdefault(len(tokens), []).append(index)
         outputs: dict[int, str] = {}
+        cut: list[int] = []  # sentences whose translation the position table stopped short of the rule
         for length, indices in by_length.items():
             limit = min(length + settings["max_length_offset"], settings["max_positions"])
+            capped = limit < length + settings["max_length_offset"]
             for start in range(0, len(indices), batch_size):
                 chunk = indices[start : start + batch_size]
                 results = self.translator.translate_batch(
                     [sources[i] for i in chunk], max_decoding_length=limit, **options
                 )
                 for i, result in zip(chunk, results, strict=True):
-                    ids = self.tokenizer.convert_tokens_to_ids(result.hypotheses[0])
+                    tokens = result.hypotheses[0]  # without the end token: `limit` of them if stopped there
+                    if capped and len(tokens) >= limit:
+                        cut.append(i)
+                    ids = self.tokenizer.convert_tokens_to_ids(tokens)
                     outputs[i] = one_line(self.tokenizer.decode(ids, skip_special_tokens=True))
+        if cut:
+            cut.sort()
+            named = ", ".join(f"sentences[{i}]" for i in cut[:5]) + (
+                f" and {len(cut) - 5} more" if len(cut) > 5 else ""
+            )
+            logger.warning(
+                f"The translations of {named} were cut at {settings['max_positions']} tokens, the exported "
+                f"position table's size, before the source length + {settings['max_length_offset']} limit "
+                "that generate() keeps: export again with a larger --max_positions."
+            )
         return [outputs[i] for i in range(len(sources))]
 
 
