@@ -330,3 +330,15 @@ def test_scores_are_against_the_reference_texts_not_the_decoded_labels():
     assert bleu_metric_fn(tokenizer)(outputs)["chrf"] == 100  # what the decoded labels said
     other = Dataset.from_dict({"target": texts[::-1], "labels": labels[::-1]})  # not these labels
     assert bleu_metric_fn(tokenizer, other)(outputs)["chrf"] == 100  # falls back to decoding
+
+
+def test_a_marian_fine_tune_says_how_to_get_a_card(marian_start, start, tmp_path, caplog):
+    """A fine-tuned MarianMTModel folder gets no card (the card describes this package's model), and
+    push_to_hub.py refuses a folder without one: the run said nothing of either."""
+    _, data = start
+    config = small_config(marian_start, data, tmp_path / "tuned", max_steps=1, validation_size=8)
+    with caplog.at_level("WARNING", logger="vanilla_transformer.finetuning"):
+        finetune(config)
+    assert not (tmp_path / "tuned" / "README.md").exists()
+    assert "No model card was written" in caplog.text and "holds a MarianMTModel" in caplog.text
+    assert f"convert_marian.py --model {tmp_path / 'tuned'} --output FOLDER --test_file" in caplog.text

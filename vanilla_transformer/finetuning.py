@@ -264,11 +264,17 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
     seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
     trainer.save_model(config.output_dir)
-    if (
-        trainer.is_world_process_zero()
-        and trainer.model.config.model_type == VanillaTransformerConfig.model_type
-    ):
-        write_finetuned_card(config, trainer, after, seconds)
+    if trainer.is_world_process_zero():
+        if trainer.model.config.model_type == VanillaTransformerConfig.model_type:
+            write_finetuned_card(config, trainer, after, seconds)
+        else:  # the card describes this package's model: its architecture, code and usage
+            logger.warning(
+                f"No model card was written: {config.output_dir} holds a {type(trainer.model).__name__}, and "
+                "the card describes this package's model. To publish it with push_to_hub.py, convert it "
+                f"(`python scripts/convert_marian.py --model {config.output_dir} --output FOLDER --test_file "
+                "PAIRS --source_lang ... --target_lang ...` scores it and writes the card), or publish it "
+                "as it is with transformers' push_to_hub."
+            )
     return before | after
 
 

@@ -136,8 +136,9 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     if missing:
         card = (
             " The model card (README.md), with the model's measured scores, is written by scripts/train.py"
-            " and finetune.py, by average_checkpoints.py (unless --no-card) and by convert_marian.py given a"
-            " --test_file to score; for another folder, write one (as"
+            " and finetune.py (for this package's models), by average_checkpoints.py (unless --no-card) and"
+            " by convert_marian.py given a --test_file to score (a fine-tuned MarianMTModel folder too);"
+            " for another folder, write one (as"
             " vanilla_transformer.model_card.write_model_card does) before publishing."
             if "README.md" in missing
             else ""
