@@ -298,6 +298,20 @@ def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path):
         small_config(start_dir, data, output, max_steps=6, resume_from_checkpoint="latest", **options)
     with pytest.raises(ValueError, match="holds no checkpoint-N folder"):
         small_config(start_dir, data, tmp_path / "new", resume_from_checkpoint="latest", **options)
+    # A checkpoint kept elsewhere resumes into a new folder, not into one whose checkpoints (another
+    # fine-tune's) Trainer's rotation would delete.
+    elsewhere = tmp_path / "elsewhere" / "checkpoint-6"
+    shutil.copytree(output / "checkpoint-6", elsewhere)
+    with pytest.raises(
+        ValueError, match=r"holds the checkpoints of another fine-tune \(checkpoint-3, checkpoint-6\)"
+    ):
+        small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint=str(elsewhere), **options)
+    small_config(
+        start_dir, data, tmp_path / "new", max_steps=9, resume_from_checkpoint=str(elsewhere), **options
+    )
+    small_config(
+        start_dir, data, output, max_steps=9, resume_from_checkpoint=str(output / "checkpoint-3"), **options
+    )
     state_file = output / "checkpoint-6" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     state["log_history"].append({"step": 6, "marker": "from the interrupted run"})  # carried on if resumed

@@ -138,6 +138,12 @@ class FinetuneConfig:
                     f"--resume_from_checkpoint {checkpoint} is at step {step}, and --max_steps is "
                     f"{self.max_steps}: nothing is left to train. Raise --max_steps."
                 )
+            if earlier and checkpoint.resolve().parent != output.resolve():
+                raise ValueError(
+                    f"--output_dir {self.output_dir} holds the checkpoints of another fine-tune "
+                    f"({', '.join(earlier)}) than --resume_from_checkpoint {checkpoint}'s, which this one "
+                    "would delete: name a new folder (or resume that fine-tune from one of them)."
+                )
 
 
 class BleuMetric:
