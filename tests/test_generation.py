@@ -299,6 +299,66 @@ def test_finished_rows_are_filled_with_padding_as_greedy_search_and_marian_fill_
 
 
 @pytest.mark.parametrize("num_beams", [1, 4])
+def test_rows_a_stopping_criterion_ends_are_filled_with_padding(source, num_beams):
+    """Beam search ends a hypothesis at an end token, at a sentence's own limit, or where a stopping
+    criterion says so; transformers fills the rest with the end token (padding id 0) or -1. The rest
+    is padding here, as in greedy search."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from tests.conftest import PAD
+
+    class FirstSentenceStopsAfterThree(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[: input_ids.shape[0] // source.shape[0]] = input_ids.shape[1] - 1 >= 3  # batch-major
+            return done
+
+    model = tiny_model("sdpa")
+    stop = StoppingCriteriaList([FirstSentenceStopsAfterThree()])
+    for ends in ({}, {"eos_token_id": None}):
+        if num_beams == 1 and ends:  # greedy search without an end token does not stop a row (as Marian's)
+            continue
+        options = {"num_beams": num_beams, "max_new_tokens": 8, "suppress_tokens": [EOS], **ends}
+        output = model.generate(source, stopping_criteria=stop, **options)
+        assert output.shape[1] == 1 + 8 and (output[0, 4:] == PAD).all(), (ends, output[0])
+        assert not (output[1:, 1:] == PAD).any()  # the other sentences run to the length
+
+
+def test_an_end_token_switched_off_in_the_generation_config_is_text(source):
+    """With the model's generation config setting no end token (transformers then reads none from the
+    model configuration either), an end token in the output is text: what follows it was once
+    overwritten with padding."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class EndTokenThird(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            return scores.index_fill(1, torch.tensor([EOS]), 1e4) if input_ids.shape[1] == 3 else scores
+
+    model = tiny_model("sdpa")
+    model.generation_config.eos_token_id = None
+    for num_beams in (1, 4):
+        output = model.generate(
+            source[:1],
+            num_beams=num_beams,
+            max_new_tokens=8,
+            logits_processor=LogitsProcessorList([EndTokenThird()]),
+            suppress_tokens=[0],
+        )
+        assert output.shape[1] == 1 + 8 and output[0, 3] == EOS and not (output[0, 1:] == 0).any()
+
+
+def test_a_start_token_per_row_with_a_prompt(source):
+    """transformers takes `decoder_start_token_id` as one id per row; with a decoder prompt beside it,
+    `generate` once failed reading the prompt's length ('bool' object has no attribute 'all')."""
+    model = tiny_model("sdpa")
+    start = model.config.decoder_start_token_id
+    prompt = torch.tensor([[start, 7], [start, 8], [start, 9]])
+    options = {"num_beams": 2, "max_new_tokens": 4, "decoder_input_ids": prompt}
+    per_row = model.generate(source, decoder_start_token_id=[start] * 3, **options)
+    assert torch.equal(per_row, model.generate(source, **options))
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
 def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams):
     """`forced_eos_token_id` under the per-sentence limit: transformers forces the end token at the
     batch's limit (the longest sentence's), so the shorter rows of a padded batch, stopped at their
@@ -656,11 +716,12 @@ def test_evaluation_loss_follows_weights_changed_without_a_version_bump(batch, w
             model.eval()
 
 
-def test_a_forward_that_continues_no_decoding_reads_no_kept_copies(batch, monkeypatch):
-    """Kept copies are checked against the weights' values (one more read of every decoder matrix) where
-    they are used after an unseen write may have happened. Forwards without a cache (an evaluation loss)
-    did that at every call, a quarter to a third of a one-sentence forward's time: they now compute
-    on the matrices themselves, keeping and checking nothing, while a decoding still does both."""
+def test_only_decodings_with_a_cache_read_kept_copies(batch, monkeypatch):
+    """Kept copies are checked against the weights' values (one more read of every decoder matrix) once
+    per decoding. Forwards without a cache (an evaluation loss) checked them at every call, a quarter to
+    a third of a one-sentence forward's time; they now compute on the matrices themselves. So does the
+    output layer called outside a decoding (a hook on it sends the loss through it; user code applies
+    it to decoder states), which once kept computing with a copy that nothing checked any more."""
     from vanilla_transformer import kernels_vanilla_transformer as kernels
 
     checked = []
@@ -672,22 +733,90 @@ def test_a_forward_that_continues_no_decoding_reads_no_kept_copies(batch, monkey
             pytest.skip("this torch build has no MKL packed product")
         model = tiny_model("sdpa")
         kept = len(kernels.linear_kernel().packed)
+        source, target = batch["input_ids"], batch["labels"].clamp(min=0)
         with torch.no_grad():
             loss = model(**batch).loss
-            logits = model(
-                input_ids=batch["input_ids"], decoder_input_ids=batch["labels"].clamp(min=0), use_cache=False
-            ).logits
+            logits = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
         assert checked == [] and len(kernels.linear_kernel().packed) == kept
         assert_same_up_to_rounding(loss, model(**batch).loss.detach(), 2 * 32)
-        model.generate(batch["input_ids"], max_new_tokens=3, num_beams=1, do_sample=False)
+        model.generate(source, max_new_tokens=3, num_beams=1, do_sample=False)
         assert checked and len(kernels.linear_kernel().packed) > kept  # the decoding keeps and checks
         with torch.no_grad():
-            again = model(
-                input_ids=batch["input_ids"], decoder_input_ids=batch["labels"].clamp(min=0), use_cache=False
-            ).logits
+            again = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
         assert torch.equal(again, logits)
+
+        # The output layer outside a decoding, after a write that leaves the version counter alone.
+        model.lm_head.register_forward_hook(lambda module, inputs, output: None)  # the loss goes through it
+        with torch.no_grad():
+            states = model.model(input_ids=source, decoder_input_ids=target, use_cache=False)[0]
+            model.get_output_embeddings()(states), model(**batch, return_logits=False)  # as before a write
+            model.lm_head.weight.data.mul_(3)
+            direct = model.get_output_embeddings()(states)
+            hooked = model(**batch, return_logits=False).loss
+            kernels.set_linear_kernel("torch")
+            torch.testing.assert_close(direct, model.get_output_embeddings()(states))
+            torch.testing.assert_close(hooked, model(**batch, return_logits=False).loss)
     finally:
         kernels.set_linear_kernel(previous)
+
+
+def test_a_forward_without_a_cache_compiles_whole_where_reads_are_not_free(batch, monkeypatch):
+    """On an accelerator (emulated: no host reads of tensor values) a forward without a cache compiled
+    as one graph; switching kept copies off there once broke it (torch.compile cannot trace the context
+    variable), so `fullgraph=True` failed for training and evaluation losses."""
+    from vanilla_transformer import kernels_vanilla_transformer as kernels
+    from vanilla_transformer import modeling_vanilla_transformer as modeling
+
+    monkeypatch.setattr(kernels, "reads_are_free", lambda tensor: False)
+    monkeypatch.setattr(modeling, "reads_are_free", lambda tensor: False)
+    monkeypatch.setattr(modeling, "may_read", lambda mask: mask is None)
+    model = tiny_model("sdpa").eval()
+    source, target = batch["input_ids"], batch["labels"].clamp(min=0)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            loss = torch.compile(lambda: model(**batch).loss, fullgraph=True, backend="eager")()
+            logits = torch.compile(
+                lambda: model(input_ids=source, decoder_input_ids=target, use_cache=False).logits,
+                fullgraph=True,
+                backend="eager",
+            )()
+            torch.testing.assert_close(loss, model(**batch).loss)
+            torch.testing.assert_close(
+                logits, model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
+            )
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_reused_static_cache_follows_weights_written_through_data(source):
+    """A static cache reused after its `reset()` (its usual use) reports its length as a tensor, so no
+    check of the kept copies started the second decoding: after a `.data` write it decoded with the
+    old weights."""
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache
+
+    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
+    cache = EncoderDecoderCache(
+        StaticCache(config=model.config, max_cache_len=16), StaticCache(config=model.config, max_cache_len=16)
+    )
+    start = torch.full((source.shape[0], 1), model.config.decoder_start_token_id)
+
+    def decode(decoder):
+        cache.reset()
+        with torch.no_grad():
+            encoder_outputs, tokens, steps = decoder.get_encoder()(input_ids=source), start, []
+            for _ in range(5):
+                logits = decoder(
+                    encoder_outputs=encoder_outputs, decoder_input_ids=tokens, cache=cache
+                ).logits
+                tokens, steps = logits[:, -1:].argmax(-1), [*steps, logits[:, -1]]
+        return torch.stack(steps, 1)
+
+    decode(model)
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            mine.data.copy_(theirs)
+    assert_same_up_to_rounding(decode(model), decode(other), TINY_TERMS)
 
 
 def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

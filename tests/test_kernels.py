@@ -39,7 +39,8 @@ def policy(monkeypatch):
     monkeypatch.setattr(state, "onednn", counting)
     if MKL is not None:
         monkeypatch.setattr(state, "mkl", counting_mkl)
-    yield state, shapes, mkl_shapes
+    with kernels.kept_copies():  # as inside a decoding, where per-step products may keep copies
+        yield state, shapes, mkl_shapes
     kernels.set_linear_kernel(previous)
 
 
@@ -293,11 +294,14 @@ def test_weight_copies_register_one_finalizer_per_tensor_and_drop_idempotently()
 
 def test_joint_projection_equals_the_separate_layers():
     """Q, K and V of a decoding step from one product with the matrices stacked: the same as three
-    products, following in-place weight changes; not used with gradients, hooks or mixed biases."""
+    products, following in-place weight changes; not used with gradients, hooks or mixed biases, nor
+    outside a decoding with a cache (`kept_copies`), where the stacked copy would go unchecked."""
     torch.manual_seed(0)
     layers = (kernels.Linear(24, 24), kernels.Linear(24, 24), kernels.Linear(24, 24))
     inputs = torch.randn(3, 1, 24)
     with torch.no_grad():
+        assert kernels.joint_projection(inputs, layers) is None
+    with torch.no_grad(), kernels.kept_copies():
         for _ in range(2):
             joint = kernels.joint_projection(inputs, layers)
             assert joint is not None and len(joint) == 3
@@ -312,10 +316,11 @@ def test_joint_projection_equals_the_separate_layers():
         handle = layers[2].register_forward_hook(lambda *args: None)
         assert kernels.joint_projection(inputs, layers) is None
         handle.remove()
-    assert kernels.joint_projection(inputs, layers) is None  # gradients enabled
-    with torch.inference_mode():
-        frozen = (kernels.Linear(24, 24), kernels.Linear(24, 24))
-        assert kernels.joint_projection(inputs, frozen) is None  # inference tensors: nothing to track
+    with kernels.kept_copies():
+        assert kernels.joint_projection(inputs, layers) is None  # gradients enabled
+        with torch.inference_mode():
+            frozen = (kernels.Linear(24, 24), kernels.Linear(24, 24))
+            assert kernels.joint_projection(inputs, frozen) is None  # inference tensors: nothing to track
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from tools.benchmark import (
     median_time,
 )
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
+from vanilla_transformer.kernels_vanilla_transformer import kept_copies
 from vanilla_transformer.machine import describe_machine, format_machine
 
 Step = Callable[[torch.Tensor, torch.Tensor, EncoderDecoderCache], torch.Tensor]
@@ -63,8 +64,9 @@ def decode(
         first = model(encoder_outputs=(encoder_states,), decoder_input_ids=start, cache=cache, use_cache=True)
         tokens = [first.logits[:, -1].argmax(-1, keepdim=True)]
         started = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            tokens.append(step(tokens[-1], encoder_states, cache))
+        with kept_copies():  # a decoding with a cache, as generate()'s steps are (not traced: outside)
+            for _ in range(new_tokens - 1):
+                tokens.append(step(tokens[-1], encoder_states, cache))
         elapsed = time.perf_counter() - started
     return elapsed / (new_tokens - 1), torch.cat(tokens, dim=1)
 

@@ -2,7 +2,8 @@
 without gradients (`Seq2SeqTrainer`'s evaluation loss at batch 1, a scoring loop), three ways side by
 side in one process, taking turns:
 
-- shipped: the decoder's products on the matrices themselves (`no_kept_copies`), nothing checked;
+- shipped: the decoder's products on the matrices themselves (`kept_copies` is for decodings),
+  nothing checked;
 - checked copies: on the copies kept for decoding (other kernels' layouts), each checked against its
   matrix's values at every call (`value_checksum`), as before 2026-12-05;
 - unchecked copies: the kept copies without the check, the lower bound, but wrong after a write that
@@ -35,14 +36,16 @@ WAYS = ("shipped", "checked copies", "unchecked copies")
 @contextlib.contextmanager
 def kept_copies_in_every_forward(checked: bool) -> Iterator[None]:
     """Forwards without a cache use the copies kept for decoding; `checked`: each call checks them."""
+    shipped = modeling.kept_copies
 
     @contextlib.contextmanager
     def keep(active: bool = True) -> Iterator[None]:
-        if active and checked:
+        if checked and not active:  # a forward without a cache: its copies are checked once in it
             kernels.new_generate_call()
-        yield
+        with shipped():
+            yield
 
-    with mock.patch.object(modeling, "no_kept_copies", keep):
+    with mock.patch.object(modeling, "kept_copies", keep):
         yield
 
 

@@ -47,8 +47,9 @@ and only where it costs nothing else:
   decoder's, the output projection: `Linear(..., per_step=True)`) is converted once into that layout for
   the row count in use and the copy is kept (`WeightCopies`: one per matrix and kernel, dropped when
   the matrix changes or is freed, or when the class is decided for another kernel), so decoding holds
-  one more copy of those matrices; a forward without a cache (an evaluation loss) keeps and reads
-  no copy. The others (the encoder's, used once per input) may run on oneDNN,
+  one more copy of those matrices; only decodings with a cache use the copies (`kept_copies`): a
+  forward without one (an evaluation loss) computes on the matrices themselves. The others (the
+  encoder's, used once per input) may run on oneDNN,
   which then reorders at each call, but never on packed MKL, whose packing would be paid at every call;
   training runs on neither.
 - The first product of a class (padded rows, weight shape, bias or not, kept layout or not) times the
@@ -170,20 +171,23 @@ CHECKSUM_CHUNK = 1 << 20  # elements of a narrower-than-float32 tensor widened a
 _PROBES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
-# Whether products of per-step layers may use (and keep) copies of their matrices: False inside a
-# forward that continues no decoding (`no_kept_copies`), whose matrices would have to be checked
-# against their kept copies at every call, one more read of them than the product itself needs.
-_KEEP_COPIES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_weight_copies", default=True)
+# Whether products of per-step layers may use (and keep) copies of their matrices: only inside a
+# decoding with a cache (`kept_copies`), where those copies are checked against the weights' values once
+# per decoding (`new_generate_call`). Elsewhere (an evaluation loss, a forward without a cache, the
+# output layer called directly) a copy would have to be checked at every call, one more read of its
+# matrix than the product itself needs, so none is used.
+_KEEP_COPIES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_weight_copies", default=False)
 
 
 @contextlib.contextmanager
-def no_kept_copies(active: bool = True) -> Iterator[None]:
-    """Inside it (where `active`), per-step layers compute as other layers do: on torch's kernel or
-    oneDNN with the matrix as it is, no kept copy made, looked up or checked."""
+def kept_copies(active: bool = True) -> Iterator[None]:
+    """Inside it (where `active`), per-step layers may compute on copies of their matrices in other
+    kernels' layouts, kept across calls; callers are decodings with a cache. Not under torch.compile,
+    which cannot trace the context variable (and computes on torch's kernels there anyway)."""
     if not active:
         yield
         return
-    token = _KEEP_COPIES.set(False)
+    token = _KEEP_COPIES.set(True)
     try:
         yield
     finally:
@@ -232,8 +236,8 @@ class WeightCopies:
     (`torch.optim.AdamW(fused=True)`, transformers' default), and writes through `weight.data` (it has a
     version counter of its own): PEFT's adapter merging (`weight.data += delta`), weights averaged or
     swapped with `p.data.copy_(...)`. So once per decoding (`new_generate_call`) a copy is also checked
-    against its sources' values (`value_checksum`, one read of them) and remade if they changed. Forwards
-    that continue no decoding use no kept copies (`no_kept_copies`).
+    against its sources' values (`value_checksum`, one read of them) and remade if they changed. Copies
+    are used inside decodings with a cache only (`kept_copies`).
     At most one copy per first source tensor, dropped when that tensor is freed. Tensors of
     `torch.inference_mode` keep no version counter: nothing is kept for them.
 
@@ -586,8 +590,9 @@ def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tup
     None where that does not apply: gradients, compilation, layers with biases of mixed presence or
     wrapped by hooks or adapters, untrackable (inference-mode) weights."""
     if (
-        torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
+        torch.compiler.is_compiling()  # first: nothing below needs tracing
+        or not _KEEP_COPIES.get()  # outside a decoding with a cache (`kept_copies`)
+        or torch.is_grad_enabled()
         or torch.jit.is_tracing()
         or not all(bare_linear(layer) for layer in layers)
     ):
@@ -1227,6 +1232,7 @@ __all__ = [
     "decoding_attention",
     "dropout",
     "identity",
+    "kept_copies",
     "linear",
     "linear_kernel",
     "loss_dtype",
@@ -1234,7 +1240,6 @@ __all__ = [
     "matmul_attention",
     "merge_heads",
     "new_generate_call",
-    "no_kept_copies",
     "per_item",
     "plain_linear",
     "projected_label_smoothed_loss",

@@ -67,13 +67,13 @@ from .kernels_vanilla_transformer import (
     global_module_hooks,
     identity,
     joint_projection,
+    kept_copies,
     layer_norm_of,
     linear_of,
     loss_dtype,
     loss_without_logits,
     merge_heads,
     new_generate_call,
-    no_kept_copies,
     per_item,
     reads_are_free,
     split_heads,
@@ -612,13 +612,19 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             raise ValueError(EMPTY_BATCH)
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        if checking and cache is not None and not isinstance(past_length, torch.Tensor) and past_length == 0:
-            # A decoding starts (in `generate` or a loop of the user's own): the weight copies kept for
-            # other kernels are checked against the weights' current values once in it. Fused optimisers
-            # (transformers' default) and writes through `.data` change values without the version
-            # counter that a copy is otherwise kept by. A forward that continues no decoding (an
-            # evaluation loss, a loop without a cache) uses no kept copies (`no_kept_copies`, below).
-            new_generate_call()
+        # A decoding starts (in `generate` or a loop of the user's own, a static cache reused after its
+        # `reset()` too): the weight copies kept for other kernels are checked against the weights'
+        # current values once in it. Fused optimisers (transformers' default) and writes through `.data`
+        # change values without the version counter that a copy is otherwise kept by. Only decodings
+        # with a cache use such copies (`kept_copies`, below), and only on the CPU, where reading the
+        # length is free.
+        if checking and cache is not None:
+            if isinstance(past_length, int):
+                starting = past_length == 0
+            else:  # a static cache's length, a tensor
+                starting = reads_are_free(past_length) and int(past_length) == 0
+            if starting:
+                new_generate_call()
         if checking:
             check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
             check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
@@ -659,7 +665,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_self_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions else None
-        with no_kept_copies(cache is None):
+        with kept_copies(cache is not None and checking):  # `checking`: not compiling
             for layer in self.layers:
                 hidden_states, self_weights, cross_weights = layer(
                     hidden_states,
@@ -1098,7 +1104,7 @@ class VanillaTransformerForConditionalGeneration(
                 self, hidden_states, labels, num_items_in_batch, label_smoothed_cross_entropy
             )
         else:
-            with no_kept_copies(outputs.cache is None):  # a forward that continues no decoding
+            with kept_copies(outputs.cache is not None and not torch.compiler.is_compiling()):
                 logits = self.project(hidden_states)  # (B, T, V)
             if labels is not None:
                 labels = labels.to(logits.device)
@@ -1149,14 +1155,14 @@ class VanillaTransformerForConditionalGeneration(
         ):
             return None
         encoder_hidden_states = encoder_outputs[0]
-        hidden_states = self.model.decoder.decoding_step(
-            decoder_input_ids, encoder_hidden_states, attention_mask, cache
-        )
-        if hidden_states is None:
-            return None
-        return Seq2SeqLMOutput(
-            logits=self.project(hidden_states), cache=cache, encoder_last_hidden_state=encoder_hidden_states
-        )
+        with kept_copies(not torch.compiler.is_compiling()):
+            hidden_states = self.model.decoder.decoding_step(
+                decoder_input_ids, encoder_hidden_states, attention_mask, cache
+            )
+            if hidden_states is None:
+                return None
+            logits = self.project(hidden_states)
+        return Seq2SeqLMOutput(logits=logits, cache=cache, encoder_last_hidden_state=encoder_hidden_states)
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The pre-softmax linear transformation (Section 3.4): (..., D) -> (..., V) logits."""
@@ -1273,7 +1279,7 @@ class VanillaTransformerForConditionalGeneration(
             source = kwargs.get("inputs_embeds")  # (B, S, D): the length is the same dimension
         if source is None and kwargs.get("encoder_outputs") is not None:
             source = kwargs["encoder_outputs"][0]
-        limits = None  # each sentence's own limit of new tokens, where they differ
+        limits, prompt_length = None, 1  # each sentence's own limit of new tokens, where they differ
         if unset and offset is not None and source is not None:
             longest = source.shape[1] + offset  # the longest row's limit
             if generation_config is None:
@@ -1287,26 +1293,28 @@ class VanillaTransformerForConditionalGeneration(
                 criteria = kwargs.get("stopping_criteria")
                 limit = SourceLengthLimit(limits, prompt_length)
                 kwargs["stopping_criteria"] = StoppingCriteriaList([*(criteria or []), limit])
-                forced_eos = (  # a keyword None switches it off, as in transformers
-                    kwargs["forced_eos_token_id"]
-                    if "forced_eos_token_id" in kwargs
-                    else self._setting("forced_eos_token_id", config, kwargs)
-                )
+                forced_eos = self._setting("forced_eos_token_id", config, kwargs)
                 if forced_eos is not None:  # transformers forces it at the longest sentence's limit only
                     processors = kwargs.get("logits_processor")
                     forcing = SourceLengthForcedEOS(limits, prompt_length, forced_eos)
                     kwargs["logits_processor"] = LogitsProcessorList([*(processors or []), forcing])
-        # Read before transformers takes the keywords; a keyword None means no end token, as there.
-        ends = None
-        if not ("eos_token_id" in kwargs and kwargs["eos_token_id"] is None):
-            ends = self._setting("eos_token_id", config, kwargs)
+        # Beam search fills rows that ended early with the end token (see `pad_finished`); where each
+        # hypothesis ended is in its `beam_indices`, which come with a dictionary output.
         pad = self._setting("pad_token_id", config, kwargs)
-        prompt_length = self._prompt_length(config, kwargs)
+        dictionary = self._setting("return_dict_in_generate", config, kwargs)
+        needs_dictionary = beams > 1 and pad is not None and not dictionary
+        if needs_dictionary:
+            if generation_config is None:
+                kwargs["return_dict_in_generate"] = True
+            else:  # not as a keyword beside a config, which transformers deprecates
+                generation_config = copy.copy(generation_config)
+                generation_config.return_dict_in_generate = True
         output = super().generate(inputs, generation_config=generation_config, **kwargs)
         sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
-        if isinstance(sequences, torch.Tensor) and sequences.dim() == 2 and pad is not None:
-            pad_finished(sequences, prompt_length, ends, pad, limits)
-        return output
+        if pad is not None and isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
+            beam_indices = getattr(output, "beam_indices", None)
+            pad_finished(sequences, pad, beam_indices, limits, prompt_length)
+        return sequences if needs_dictionary else output
 
     def _padding_mask(
         self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]
@@ -1331,12 +1339,13 @@ class VanillaTransformerForConditionalGeneration(
         return mask.long() if not bool(mask.all()) else None
 
     def _setting(self, name: str, config: GenerationConfig, kwargs: dict[str, Any]) -> Any:
-        """A generation setting as `generate` takes it: the keyword, else the generation config in use,
-        the model's, the model configuration's; None where none sets it."""
-        given = (kwargs.get(name), getattr(config, name, None), getattr(self.generation_config, name, None))
-        return next(
-            (value for value in (*given, getattr(self.config, name, None)) if value is not None), None
-        )
+        """A generation setting as transformers' `generate` resolves it: the keyword (a keyword None
+        unsets it), else the generation config in use, else the model's; None where none sets it (the
+        model configuration's fields are not read: transformers no longer does)."""
+        if name in kwargs:
+            return kwargs[name]
+        value = getattr(config, name, None)
+        return value if value is not None else getattr(self.generation_config, name, None)
 
     def _prompt_length(self, config: GenerationConfig, kwargs: dict[str, Any]) -> int:
         """The decoder input `generate` starts from: the start token, or the prompt given, which it
@@ -1345,8 +1354,12 @@ class VanillaTransformerForConditionalGeneration(
         if prompt is None:
             return 1
         start = self._setting("decoder_start_token_id", config, kwargs)
-        prefixed = start is not None and bool((prompt[:, 0] != start).all())
-        return prompt.shape[1] + int(prefixed)
+        if start is None:  # transformers starts from the start-of-sequence token then
+            start = self._setting("bos_token_id", config, kwargs)
+        if start is None:
+            return prompt.shape[1]
+        starts = torch.as_tensor(start, device=prompt.device).flatten()  # one id, or one per row
+        return prompt.shape[1] + int(bool((prompt[:, 0] != starts).all()))
 
 
 LENGTH_PENALTY_FORMS = ("power", "gnmt")
@@ -1354,31 +1367,28 @@ LENGTH_PENALTY_FORMS = ("power", "gnmt")
 
 def pad_finished(
     sequences: torch.Tensor,
-    start: int,
-    end_ids: int | list[int] | torch.Tensor | None,
     pad: int,
+    beam_indices: torch.Tensor | None = None,
     limits: torch.Tensor | None = None,
+    start: int = 1,
 ) -> None:
-    """Write the padding token, in place, where each row of `generate`'s output has ended: after its
-    first end token at or after position `start` (the prompt's length), and from its own limit of new
-    tokens on (`limits`, per sentence, as `SourceLengthLimit`'s).
+    """Write the padding token, in place, where each row of `generate`'s output had ended: where its
+    `beam_indices` (beam search's, (rows, generated tokens)) are -1, and from its own limit of new
+    tokens on (`limits`, per sentence, as `SourceLengthLimit`'s, counted from position `start`, the
+    prompt's length).
 
-    transformers' beam search fills the positions after a translation that ended early with
-    `pad_token_id or eos_token_id`, so with this model's padding id, 0, with the end token; its greedy
-    search, and MarianMTModel's beam search (padding id 58100), fill them with padding. Nothing changes
-    where the padding token is itself an end token."""
-    generated = sequences[:, start:]
-    finished = torch.zeros_like(generated, dtype=torch.bool)
-    if end_ids is not None:
-        ends = torch.as_tensor(end_ids, device=sequences.device).flatten()
-        if bool((ends == pad).any()):
-            return
-        ended = torch.isin(generated, ends).int()
-        finished |= ended.cumsum(1) - ended > 0
+    transformers' beam search fills the positions after a hypothesis that ended early (at an end token,
+    a stopping criterion, a sentence's own limit) with `pad_token_id or eos_token_id`: with this model's
+    padding id, 0, with the end token, and with -1 where there is no end token. Its greedy search, and
+    MarianMTModel's beam search (padding id 58100), fill them with padding; greedy search without an
+    end token goes on after a sentence's own limit."""
+    if beam_indices is not None:
+        generated = sequences[:, sequences.shape[1] - beam_indices.shape[1] :]
+        generated.masked_fill_(beam_indices.to(sequences.device) < 0, pad)
     if limits is not None:
+        generated = sequences[:, start:]
         positions = torch.arange(generated.shape[1], device=sequences.device)
-        finished |= positions >= per_row(limits, generated)[:, None]
-    generated.masked_fill_(finished, pad)
+        generated.masked_fill_(positions >= per_row(limits, generated)[:, None], pad)
 
 
 def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: dict[str, Any]) -> None:
