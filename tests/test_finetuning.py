@@ -272,52 +272,61 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt"))
 
 
-def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path):
+def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path, caplog):
     """Seq2SeqTrainer keeps its last two checkpoints in --output_dir: a second fine-tune started there
-    once deleted an interrupted one's, and there was no way to continue it."""
+    once deleted an interrupted one's, and there was no way to continue it. A fine-tune stopped after its
+    last update (in the final evaluation or save) could not be finished either, and `latest` took a
+    checkpoint stopped while written (Trainer's own choice) and refused it."""
+    from safetensors.torch import load_file
+
     start_dir, data = start
     output = tmp_path / "tuned"
     options = {"eval_steps": 3, "max_eval_samples": 4, "num_beams": 1, "per_device_train_batch_size": 16}
     finetune(small_config(start_dir, data, output, max_steps=6, **options))
-    for path in output.iterdir():  # what a kill before the final save leaves: the checkpoints
+    finished = load_file(output / "model.safetensors")
+    for path in output.iterdir():  # what a kill in the final save leaves: the checkpoints, a config begun
         if not path.name.startswith("checkpoint-"):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    assert sorted(p.name for p in output.iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    (output / "config.json").write_text("")
+    assert sorted(p.name for p in output.iterdir()) == ["checkpoint-3", "checkpoint-6", "config.json"]
+    with pytest.raises(ValueError, match="already holds a model"):  # a new fine-tune
+        small_config(start_dir, data, output, max_steps=9, **options)
+    (output / "config.json").unlink()
     with pytest.raises(
         ValueError, match=r"checkpoints of an earlier fine-tune \(checkpoint-3, checkpoint-6\)"
     ):
         small_config(start_dir, data, output, max_steps=9, **options)
-    with pytest.raises(ValueError, match="is not a checkpoint of a fine-tune"):
+    (output / "config.json").write_text("")
+    with pytest.raises(ValueError, match="is not a whole checkpoint of a fine-tune"):
         small_config(start_dir, data, output, resume_from_checkpoint=str(tmp_path), **options)
     train_checkpoint = tmp_path / "step-00000012"  # train.py's: a trainer_state.json of its own
     train_checkpoint.mkdir()
     (train_checkpoint / "trainer_state.json").write_text('{"step": 12}')
-    with pytest.raises(ValueError, match="is not a checkpoint of a fine-tune"):
+    with pytest.raises(ValueError, match="is not a whole checkpoint of a fine-tune"):
         small_config(start_dir, data, output, resume_from_checkpoint=str(train_checkpoint), **options)
-    with pytest.raises(ValueError, match=r"checkpoint-6 is at step 6, and --max_steps is 6: nothing is left"):
-        small_config(start_dir, data, output, max_steps=6, resume_from_checkpoint="latest", **options)
+    with pytest.raises(ValueError, match=r"checkpoint-6 is at step 6, past --max_steps 5"):
+        small_config(start_dir, data, output, max_steps=5, resume_from_checkpoint="latest", **options)
     with pytest.raises(ValueError, match="holds no checkpoint-N folder"):
         small_config(start_dir, data, tmp_path / "new", resume_from_checkpoint="latest", **options)
-    # A checkpoint kept elsewhere resumes into a new folder, not into one whose checkpoints (another
-    # fine-tune's) Trainer's rotation would delete.
-    elsewhere = tmp_path / "elsewhere" / "checkpoint-6"
-    shutil.copytree(output / "checkpoint-6", elsewhere)
-    with pytest.raises(
-        ValueError, match=r"holds the checkpoints of another fine-tune \(checkpoint-3, checkpoint-6\)"
-    ):
-        small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint=str(elsewhere), **options)
-    small_config(
-        start_dir, data, tmp_path / "new", max_steps=9, resume_from_checkpoint=str(elsewhere), **options
-    )
-    small_config(
-        start_dir, data, output, max_steps=9, resume_from_checkpoint=str(output / "checkpoint-3"), **options
-    )
+
+    # Stopped in the final save: resumed with the same flags, it is finished, without another update.
+    finetune(small_config(start_dir, data, output, max_steps=6, resume_from_checkpoint="latest", **options))
+    weights = load_file(output / "model.safetensors")
+    assert weights.keys() == finished.keys() and all(torch.equal(weights[k], finished[k]) for k in weights)
+    card = " ".join((output / "README.md").read_text().split())
+    assert "| training steps | 6 |" in card
+
+    # A checkpoint stopped while written (Trainer writes its trainer_state.json last) is skipped.
+    (output / "checkpoint-7").mkdir()
+    (output / "checkpoint-7" / "model.safetensors").write_bytes(b"")
     state_file = output / "checkpoint-6" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     state["log_history"].append({"step": 6, "marker": "from the interrupted run"})  # carried on if resumed
     state_file.write_text(json.dumps(state))
     resumed = small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint="latest", **options)
-    finetune(resumed)
+    with caplog.at_level("WARNING", logger="vanilla_transformer.finetuning"):
+        finetune(resumed)
+    assert "Skipping checkpoint-7: stopped while written. Resuming from" in caplog.text
     card = " ".join((output / "README.md").read_text().split())
     assert "| training steps | 9 |" in card and "training time" not in card  # this process's part only
     state = json.loads((output / "checkpoint-9" / "trainer_state.json").read_text())
@@ -325,6 +334,17 @@ def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path):
         state["global_step"] == 9
         and {"step": 6, "marker": "from the interrupted run"} in state["log_history"]
     )
+    # Only checkpoints stopped while written: a new fine-tune is told what they are.
+    lone = tmp_path / "lone"
+    (lone / "checkpoint-2").mkdir(parents=True)
+    with pytest.raises(
+        ValueError, match=r"holds checkpoint-2, incomplete .* delete it, or name a new folder"
+    ):
+        small_config(start_dir, data, lone, **options)
+    with pytest.raises(
+        ValueError, match=r"holds no whole \(checkpoint-2: stopped while written\) checkpoint"
+    ):
+        small_config(start_dir, data, lone, resume_from_checkpoint="latest", **options)
 
 
 def test_scores_are_against_the_reference_texts_not_the_decoded_labels():

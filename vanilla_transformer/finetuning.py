@@ -23,7 +23,7 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_callback import TrainerState
 
 from .cli import json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
@@ -102,48 +102,84 @@ class FinetuneConfig:
             raise ValueError(f"--output_dir {self.output_dir} is a file; name a folder.")
         if Path(self.model).exists() and output.exists() and output.resolve() == Path(self.model).resolve():
             raise ValueError(f"--output_dir {self.output_dir} is the --model folder; name a new folder.")
-        if (output / "config.json").exists() or (output / "model.safetensors").exists():
+        checkpoint = self.checkpoint_to_resume()
+        # A fine-tune resumed in its own folder may have written its model there before it was stopped
+        # (in the final evaluation or save): that is replaced.
+        own = checkpoint is not None and checkpoint.resolve().parent == output.resolve()
+        if not own and ((output / "config.json").exists() or (output / "model.safetensors").exists()):
             raise ValueError(f"--output_dir {self.output_dir} already holds a model; name a new folder.")
-        if (output / "README.md").exists():  # the fine-tuned model's card is written there
+        if not own and (output / "README.md").exists():  # the fine-tuned model's card is written there
             raise ValueError(f"--output_dir {self.output_dir} holds a README.md; name a new folder.")
         # Seq2SeqTrainer keeps its last two checkpoints in --output_dir: a new fine-tune there would
         # delete an interrupted one's.
         earlier = sorted(p.name for p in output.glob("checkpoint-*") if p.is_dir()) if output.is_dir() else []
-        if earlier and self.resume_from_checkpoint is None:
+        if earlier and checkpoint is None:
+            if not complete_checkpoints(output):
+                raise ValueError(
+                    f"--output_dir {self.output_dir} holds {', '.join(earlier)}, incomplete (a fine-tune "
+                    "stopped while writing it, before any checkpoint was whole): delete it, or name a new "
+                    "folder."
+                )
             raise ValueError(
                 f"--output_dir {self.output_dir} holds the checkpoints of an earlier fine-tune "
                 f"({', '.join(earlier)}), which this one would delete: continue it with "
                 "--resume_from_checkpoint latest (and its flags), or name a new folder."
             )
-        if self.resume_from_checkpoint is not None:
-            # "latest": what Trainer resumes from, given True
-            checkpoint = (
-                (get_last_checkpoint(output) if output.is_dir() else None)
-                if self.resume_from_checkpoint == "latest"
-                else self.resume_from_checkpoint
-            )
-            if checkpoint is None:
+        if checkpoint is not None:
+            step = checkpoint_step(checkpoint)
+            if step > self.max_steps:
                 raise ValueError(
-                    f"--resume_from_checkpoint latest: {self.output_dir} holds no checkpoint-N folder."
+                    f"--resume_from_checkpoint {checkpoint} is at step {step}, past --max_steps "
+                    f"{self.max_steps}: resume with the --max_steps it was trained with (or a larger one)."
                 )
-            checkpoint = Path(checkpoint)
-            step = json_field(checkpoint / "trainer_state.json", "global_step")
-            if not isinstance(step, int):  # train.py's checkpoints have a trainer_state.json of their own
-                raise ValueError(
-                    f"--resume_from_checkpoint {checkpoint} is not a checkpoint of a fine-tune (a "
-                    "checkpoint-N folder whose trainer_state.json has Trainer's global_step)."
-                )
-            if step >= self.max_steps:  # Trainer would take one more step, past --max_steps
-                raise ValueError(
-                    f"--resume_from_checkpoint {checkpoint} is at step {step}, and --max_steps is "
-                    f"{self.max_steps}: nothing is left to train. Raise --max_steps."
-                )
-            if earlier and checkpoint.resolve().parent != output.resolve():
+            if earlier and not own:
                 raise ValueError(
                     f"--output_dir {self.output_dir} holds the checkpoints of another fine-tune "
                     f"({', '.join(earlier)}) than --resume_from_checkpoint {checkpoint}'s, which this one "
                     "would delete: name a new folder (or resume that fine-tune from one of them)."
                 )
+
+    def checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint `--resume_from_checkpoint` names: for "latest", the newest whole checkpoint-N
+        folder in --output_dir (one stopped while written is skipped; Trainer's `get_last_checkpoint`
+        would take it). None when not resuming; raises where there is nothing to resume from."""
+        if self.resume_from_checkpoint is None:
+            return None
+        output = Path(self.output_dir)
+        if self.resume_from_checkpoint != "latest":
+            checkpoint = Path(self.resume_from_checkpoint)
+            if checkpoint_step(checkpoint) is None:  # train.py's checkpoints have a trainer_state.json too
+                raise ValueError(
+                    f"--resume_from_checkpoint {checkpoint} is not a whole checkpoint of a fine-tune (a "
+                    "checkpoint-N folder whose trainer_state.json, which Trainer writes last, has its "
+                    "global_step)."
+                )
+            return checkpoint
+        complete = complete_checkpoints(output)
+        if not complete:
+            found = (
+                sorted(p.name for p in output.glob("checkpoint-*") if p.is_dir()) if output.is_dir() else []
+            )
+            whole = f" whole ({', '.join(found)}: stopped while written)" if found else ""
+            raise ValueError(
+                f"--resume_from_checkpoint latest: {self.output_dir} holds no{whole} checkpoint-N folder."
+            )
+        return complete[0]
+
+
+def checkpoint_step(checkpoint: Path) -> int | None:
+    """The step of a fine-tune's checkpoint folder: its trainer_state.json's global_step (Trainer writes
+    that file after everything else); None where it has none (unfinished, or not Trainer's)."""
+    step = json_field(checkpoint / "trainer_state.json", "global_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def complete_checkpoints(output: Path) -> list[Path]:
+    """The whole checkpoint-N folders in `output`, newest first."""
+    if not output.is_dir():
+        return []
+    found = [p for p in output.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step, reverse=True)
 
 
 class BleuMetric:
@@ -262,11 +298,22 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
 def finetune(config: FinetuneConfig) -> dict[str, float]:
     """Evaluate, fine-tune, evaluate again and save; returns the metrics before and after. The folder of
     a model of this package gets its model card (`write_finetuned_card`), so it can be published."""
+    checkpoint = config.checkpoint_to_resume()
+    if config.resume_from_checkpoint == "latest":
+        unfinished = [p for p in Path(config.output_dir).glob("checkpoint-*") if checkpoint_step(p) is None]
+        if unfinished:
+            names = ", ".join(sorted(p.name for p in unfinished))
+            logger.warning(f"Skipping {names}: stopped while written. Resuming from {checkpoint}.")
     trainer = build_trainer(config)
     before = trainer.evaluate(metric_key_prefix="before")
     started = time.perf_counter()
-    resume = config.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
+    if checkpoint is not None and checkpoint_step(checkpoint) == config.max_steps:
+        # Stopped after its last update (in the final evaluation or save): finish it. Trainer would
+        # take one more update from there.
+        trainer._load_from_checkpoint(str(checkpoint))
+        trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    else:
+        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
     trainer.save_model(config.output_dir)
