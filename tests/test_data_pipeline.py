@@ -256,6 +256,37 @@ def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     assert tokenized["train"][0]["source_length"] == len(tokenized["train"][0]["input_ids"])
 
 
+def test_special_token_spellings_in_the_data_are_text(tokenizer, tmp_path):
+    """ "<s>here</s>" (HTML strikethrough, markup in software messages) became the start and end tokens:
+    a training target ended where "</s>" stood, and decoding dropped the words' markup. Spelled in the
+    data, they are text: with this package's tokenizers (saved so) and, in the data pipeline, with any."""
+    from transformers import PreTrainedTokenizerFast
+
+    special = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    source, target = "Click <s>here</s> to <unk>go", "Haga clic <s>aquí</s> <pad>"
+    tokenizer.save_pretrained(tmp_path / "saved")
+    for tok in (tokenizer, AutoTokenizer.from_pretrained(tmp_path / "saved")):
+        encoded = tok(source, text_target=target)
+        for ids in (encoded["input_ids"], encoded["labels"]):
+            assert ids[-1] == tok.eos_token_id and not special & set(ids[:-1]), ids
+    plain = PreTrainedTokenizerFast(  # a tokenizer that reads the spellings as the tokens
+        tokenizer_object=tokenizer.backend_tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    assert tokenizer.eos_token_id in plain(target)["input_ids"][:-1]
+    rows = f"en\tes\n{source}\t{target}\nshort\tcorto\n"
+    data, report = load_parallel_data(
+        train_file=write(tmp_path / "a.tsv", rows), validation_file=write(tmp_path / "v.tsv", rows)
+    )
+    tokenized = tokenize_parallel_data(data, plain, max_length=64, report=report)
+    for row in tokenized["train"]:
+        for ids in (row["input_ids"], row["labels"]):
+            assert ids[-1] == tokenizer.eos_token_id and not special & set(ids[:-1]), ids
+
+
 # Token-based batching ----------------------------------------------------------------------------
 
 

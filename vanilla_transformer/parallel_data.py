@@ -376,7 +376,9 @@ def tokenize_parallel_data(
         raise DataError(f"max_length must be at least 2 tokens, got {max_length}.")
 
     def encode(batch: dict[str, list[str]]) -> dict[str, list]:
-        encoded = tokenizer(batch["source"], text_target=batch["target"])
+        # A special token's spelling in the data ("</s>" as HTML) is text, with any tokenizer: read as
+        # the token, it would end a target sentence where it stands, or vanish from the text.
+        encoded = tokenizer(batch["source"], text_target=batch["target"], split_special_tokens=True)
         encoded["source_length"] = [len(ids) for ids in encoded["input_ids"]]
         encoded["target_length"] = [len(ids) for ids in encoded["labels"]]
         return encoded

@@ -24,7 +24,9 @@ def train_bpe_tokenizer(
 
     Text is NFKC-normalised, split on whitespace with a word-boundary marker (Metaspace) and before and
     after punctuation, so that decoding restores the original spacing. Every encoded sequence ends
-    with `</s>`; the decoder starts from `<s>`.
+    with `</s>`; the decoder starts from `<s>`. The special tokens' spellings in text ("<s>", "</s>"
+    as HTML's strikethrough, say) are text, not those tokens (`split_special_tokens`, saved with the
+    tokenizer): otherwise a sentence would end, or a token vanish from it, where one stands.
     """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(
@@ -49,7 +51,12 @@ def train_bpe_tokenizer(
         single="$A </s>", pair="$A </s> $B:1 </s>:1", special_tokens=[("</s>", eos_id)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        split_special_tokens=True,
     )
 
 
