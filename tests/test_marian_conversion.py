@@ -150,3 +150,26 @@ def test_each_module_keeps_its_training_mode():
     marian.model.encoder.eval()  # frozen, as a fine-tuning script may leave it
     ours = convert_from_marian(marian)
     assert ours.training and ours.model.decoder.training and not ours.model.encoder.training
+
+
+def test_fine_tuning_a_converted_model_trains_what_fine_tuning_marian_trains():
+    """MarianMTModel's final logits bias is a buffer: fine-tuning leaves it as converted. Here it was a
+    parameter, so the same optimiser steps trained the bias too and gave another model. Reference: three
+    SGD steps on the same batch for both (dropout off), then the logits."""
+    marian = marian_model()
+    ours = convert_from_marian(marian)
+    assert "final_logits_bias" not in dict(ours.named_parameters())
+    assert "final_logits_bias" in ours.state_dict()  # saved and loaded with the weights
+    batch = inputs(marian.config)
+    labels = torch.randint(1, 60, (3, 6), generator=torch.Generator().manual_seed(2))
+    for model in (marian, ours):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model.eval()  # no dropout: both compute the same function
+        for _ in range(3):
+            logits = model(**batch).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with torch.no_grad():
+        assert_same_up_to_rounding(ours(**batch).logits, marian(**batch).logits, 4 * TINY_TERMS)

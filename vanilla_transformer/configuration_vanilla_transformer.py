@@ -53,7 +53,8 @@ class VanillaTransformerConfig(PretrainedConfig):
         share_encoder_decoder_embeddings: one matrix for source and target embeddings (the paper's
             joint vocabulary). False gives the decoder its own vocabulary of `decoder_vocab_size`.
         decoder_vocab_size: target vocabulary size when the embeddings are not shared.
-        add_final_logits_bias: a bias on the output logits (not in the paper; Marian checkpoints have one).
+        add_final_logits_bias: a fixed bias on the output logits (not in the paper; Marian checkpoints
+            have one; a buffer, as in MarianMTModel: loaded and saved, not trained).
         position_encoding_layout: "interleaved" (sin on even, cos on odd dimensions: the paper) or
             "concatenated" (all sines then all cosines: transformers' Marian).
         label_smoothing: epsilon_ls of the training loss (paper Section 5.4).

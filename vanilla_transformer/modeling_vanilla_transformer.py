@@ -981,10 +981,11 @@ class VanillaTransformerForConditionalGeneration(
         if not config.share_encoder_decoder_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
         self.lm_head = Linear(config.d_model, config.decoder_vocab_size, bias=False, per_step=True)
-        # Not in the paper; Marian checkpoints carry one (see `convert_from_marian`).
-        self.final_logits_bias = (
-            nn.Parameter(torch.zeros(1, config.decoder_vocab_size)) if config.add_final_logits_bias else None
-        )
+        # Not in the paper; Marian checkpoints carry one (see `convert_from_marian`). A buffer, as in
+        # MarianMTModel: saved and loaded, never trained, so that fine-tuning a converted model trains
+        # what fine-tuning the original does.
+        bias = torch.zeros(1, config.decoder_vocab_size) if config.add_final_logits_bias else None
+        self.register_buffer("final_logits_bias", bias)
         self.post_init()
         # Paper Section 6.1: beam size 4, length penalty alpha 0.6 (in transformers' |Y|^alpha form; the
         # paper's is `length_penalty_form="gnmt"`), stop when all beams are finished.
