@@ -164,3 +164,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(batch):
     for name in plain:
         scale = gradient_scale(plain)
         assert_same_up_to_rounding(checkpointed[name], plain[name], TINY_TERMS, scale, msg=name)
+
+
+def test_a_model_switched_to_greedy_search_saves_and_keeps_its_beam_settings(tmp_path):
+    """The generation config carries the paper's beam settings (length penalty 0.6, early stopping).
+    Switched to greedy search (`num_beams = 1`), transformers refused to save it, so `save_pretrained`
+    and Trainer's next checkpoint failed; the settings now stay dormant, and apply again with beams.
+    Other wrong settings are still refused."""
+    model = tiny_model("sdpa")
+    paper = (model.generation_config.early_stopping, model.generation_config.length_penalty)
+    assert paper == (True, 0.6)
+    model.generation_config.num_beams = 1
+    model.save_pretrained(tmp_path / "greedy")
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "greedy")
+    config = loaded.generation_config
+    assert (config.num_beams, config.early_stopping, config.length_penalty) == (1, *paper)
+    source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded.generate(source), model.generate(source, num_beams=1))
+    assert torch.equal(
+        loaded.generate(source, num_beams=4), model.generate(source, num_beams=4, length_penalty=0.6)
+    )
+    model.generation_config.temperature = 0.5  # a sampling setting without sampling: refused, as before
+    with pytest.raises(ValueError, match="temperature"):
+        model.save_pretrained(tmp_path / "sampling")

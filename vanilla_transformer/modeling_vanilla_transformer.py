@@ -947,6 +947,16 @@ class SourceLengthGenerationConfig(GenerationConfig):
             output["max_length"] = None
         return output
 
+    def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None) -> None:
+        """transformers' checks, except that greedy search (`num_beams` 1) leaves the model's beam
+        settings (the paper's `length_penalty` 0.6 and `early_stopping`) dormant rather than wrong: a
+        configuration switched to greedy search saves (transformers refused it, so `save_pretrained`
+        and Trainer's checkpoints failed after training), and the settings apply again with beams."""
+        if self.num_beams is None or self.num_beams == 1:
+            given = set(self.__dict__) if user_set_attributes is None else set(user_set_attributes)
+            user_set_attributes = given - {"early_stopping", "length_penalty"}
+        super().validate(strict=strict, user_set_attributes=user_set_attributes)
+
 
 _MAX_LENGTH_FROM_DEFAULTS = "_max_length_from_defaults"
 
