@@ -5,9 +5,11 @@ import subprocess
 import sys
 import textwrap
 
+import datasets
 import pytest
 import torch
 from transformers import pipeline
+from transformers.pipelines.pt_utils import KeyDataset
 
 from tests.conftest import tiny_model
 from vanilla_transformer import TranslationPipeline
@@ -56,8 +58,10 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
         {"translation_text": translate(model, tokenizer, SENTENCES[:1], num_beams=1, max_new_tokens=3)[0]}
     ]
     assert fixed(SENTENCES[0], max_new_tokens=8) == single
-    with pytest.raises(ValueError, match="string or a list of strings"):
+    with pytest.raises(ValueError, match="takes a string, a list or tuple of strings"):
         translator(42)
+    with pytest.raises(ValueError, match=r"a string or a list of strings: inputs\[1\] is a int"):
+        translator([SENTENCES[0], 42])
     with pytest.raises(ValueError, match="empty string"):
         translator("   ")
     # In a list: named, before any sentence is translated (it stopped a batch midway, unnamed).
@@ -125,3 +129,39 @@ def test_pipeline_without_the_package_installed(saved, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = json.loads(result.stdout.strip().splitlines()[-1])
     assert outputs == [[{"translation_text": text}] for text in expected]  # default: beam 4
+
+
+def test_streams_translate_lazily_and_name_an_item_that_cannot_be_translated(saved):
+    """A dataset or a generator, the documented way to feed a pipeline, was refused: "takes a string or a
+    list of strings"."""
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer, num_beams=1, max_new_tokens=5)
+    expected = [translator(sentence) for sentence in SENTENCES]  # one `[{"translation_text": ...}]` each
+    dataset = datasets.Dataset.from_dict({"en": SENTENCES})
+    for stream in (KeyDataset(dataset, "en"), (sentence for sentence in SENTENCES), iter(SENTENCES)):
+        results = translator(stream, batch_size=2)
+        assert not isinstance(results, list)  # an iterator, translating as it is read
+        assert list(results) == expected
+    assert list(translator(iter([]))) == []
+
+    # Each item is checked as it is reached: what comes before a bad one is translated; it is named.
+    read = []
+
+    def sentences():
+        for sentence in [*SENTENCES, 42]:
+            read.append(sentence)
+            yield sentence
+
+    results = translator(sentences())
+    assert next(results) == expected[0]
+    assert len(read) < len(SENTENCES)  # not read ahead
+    assert [next(results), next(results)] == expected[1:]
+    with pytest.raises(ValueError, match=r"translates strings: inputs\[3\] is a int"):
+        next(results)
+    blanks = KeyDataset(datasets.Dataset.from_dict({"en": [*SENTENCES[:2], "  ", SENTENCES[2]]}), "en")
+    results = translator(blanks, batch_size=2)
+    assert [next(results), next(results)] == expected[:2]
+    with pytest.raises(ValueError, match=r"Cannot translate an empty string: inputs\[2\] is blank"):
+        next(results)
+    with pytest.raises(ValueError, match=r"got a Column\. Stream a dataset's column with KeyDataset"):
+        translator(dataset["en"])
