@@ -1,6 +1,8 @@
 """pipeline("translation") for this model on transformers 5, which removed its own translation pipeline."""
 
+import copy
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -165,3 +167,103 @@ def test_streams_translate_lazily_and_name_an_item_that_cannot_be_translated(sav
         next(results)
     with pytest.raises(ValueError, match=r"got a Column\. Stream a dataset's column with KeyDataset"):
         translator(dataset["en"])
+
+
+def test_truncation_cuts_sources_at_the_tokenizers_maximum(saved, caplog):
+    """`truncation=True` reached `generate`, which refused it as an unused model argument."""
+    _, model, tokenizer = saved
+    source = SENTENCES[0]
+    short = copy.deepcopy(tokenizer)
+    short.model_max_length = 4
+    cut = short(source, truncation=True, return_tensors="pt").to(model.device)
+    assert cut["input_ids"].shape == (1, 4) and len(tokenizer(source)["input_ids"]) > 4
+    assert cut["input_ids"][0, -1] == short.eos_token_id  # the end token is kept
+    with torch.inference_mode():
+        ids = model.eval().generate(
+            input_ids=cut["input_ids"], attention_mask=cut["attention_mask"], num_beams=1, max_new_tokens=6
+        )
+    expected = [{"translation_text": short.decode(ids[0], skip_special_tokens=True).strip()}]
+    translator = TranslationPipeline(model=model, tokenizer=short, num_beams=1, max_new_tokens=6)
+    assert translator(source, truncation=True) == expected
+    assert translator([source], truncation="longest_first") == expected
+    assert (
+        TranslationPipeline(model=model, tokenizer=short, truncation=True, max_new_tokens=6)(
+            source, num_beams=1
+        )
+        == expected
+    )
+    uncut = translate(model, tokenizer, [source], num_beams=1, max_new_tokens=6)
+    assert translator(source) == [{"translation_text": uncut[0]}]
+
+    # No maximum (this package's tokenizers; the model has none): nothing is cut, and that is said once.
+    plain = TranslationPipeline(model=model, tokenizer=tokenizer, num_beams=1, max_new_tokens=6)
+    with caplog.at_level(logging.WARNING, logger="vanilla_transformer.pipeline_vanilla_transformer"):
+        assert plain(source, truncation=True) == plain(source, truncation=True) == plain(source)
+    said = [record.getMessage() for record in caplog.records if "cuts nothing" in record.getMessage()]
+    assert len(said) == 1 and "tokenizer.model_max_length" in said[0]
+    with pytest.raises(ValueError, match="truncation must be True, False or one of"):
+        plain(source, truncation="sometimes")
+
+
+def test_token_ids_returned_as_transformers_4_did(saved):
+    """`return_tensors=True` (and `return_text`) reached `generate`, which refused them."""
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer, num_beams=1, max_new_tokens=8)
+    alone = [translator(sentence, return_tensors=True)[0]["translation_token_ids"] for sentence in SENTENCES]
+    assert all(isinstance(ids, torch.Tensor) for ids in alone)
+    with torch.inference_mode():
+        first = model.eval().generate(
+            **tokenizer([SENTENCES[0]], return_tensors="pt", return_token_type_ids=False).to(model.device),
+            num_beams=1,
+            max_new_tokens=8,
+        )
+    assert alone[0].tolist() == first[0].tolist()
+
+    # An end token that stops some translations sooner than others: in a batch, those that end first
+    # are padded by `generate`; the ids returned stop at their end token, as they do translated alone.
+    def up_to(ids, end):
+        found = (ids[1:] == end).nonzero()
+        return ids[: found[0].item() + 2] if len(found) else ids
+
+    ends = [
+        t
+        for t in sorted({t for ids in alone for t in ids[1:].tolist()})
+        if len({len(up_to(ids, t)) for ids in alone}) > 1
+    ]
+    assert ends, "no token ends the translations at different lengths"
+    options = {"eos_token_id": [tokenizer.eos_token_id, ends[0]], "batch_size": 3}
+    batched = translator(SENTENCES, return_tensors=True, **options)
+    assert [set(result) for result in batched] == [{"translation_token_ids"}] * len(SENTENCES)
+    assert [r["translation_token_ids"].tolist() for r in batched] == [
+        up_to(ids, ends[0]).tolist() for ids in alone
+    ]
+
+    both = translator(SENTENCES, return_tensors=True, return_text=True, **options)
+    assert [r["translation_token_ids"].tolist() for r in both] == [
+        r["translation_token_ids"].tolist() for r in batched
+    ]
+    assert [r["translation_text"] for r in both] == [
+        tokenizer.decode(r["translation_token_ids"], skip_special_tokens=True).strip() for r in both
+    ]
+    assert [r["translation_text"] for r in both] == [
+        r["translation_text"] for r in translator(SENTENCES, **options)
+    ]
+    fixed = TranslationPipeline(model=model, tokenizer=tokenizer, return_tensors=True, max_new_tokens=8)
+    assert set(fixed(SENTENCES[0], num_beams=1, return_text=True)[0]) == {
+        "translation_text",
+        "translation_token_ids",
+    }
+    with pytest.raises(ValueError, match="leaves nothing to return"):
+        translator(SENTENCES[0], return_text=False)
+    assert translator(SENTENCES[0], clean_up_tokenization_spaces=False) == translator(SENTENCES[0])
+
+
+def test_language_codes_are_refused_clearly(saved):
+    """They reached `generate`, which called them unused model arguments, perhaps typos."""
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer)
+    for option in ({"src_lang": "en"}, {"tgt_lang": "es"}):
+        with pytest.raises(ValueError, match="takes no language codes"):
+            translator(SENTENCES[0], **option)
+        with pytest.raises(ValueError, match="takes no language codes"):
+            TranslationPipeline(model=model, tokenizer=tokenizer, **option)

@@ -7,6 +7,7 @@ where this package is not installed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +16,9 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 from transformers import AutoModelForSeq2SeqLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
+from transformers.tokenization_utils_base import LARGE_INTEGER, TruncationStrategy
+
+logger = logging.getLogger(__name__)
 
 _ACCEPTED = (
     "a string, a list or tuple of strings, or strings to stream: a generator or other iterator, or a "
@@ -52,6 +56,19 @@ def _checked_stream(texts: Iterable[Any]) -> Iterator[str]:
         yield _checked_text(text, index)
 
 
+def _sequence_lengths(output_ids: torch.Tensor, end_ids: list[int]) -> torch.Tensor:
+    """Each generated sequence's length: up to and including its first end token after the start token.
+    `generate` pads a sequence that ended before the batch's longest, so that the ids of a sentence
+    would otherwise depend on the sentences batched with it."""
+    lengths = torch.full(output_ids.shape[:1], output_ids.shape[-1], device=output_ids.device)
+    if output_ids.shape[-1] < 2 or not end_ids:
+        return lengths
+    ends = torch.isin(
+        output_ids[:, 1:], torch.tensor(end_ids, dtype=output_ids.dtype, device=output_ids.device)
+    )
+    return torch.where(ends.any(-1), ends.int().argmax(-1) + 2, lengths)
+
+
 class _CheckedDataset(Dataset):
     """A sized torch Dataset of strings whose items are checked as the pipeline reads them."""
 
@@ -72,7 +89,15 @@ class TranslationPipeline(Pipeline):
     version 5: a list of inputs gives a list of results, a stream (a generator or other iterator, a torch
     Dataset such as `KeyDataset`) an iterator that translates as it is read. Generation options
     (`num_beams`, `max_new_tokens`, `length_penalty`, ...) pass through, either at construction or per
-    call; the model's generation config applies otherwise.
+    call; the model's generation config applies otherwise. The other options of that pipeline:
+
+    - `truncation`: cut each source to the tokenizer's `model_max_length` tokens (its end token kept).
+      The model has sinusoidal positions and no maximum length of its own, so with a tokenizer that sets
+      none (this package's) nothing is cut; set `tokenizer.model_max_length` to choose a limit.
+    - `return_tensors`: the generated token ids, under `translation_token_ids` (up to and including the
+      end token, without the padding of a batch); the text is then left out unless `return_text=True`.
+    - `clean_up_tokenization_spaces`: passed to the tokenizer's `decode` (default False).
+    - `src_lang`, `tgt_lang`: refused; the model translates one language pair and takes no language code.
     """
 
     _load_processor = False
@@ -81,15 +106,61 @@ class TranslationPipeline(Pipeline):
     _load_tokenizer = True
 
     def _sanitize_parameters(
-        self, clean_up_tokenization_spaces: bool | None = None, **generate_kwargs: Any
+        self,
+        truncation: bool | str | TruncationStrategy | None = None,
+        return_tensors: bool | None = None,
+        return_text: bool | None = None,
+        clean_up_tokenization_spaces: bool | None = None,
+        src_lang: str | None = None,
+        tgt_lang: str | None = None,
+        **generate_kwargs: Any,
     ) -> tuple[dict, dict, dict]:
+        for name, code in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
+            if code is not None:
+                raise ValueError(
+                    f"{name}={code!r}: this model translates the one language pair it was trained on and "
+                    "takes no language codes (src_lang and tgt_lang were for multilingual models); remove it."
+                )
+        preprocess_params = {}
+        if truncation is not None:
+            if not isinstance(truncation, bool):
+                try:
+                    truncation = TruncationStrategy(truncation)
+                except ValueError:
+                    choices = ", ".join(repr(strategy.value) for strategy in TruncationStrategy)
+                    raise ValueError(
+                        f"truncation must be True, False or one of {choices}; got {truncation!r}."
+                    ) from None
+            preprocess_params["truncation"] = truncation
+            maximum = self.tokenizer.model_max_length if self.tokenizer is not None else None
+            cuts = truncation not in (False, TruncationStrategy.DO_NOT_TRUNCATE)
+            if (
+                cuts
+                and (maximum is None or maximum > LARGE_INTEGER)
+                and not getattr(self, "_said_uncut", False)
+            ):
+                self._said_uncut = True  # once per pipeline, not at every call of a loop
+                logger.warning(
+                    "truncation cuts nothing: the tokenizer sets no model_max_length, and this model has no "
+                    "maximum length (sinusoidal positions). Set tokenizer.model_max_length to cut sources "
+                    "at that many tokens."
+                )
         postprocess_params = {}
+        if return_tensors is not None:
+            postprocess_params["return_tensors"] = bool(return_tensors)
+        if return_text is not None:
+            postprocess_params["return_text"] = bool(return_text)
         if clean_up_tokenization_spaces is not None:
             postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
-        # `Pipeline` replaces the construction's forward parameters with a call's: merge the options so
-        # that those given at construction stay unless the call changes them.
+        # What this call returns, with the construction's options (none yet while constructing).
+        returned = {**getattr(self, "_postprocess_params", {}), **postprocess_params}
+        if returned.get("return_text") is False and not returned.get("return_tensors"):
+            raise ValueError("return_text=False without return_tensors=True leaves nothing to return.")
+        # `Pipeline` merges a call's pre- and postprocessing options over the construction's itself, but
+        # replaces the construction's forward options with a call's: merge them here, so that those given
+        # at construction stay unless the call changes them.
         given = getattr(self, "_forward_params", {}).get("generate_kwargs", {})
-        return {}, {"generate_kwargs": {**given, **generate_kwargs}}, postprocess_params
+        return preprocess_params, {"generate_kwargs": {**given, **generate_kwargs}}, postprocess_params
 
     def __call__(self, inputs: str | list[str] | tuple[str, ...] | Iterable[str], **kwargs: Any) -> Any:
         """A sentence gives `[{"translation_text": ...}]`; a list or tuple gives one such dict per
@@ -140,10 +211,22 @@ class TranslationPipeline(Pipeline):
         # One translation per sentence: a flat list, as the pipeline of transformers 4 returned.
         return [result[0] for result in results] if all(len(r) == 1 for r in results) else results
 
-    def preprocess(self, text: str) -> dict[str, torch.Tensor]:
+    def preprocess(
+        self, text: str, truncation: bool | str | TruncationStrategy = False
+    ) -> dict[str, torch.Tensor]:
         if not text.strip():
             raise ValueError("Cannot translate an empty string.")
-        return self.tokenizer(text, return_tensors="pt")
+        return self.tokenizer(text, return_tensors="pt", truncation=truncation)
+
+    def _end_token_ids(self, generate_kwargs: dict[str, Any]) -> list[int]:
+        """The end-of-sequence tokens `generate` stops at with these options."""
+        config = generate_kwargs.get("generation_config") or self.model.generation_config
+        ids = generate_kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+        if ids is None:
+            return []
+        if isinstance(ids, torch.Tensor):
+            return ids.flatten().tolist()
+        return [ids] if isinstance(ids, int) else list(ids)
 
     def _forward(
         self, model_inputs: dict[str, torch.Tensor], generate_kwargs: dict[str, Any]
@@ -152,22 +235,38 @@ class TranslationPipeline(Pipeline):
         sentences = model_inputs["input_ids"].shape[0]
         with evaluation_mode(self.model):  # a model handed over from training would translate with dropout
             output_ids = self.model.generate(**model_inputs, **generate_kwargs)
-        # (sentences, sequences per sentence, length): the pipeline splits a batch's outputs by their
-        # first dimension, one entry per input sentence, also with `num_return_sequences` > 1.
-        return {"output_ids": output_ids.reshape(sentences, -1, output_ids.shape[-1])}
+        lengths = _sequence_lengths(output_ids, self._end_token_ids(generate_kwargs))
+        # (sentences, sequences per sentence, ...): the pipeline splits a batch's outputs by their first
+        # dimension, one entry per input sentence, also with `num_return_sequences` > 1.
+        return {
+            "output_ids": output_ids.reshape(sentences, -1, output_ids.shape[-1]),
+            "lengths": lengths.reshape(sentences, -1),
+        }
 
     def postprocess(
-        self, model_outputs: dict[str, Any], clean_up_tokenization_spaces: bool = False
-    ) -> list[dict[str, str]]:
+        self,
+        model_outputs: dict[str, Any],
+        return_tensors: bool = False,
+        return_text: bool | None = None,
+        clean_up_tokenization_spaces: bool = False,
+    ) -> list[dict[str, Any]]:
+        if return_text is None:  # the text, unless only the token ids are asked for
+            return_text = not return_tensors
         (sequences,) = model_outputs["output_ids"]  # one input sentence's
-        return [
-            {
-                "translation_text": self.tokenizer.decode(
+        (lengths,) = model_outputs["lengths"]
+        records = []
+        for ids, length in zip(sequences, lengths.tolist(), strict=True):
+            ids = ids[:length]
+            record: dict[str, Any] = {}
+            if return_text:
+                text = self.tokenizer.decode(
                     ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
-                ).strip()
-            }
-            for ids in sequences
-        ]
+                )
+                record["translation_text"] = text.strip()
+            if return_tensors:
+                record["translation_token_ids"] = ids
+            records.append(record)
+        return records
 
 
 PIPELINE_REGISTRY.register_pipeline(
