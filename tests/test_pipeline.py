@@ -10,7 +10,7 @@ import textwrap
 import datasets
 import pytest
 import torch
-from transformers import pipeline
+from transformers import MarianConfig, MarianMTModel, pipeline
 from transformers.pipelines.pt_utils import KeyDataset
 
 from tests.conftest import tiny_model
@@ -107,8 +107,19 @@ def test_pipeline_task_by_name_from_the_folder(saved):
     translator = pipeline("translation", model=str(folder), trust_remote_code=True, device=model.device)
     expected = translate(model, tokenizer, SENTENCES, num_beams=2, max_new_tokens=5)
     assert translator(SENTENCES, num_beams=2, max_new_tokens=5) == [{"translation_text": t} for t in expected]
+    # Without a task: the folder declares one pipeline, which transformers picks.
+    untasked = pipeline(model=str(folder), trust_remote_code=True, device=model.device)
+    assert untasked(SENTENCES, num_beams=2, max_new_tokens=5) == [{"translation_text": t} for t in expected]
+    # With the package imported, its own classes, and no code run from the folder.
+    native = pipeline(
+        "translation", model=str(folder), pipeline_class=TranslationPipeline, device=model.device
+    )
+    assert type(native.model).__module__ == "vanilla_transformer.modeling_vanilla_transformer"
+    assert native(SENTENCES, num_beams=2, max_new_tokens=5) == [{"translation_text": t} for t in expected]
+    # A loaded model: transformers 5 refuses the removed task before it looks anything up (there is no
+    # folder's custom_pipelines to read), so `TranslationPipeline(model=..., tokenizer=...)` is the way.
     with pytest.raises(KeyError, match="removed"):
-        pipeline("translation", model=torch.nn.Linear(1, 1))  # transformers' own task is gone
+        pipeline("translation", model=model, tokenizer=tokenizer)
 
 
 def test_pipeline_without_the_package_installed(saved, tmp_path):
@@ -267,3 +278,62 @@ def test_language_codes_are_refused_clearly(saved):
             translator(SENTENCES[0], **option)
         with pytest.raises(ValueError, match="takes no language codes"):
             TranslationPipeline(model=model, tokenizer=tokenizer, **option)
+
+
+def test_loading_a_folder_with_the_package_imported_overwrites_nothing(saved, tmp_path):
+    """Importing the package registered "translation" with transformers, a task transformers 5 refuses
+    before consulting its registry; each folder's copy of the pipeline registered it again when loaded,
+    with a warning that the pipeline was being overwritten."""
+    _, model, tokenizer = saved
+    # A folder name of its own: transformers runs a folder's code once a process for a name and content.
+    folder = tmp_path / f"model_{tmp_path.name}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        translator = pipeline("translation", model=str(folder), trust_remote_code=True, device=model.device)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [message for message in messages if "already registered" in message], messages
+    expected = translate(model, tokenizer, SENTENCES[:1], num_beams=1, max_new_tokens=5)
+    assert translator(SENTENCES[0], num_beams=1, max_new_tokens=5) == [{"translation_text": expected[0]}]
+
+
+def test_the_pipeline_saves_a_folder_that_translates_with_any_seq2seq_model(saved, tmp_path):
+    """`TranslationPipeline(...).save_pretrained` declares itself and copies its code, also for a model
+    whose own `save_pretrained` does not (a MarianMTModel)."""
+    _, _, tokenizer = saved
+    torch.manual_seed(0)
+    config = MarianConfig(
+        vocab_size=99,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+    )
+    marian = MarianMTModel(config).eval()
+    translator = TranslationPipeline(model=marian, tokenizer=tokenizer, num_beams=1, max_new_tokens=5)
+    expected = translator(SENTENCES)
+    translator.save_pretrained(tmp_path / "marian")
+    assert "custom_pipelines" not in marian.config.to_dict()  # the model in memory is left as it was
+    saved_config = json.loads((tmp_path / "marian" / "config.json").read_text())
+    assert (
+        saved_config["custom_pipelines"]["translation"]["impl"]
+        == "pipeline_vanilla_transformer.TranslationPipeline"
+    )
+    loaded = pipeline(
+        "translation", model=str(tmp_path / "marian"), trust_remote_code=True, device=marian.device
+    )
+    assert type(loaded).__module__.startswith("transformers_modules")  # the folder's copy
+    assert type(loaded.model) is MarianMTModel
+    assert loaded(SENTENCES, num_beams=1, max_new_tokens=5) == expected

@@ -3,19 +3,26 @@
 Self-contained (imports only torch and transformers): saved next to the model, with `custom_pipelines`
 in config.json, so that `pipeline("translation", model=FOLDER_OR_REPO, trust_remote_code=True)` works
 where this package is not installed.
+
+Nothing is registered in transformers' `PIPELINE_REGISTRY`: transformers 5 raises its "task removed"
+KeyError for "translation" before it consults the registry, so an entry there made no call work (each
+folder's copy of this module, once loaded, only warned that it overwrote the entry). What transformers
+reads instead is the `custom_pipelines` of a folder's or repo's config.json, which the model's
+`save_pretrained` and this pipeline's `save_pretrained` write.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
-from transformers import AutoModelForSeq2SeqLM, Pipeline
-from transformers.pipelines import PIPELINE_REGISTRY
+from transformers import Pipeline
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.tokenization_utils_base import LARGE_INTEGER, TruncationStrategy
 
 logger = logging.getLogger(__name__)
@@ -268,9 +275,33 @@ class TranslationPipeline(Pipeline):
             records.append(record)
         return records
 
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Model and tokenizer, with this pipeline's code and its entry in config.json's
+        `custom_pipelines`: `pipeline("translation", model=save_directory, trust_remote_code=True)` then
+        works without this package, whatever the sequence-to-sequence model (a MarianMTModel too).
+        The model's configuration in memory is left as it was."""
+        if os.path.isfile(save_directory):
+            raise ValueError(f"{save_directory} is a file; save_pretrained writes a folder.")
+        os.makedirs(save_directory, exist_ok=True)
+        config = self.model.config
+        had_entries = "custom_pipelines" in config.__dict__
+        entries = getattr(config, "custom_pipelines", None)
+        config.custom_pipelines = {
+            **(entries or {}),
+            "translation": {
+                "impl": f"{type(self).__module__.rsplit('.', 1)[-1]}.{type(self).__name__}",
+                "pt": ["AutoModelForSeq2SeqLM"],
+                "type": "text",
+            },
+        }
+        try:
+            custom_object_save(self, save_directory)
+            super().save_pretrained(save_directory, **kwargs)
+        finally:
+            if had_entries:
+                config.custom_pipelines = entries
+            else:
+                del config.custom_pipelines
 
-PIPELINE_REGISTRY.register_pipeline(
-    "translation", pipeline_class=TranslationPipeline, pt_model=AutoModelForSeq2SeqLM
-)
 
 __all__ = ["TranslationPipeline", "evaluation_mode"]
