@@ -31,6 +31,7 @@ from vanilla_transformer.training import (
     average_checkpoints,
     check_data_order,
     check_evaluation_lengths,
+    check_recipe,
     check_special_tokens,
     checkpoint_problems,
     checkpoint_weights,
@@ -548,6 +549,73 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
     weights.write_bytes(bytes(data))
     with pytest.raises(InputError, match=r"checkpoints to average are damaged \(step-00000008: "):
         train(parse_config(latest))
+
+
+def test_a_resume_with_another_training_recipe_is_refused_naming_each_changed_flag(
+    tmp_path, corpus_files, monkeypatch
+):
+    """A resume once took --adam_beta1/2/--adam_epsilon and ignored them (the checkpoint's optimizer
+    state brought the old ones back) while metrics.json and the model card named the new ones; --dropout,
+    --label_smoothing, --lr_scale, --warmup_steps, --stutter_rate and --unlikelihood_weight took effect
+    mid-run without a word, and the card named only the new value."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=4, eval_steps=0, test_samples=1)
+    train(parse_config(args))
+    names = [p.name for p in list_checkpoints(tmp_path / "run")]
+    latest = [*args, "--resume_from_checkpoint", "latest", "--max_steps", "8"]
+    reading = training_module.load_parallel_data
+
+    def not_read(**kwargs):
+        raise AssertionError("the data was read before the resume was refused")
+
+    monkeypatch.setattr(training_module, "load_parallel_data", not_read)
+    for flags, named in (
+        (["--adam_beta1", "0.5"], "--adam_beta1 0.9 -> 0.5"),
+        (
+            ["--adam_beta2", "0.999", "--adam_epsilon", "1e-8"],
+            "--adam_beta2 0.98 -> 0.999; --adam_epsilon 1e-09 -> 1e-08",
+        ),
+        (["--dropout", "0.3"], "--dropout 0.1 -> 0.3"),
+        (["--label_smoothing", "0.2"], "--label_smoothing 0.1 -> 0.2"),
+        (["--lr_scale", "1"], "--lr_scale 2.0 -> 1.0"),
+        (["--warmup_steps", "4"], "--warmup_steps 8 -> 4"),
+        (["--stutter_rate", "0"], "--stutter_rate 0.25 -> 0.0"),
+        (["--unlikelihood_weight", "0"], "--unlikelihood_weight 2.0 -> 0.0"),
+        (["--lr_schedule", "linear"], "--lr_schedule 'inverse_sqrt' -> 'linear'"),
+        (["--max_grad_norm", "1"], "--max_grad_norm None -> 1.0"),
+        (
+            ["--config_overrides", f"{SMALL_MODEL},attention_dropout=0.1"],
+            "--config_overrides attention_dropout 0.0 -> 0.1",
+        ),
+    ):
+        with pytest.raises(InputError, match="another recipe") as error:
+            train(parse_config([*latest, *flags]))
+        assert f"({named}), and the resumed run" in str(error.value)
+        assert "Resume with the run's flags" in str(error.value) and "another --output_dir" in str(
+            error.value
+        )
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == names  # nothing moved
+    # What does not change how the weights learn stays free: a longer run, a time limit, the checkpoint,
+    # logging and validation cadence, decoding.
+    monkeypatch.setattr(training_module, "load_parallel_data", reading)
+    free = ["--max_train_minutes", "30", "--save_steps", "2", "--logging_steps", "2", "--num_beams", "2"]
+    result = train(parse_config([*latest, *free, "--eval_samples", "4", "--keep_checkpoints", "4"]))
+    assert result["metrics"]["steps"] == 8
+    training = json.loads((tmp_path / "run" / "metrics.json").read_text())["card"]["training"]
+    assert (training["adam_beta1"], training["dropout"], training["lr_scale"]) == (0.9, 0.1, 2.0)
+    recorded = json.loads((list_checkpoints(tmp_path / "run")[-1] / STATE_FILE).read_text())["recipe"]
+    assert recorded["adam_beta1"] == 0.9 and recorded["mixed_precision"] == "no"
+
+
+def test_a_changed_precision_is_refused_and_older_checkpoints_resume(tmp_path):
+    """--mixed_precision (or accelerate launch's) is part of the recipe; a checkpoint written before the
+    recipe was recorded cannot be compared, and resumes as before."""
+    recipe = {"mixed_precision": "no", "dropout": 0.1}
+    (tmp_path / STATE_FILE).write_text(json.dumps({"recipe": recipe}))
+    with pytest.raises(InputError, match=r"another recipe \(--mixed_precision 'no' -> 'bf16'\)"):
+        check_recipe(tmp_path, recipe | {"mixed_precision": "bf16"})
+    check_recipe(tmp_path, recipe)  # the same recipe: resumed
+    (tmp_path / STATE_FILE).write_text(json.dumps({"data_order": {"processes": 1}}))  # before the record
+    check_recipe(tmp_path, recipe | {"mixed_precision": "bf16", "dropout": 0.3})
 
 
 def test_checkpoints_that_do_not_lead_to_the_resumed_one_are_retired(tmp_path):

@@ -1110,6 +1110,9 @@ def start(config: TrainingConfig) -> Run:
         if config.resume_from_checkpoint
         else None
     )
+    recipe = training_recipe(config, accelerator.mixed_precision)
+    if resume_path is not None:  # before the data is read: the flags alone decide
+        check_recipe(resume_path, recipe)
     # Times and speeds mean little without the machine: CPU model, ISA, cores, measured matmul rate.
     # On a GPU: its name and matmul rate in the precision the products run in.
     machine = describe_machine(measure=accelerator.device.type == "cpu" and accelerator.is_main_process)
@@ -1188,7 +1191,7 @@ def start(config: TrainingConfig) -> Run:
                     f"moved to {path}"
                 )
         accelerator.wait_for_everyone()
-    state["data_order"], state["architecture"] = data_order, architecture
+    state["data_order"], state["architecture"], state["recipe"] = data_order, architecture, recipe
     if accelerator.is_main_process and config.report_to != "none":
         accelerator.init_trackers("vanilla_transformer", config=dataclasses.asdict(config))
     return Run(
@@ -1325,6 +1328,51 @@ def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
         raise InputError(
             f"Cannot continue {resume_path}: it holds the weights of another model ({'; '.join(changed)}). "
             "Resume with the checkpoint's --preset and --config_overrides, or start a fresh run in another "
+            "--output_dir."
+        )
+
+
+# How the weights are trained from one update to the next: the schedule, Adam, clipping, the training
+# targets (flags), the loss and dropout (model fields, which the flags or --config_overrides set), and
+# the precision. Resumed under other values, a run would go on as another one without a word (Adam's
+# betas and epsilon were not even applied: the checkpoint's optimizer state brings its own back) while
+# metrics.json and the model card named only the new values. The run's length (--max_steps,
+# --max_train_minutes), validation, checkpoint and logging cadence, decoding and output may change.
+RECIPE_FLAGS = (
+    *("lr_schedule", "lr_scale", "warmup_steps", "lr_cooldown", "adam_beta1", "adam_beta2", "adam_epsilon"),
+    *("max_grad_norm", "stutter_rate", "stutter_repeats"),
+)
+RECIPE_MODEL_FIELDS = ("dropout", "label_smoothing", "unlikelihood_weight")  # flags of their own too
+RECIPE_OVERRIDE_FIELDS = ("attention_dropout", "activation_dropout", "qkv_init_gain")  # --config_overrides
+
+
+def training_recipe(config: TrainingConfig, mixed_precision: str) -> dict[str, Any]:
+    """The settings of `config` that decide how the weights learn (`RECIPE_FLAGS` and the model fields
+    the flags and --config_overrides set, as `build_model` resolves them), and the precision the
+    accelerator runs in (`mixed_precision`: from --mixed_precision or the launcher)."""
+    model = VanillaTransformerConfig.from_preset(
+        config.preset, **config.model_fields() | parse_overrides(config.config_overrides)
+    )
+    recipe = {name: getattr(config, name) for name in RECIPE_FLAGS}
+    recipe |= {name: getattr(model, name) for name in RECIPE_MODEL_FIELDS + RECIPE_OVERRIDE_FIELDS}
+    return recipe | {"mixed_precision": mixed_precision}
+
+
+def check_recipe(resume_path: Path, recipe: dict[str, Any]) -> None:
+    """Refuse to resume where the training recipe (`training_recipe`) differs from the checkpoint's,
+    naming each changed flag with its old and new value (checkpoints written before the recipe was
+    recorded are resumed as they are: there is nothing to compare)."""
+    changed = changes_since(resume_path, "recipe", recipe)
+    if changed:
+        flags = [
+            f"--config_overrides {change}" if change.split()[0] in RECIPE_OVERRIDE_FIELDS else f"--{change}"
+            for change in changed
+        ]
+        raise InputError(
+            f"Cannot continue {resume_path} exactly: it was trained with another recipe "
+            f"({'; '.join(flags)}), and the resumed run, its metrics.json and its model card would mix the "
+            "two. Resume with the run's flags (a field set in --config_overrides counts as its flag, and "
+            "--mixed_precision also comes from accelerate launch), or start a new run in another "
             "--output_dir."
         )
 
