@@ -715,6 +715,54 @@ def test_a_full_disk_while_checkpointing_is_explained_and_leaves_no_partial_fold
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
 
 
+@pytest.mark.parametrize("earlier", [True, False])
+def test_a_full_disk_under_the_safetensors_writer_is_explained(tmp_path, monkeypatch, earlier):
+    """safetensors' writer (the model's weights) reports a full disk as a SafetensorError, which is not an
+    OSError: it escaped as a traceback and left the unfinished folder behind. The run's first checkpoint
+    has nothing to resume from, and the message says so."""
+    from collections import namedtuple
+
+    from safetensors import SafetensorError
+
+    accelerator = Accelerator()
+    if earlier:
+        save_checkpoint(accelerator, tmp_path, {"step": 4, "run_id": "r"}, keep=3)
+    message = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+    def failing_save_state(folder: str) -> None:
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise SafetensorError(message)
+
+    monkeypatch.setattr(accelerator, "save_state", failing_save_state)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(training_module.shutil, "disk_usage", lambda path: usage(2**30, 0, 3 * 2**19))
+    with pytest.raises(InputError) as error:
+        save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=3)
+    failed = (
+        f"Writing checkpoint step-00000008 failed ({message}): 1.5 MiB free in {tmp_path / 'checkpoints'}"
+    )
+    assert str(error.value).startswith(failed)
+    if earlier:
+        assert "The earlier checkpoints are intact" in str(error.value)
+        assert "resume with --resume_from_checkpoint latest" in str(error.value)
+    else:
+        assert str(error.value).endswith(
+            "not enough for the run's first checkpoint. Free some space (or move --output_dir) and start "
+            "the run again."
+        )
+    kept = ["step-00000004"] if earlier else []
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == kept  # no unfinished folder
+
+    def other_failure(folder: str) -> None:
+        raise SafetensorError("Error while serializing: tensor shared with another")
+
+    monkeypatch.setattr(accelerator, "save_state", other_failure)
+    monkeypatch.setattr(training_module.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    with pytest.raises(SafetensorError, match="shared with another"):  # not blamed on the disk
+        save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=3)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == kept
+
+
 def test_a_fresh_run_retires_an_earlier_runs_checkpoints(tmp_path, corpus_files, caplog):
     """A new run in a folder holding another run's checkpoints once averaged those into its model (and
     pruned its own first checkpoints, which had the lowest step numbers)."""

@@ -665,7 +665,7 @@ def save_checkpoint(
                 tokenizer.save_pretrained(partial / CHECKPOINT_TOKENIZER)
             (partial / STATE_FILE).write_text(json.dumps(state | {"scheduled": scheduled}, indent=1))
             write_manifest(partial)
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
         explained = checkpoint_write_error(error, partial, accelerator.is_main_process)
         if explained is error:
             raise
@@ -682,10 +682,23 @@ def save_checkpoint(
     return final
 
 
+# How safetensors' writer (Rust) reports a full disk or quota: "... No space left on device (os error 28)".
+NO_SPACE_MESSAGE = re.compile(rf"\(os error ({errno.ENOSPC}|{errno.EDQUOT})\)")
+
+
+def out_of_space(error: Exception) -> bool:
+    """Whether `error` says that the disk (or the user's quota) is full: an OSError's errno, or the
+    message of safetensors' `SafetensorError`, which is not an OSError."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, SafetensorError) and NO_SPACE_MESSAGE.search(str(error)) is not None
+
+
 def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) -> Exception:
     """What to raise when writing a checkpoint fails: where the disk is full (torch's writer then says
-    only "iostream error"), a clear `InputError` saying so and that the earlier checkpoints are intact;
-    otherwise the error itself. The unfinished folder is removed either way."""
+    only "iostream error", safetensors' "No space left on device"), a clear `InputError` saying so and
+    that the earlier checkpoints are intact; otherwise the error itself. The unfinished folder is removed
+    either way."""
     folder = partial.parent
     written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.exists() else 0
     if main_process:
@@ -693,15 +706,24 @@ def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) 
     earlier = list_checkpoints(folder.parent)
     needed = sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file()) if earlier else written
     free = shutil.disk_usage(folder).free
-    full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not (full or free < needed):
+    if not (out_of_space(error) or free < needed):
         return error
+    failed = f"Writing checkpoint {partial.name.removeprefix('.partial-')} failed ({first_line(error)})"
+    if not earlier:  # the run's first: its size is not known, and there is nothing to resume from
+        return InputError(
+            f"{failed}: {mebibytes(free)} MiB free in {folder}, not enough for the run's first checkpoint. "
+            "Free some space (or move --output_dir) and start the run again."
+        )
     return InputError(
-        f"Writing checkpoint {partial.name.removeprefix('.partial-')} failed ({first_line(error)}): "
-        f"{free / 2**20:,.0f} MiB free in {folder}, and a checkpoint takes about {needed / 2**20:,.0f} MiB. "
-        "The earlier checkpoints are intact: free some space (or move --output_dir) and resume with "
-        "--resume_from_checkpoint latest."
+        f"{failed}: {mebibytes(free)} MiB free in {folder}, and a checkpoint takes about "
+        f"{mebibytes(needed)} MiB. The earlier checkpoints are intact: free some space (or move "
+        "--output_dir) and resume with --resume_from_checkpoint latest."
     )
+
+
+def mebibytes(size: int) -> str:
+    """`size` bytes in MiB for a message: "0.6" below 10 MiB, "1,234" above."""
+    return f"{size / 2**20:,.1f}" if size < 10 * 2**20 else f"{size / 2**20:,.0f}"
 
 
 FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # Accelerate's name for an FSDP model's full state dict
