@@ -763,6 +763,49 @@ def test_a_full_disk_under_the_safetensors_writer_is_explained(tmp_path, monkeyp
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == kept
 
 
+def test_a_full_disk_while_the_model_folder_is_written_is_explained(tmp_path, corpus_files, monkeypatch):
+    """A full disk while the final folder was written ended in a traceback: a bare OSError (here from the
+    training curves' picture), or safetensors' own error for the weights. Nothing is lost, and the run
+    says so and how to finish: resuming from the last checkpoint writes the folder."""
+    import errno
+
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    args = small_args(tmp_path / "run", corpus_files, max_steps=4, eval_steps=0, test_samples=1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training_module, "plot_training_curves", full_disk)
+        with pytest.raises(InputError) as error:
+            train(parse_config(args))
+    message = str(error.value)
+    assert message.startswith(
+        f"Writing the model folder {tmp_path / 'run'} failed ([Errno 28] No space left on device): "
+    )
+    assert "Nothing is lost: the checkpoints are intact (the last is step-00000004)" in message
+    assert "resume with --resume_from_checkpoint latest" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock", "run"]  # no unfinished folder
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+    def full_disk_weights(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    latest = [*args, "--resume_from_checkpoint", "latest"]
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_weights)
+        with pytest.raises(
+            InputError, match=r"^Writing the model folder .*\(os error 28\)\): [\d.,]+ MiB free"
+        ):
+            train(parse_config(latest))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock", "run"]
+    result = train(parse_config(latest))  # once there is room
+    assert result["metrics"]["steps"] == 4 and (tmp_path / "run" / "model.safetensors").is_file()
+
+
 def test_a_fresh_run_retires_an_earlier_runs_checkpoints(tmp_path, corpus_files, caplog):
     """A new run in a folder holding another run's checkpoints once averaged those into its model (and
     pruned its own first checkpoints, which had the lowest step numbers)."""

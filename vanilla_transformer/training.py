@@ -1779,8 +1779,14 @@ def score_test_split(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict
 def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[str, str]]) -> None:
     """Write the model folder (main process), then push it to the Hub if asked."""
     # Written aside and renamed into place: a kill leaves the previous folder or the new one.
-    with publish_folder(run.output_dir) as staging:
-        write_model_folder(run, staging, final, metrics, samples)
+    try:
+        with publish_folder(run.output_dir) as staging:
+            write_model_folder(run, staging, final, metrics, samples)
+    except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is not an OSError
+        explained = model_folder_write_error(error, run.output_dir, final)
+        if explained is error:
+            raise
+        raise explained from error
     if run.config.push_to_hub:
         repo_id = run.config.hub_model_id or run.output_dir.name
         try:
@@ -1797,6 +1803,27 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
                 f"scripts/push_to_hub.py --folder {run.output_dir} --repo_id {repo_id}"
             ) from error
         run.log(f"uploaded to the Hub: {metrics['hub_commit']}")
+
+
+def model_folder_write_error(error: Exception, output_dir: Path, model: Any) -> Exception:
+    """What to raise when writing the final model folder fails (its unfinished copy is already removed):
+    where the disk is full, a clear `InputError` saying so, with the space free and the space the weights
+    take, and that nothing is lost (resuming from the last checkpoint writes the folder again); otherwise
+    the error itself."""
+    place = output_dir.resolve().parent  # where the folder is written, beside the old one
+    free = shutil.disk_usage(place).free
+    needed = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not (out_of_space(error) or free < needed):
+        return error
+    saved = list_checkpoints(output_dir)
+    last = f" (the last is {saved[-1].name})" if saved else ""
+    return InputError(
+        f"Writing the model folder {output_dir} failed ({first_line(error)}): {mebibytes(free)} MiB free "
+        f"in {place}, and its weights alone take about {mebibytes(needed)} MiB. Nothing is lost: the "
+        f"checkpoints are intact{last}. Free some space (or move --output_dir) and resume with "
+        "--resume_from_checkpoint latest, which averages, scores and writes the folder again without "
+        "training further."
+    )
 
 
 def memory() -> str:
