@@ -8,6 +8,7 @@ import pytest
 from vanilla_transformer import publishing
 from vanilla_transformer.publishing import (
     check_renamable,
+    check_writable_place,
     finish_interrupted_publish,
     publish_folder,
     staging_paths,
@@ -192,3 +193,40 @@ def test_mount_points_are_read_from_mountinfo_bind_mounts_included(tmp_path, mon
     monkeypatch.setattr(publishing, "_mount_points", lambda: {volume})
     with pytest.raises(ValueError, match="is a mount point"):
         check_renamable(volume)
+
+
+def read_only(monkeypatch, *folders: Path) -> None:
+    """Make `os.access` answer that `folders` cannot be written, as it does for a read-only mount or
+    another user's folder (the tests may run as root, for whom a folder's mode changes nothing)."""
+    access = os.access
+
+    def patched(path, mode, *args, **kwargs):
+        if mode & os.W_OK and Path(path) in folders:
+            return False
+        return access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", patched)
+
+
+def test_a_place_that_cannot_be_written_is_named_before_any_work(tmp_path, monkeypatch):
+    """A folder under a file, or in a read-only place, failed only when it was written (train.py's
+    lock, average_checkpoints.py's publish), with a traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for folder in (afile / "model", afile / "sub" / "model"):
+        with pytest.raises(
+            ValueError, match=rf"^{folder} cannot be written: {afile} is a file, not a folder\.$"
+        ):
+            check_writable_place(folder)
+    assert afile.read_text() == "mine"
+    check_writable_place(tmp_path / "new" / "model")  # missing parents are made
+    (tmp_path / "model").mkdir()
+    check_writable_place(tmp_path / "model")
+    read_only(monkeypatch, tmp_path)
+    for folder in (tmp_path / "model", tmp_path / "new" / "model"):
+        with pytest.raises(ValueError, match=rf"^{folder} cannot be written: {tmp_path} is not writable"):
+            check_writable_place(folder)
+    monkeypatch.undo()
+    read_only(monkeypatch, tmp_path / "model")  # its files are moved out when it is replaced
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'model'} is not writable"):
+        check_writable_place(tmp_path / "model")

@@ -1134,6 +1134,32 @@ def test_bad_flags_are_rejected(tmp_path):
         train(TrainingConfig(output_dir=absent, resume_from_checkpoint="/nonexistent/step-9"))
 
 
+def test_an_output_dir_that_cannot_be_written_is_refused_with_the_flags(tmp_path, monkeypatch):
+    """An --output_dir under a file passed the flag checks and failed in lock_folder with a
+    FileExistsError traceback; a read-only place is refused the same way."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for output in (afile / "run", afile / "sub" / "run"):
+        with pytest.raises(ValueError, match=f"^--output_dir {output} cannot be written: {afile} is a file"):
+            TrainingConfig(output_dir=str(output))
+    result = run_script("train.py", "--output_dir", str(afile / "run"), "--report_to", "none")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: --output_dir {afile / 'run'} cannot be written: {afile} is a file, not a folder" in (
+        result.stderr
+    )
+    assert afile.read_text() == "mine"
+    access = os.access
+
+    def read_only(path, mode, *args, **kwargs):  # as for a read-only mount (a folder's mode binds no root)
+        return not (mode & os.W_OK and Path(path) == tmp_path) and access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
+    with pytest.raises(
+        ValueError, match=f"^--output_dir {tmp_path / 'run'} cannot be written: {tmp_path} is not"
+    ):
+        TrainingConfig(output_dir=str(tmp_path / "run"))
+
+
 def test_a_tokenizer_without_special_tokens_or_end_tokens_is_refused():
     """Without a padding token a run once failed at its first batch, inside the collator; without the end
     token after each text it trained and published a model that never stops."""

@@ -50,6 +50,24 @@ def check_renamable(folder: str | Path) -> None:
         )
 
 
+def check_writable_place(folder: str | Path) -> None:
+    """Raise ValueError, naming `folder` as given first, unless it can be written as `publish_folder`
+    writes it: the first of its parents that exists must be a folder (not a file) that can be written
+    (the new folder and its hidden siblings are made there), and `folder`, where it exists, writable too
+    (its other files are moved out of it). Without this check such a folder failed only once the work
+    was done, with a traceback."""
+    path = Path(folder).resolve()  # a link: its target; "..": the folder it names
+    existing = next(parent for parent in path.parents if parent.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{folder} cannot be written: {existing} is a file, not a folder.")
+    for place in (existing, path):
+        if place.exists() and not os.access(place, os.W_OK):
+            raise ValueError(
+                f"{folder} cannot be written: {place} is not writable (read-only, or another user's); name "
+                "a folder in a writable place."
+            )
+
+
 def check_new_folder(folder: str | Path) -> None:
     """Raise ValueError unless `folder` is absent or empty (a tool that writes a whole folder must not mix
     its files into another's) and could be renamed into place (`check_renamable`)."""
@@ -150,6 +168,7 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
 __all__ = [
     "check_new_folder",
     "check_renamable",
+    "check_writable_place",
     "finish_interrupted_publish",
     "hidden_sibling",
     "lock_folder",

@@ -66,6 +66,7 @@ from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import (
     check_renamable,
+    check_writable_place,
     finish_interrupted_publish,
     hidden_sibling,
     lock_folder,
@@ -430,9 +431,10 @@ class TrainingConfig:
         # The final folder is written into a sibling, then renamed: the parent must be writable too, and
         # on the same file system.
         check_renamable(output)
-        for folder in (output, next(p for p in output.parents if p.exists())):
-            if folder.exists() and not os.access(folder, os.W_OK):
-                raise ValueError(f"--output_dir {self.output_dir}: {folder} is not writable.")
+        try:  # a file on the way (it once failed in lock_folder, with a traceback), a read-only place
+            check_writable_place(self.output_dir)
+        except ValueError as error:
+            raise ValueError(f"--output_dir {error}") from None
         if self.max_train_minutes is not None and not self.max_train_minutes >= 0:  # NaN included
             raise ValueError(
                 f"--max_train_minutes must be positive, or 0 for no limit; got {self.max_train_minutes}."
