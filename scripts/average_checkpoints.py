@@ -10,7 +10,8 @@ generation settings and tokenizer, and the averaged weights; not the run's metri
 describe the run's own model. Its model card is the run's with the averaged checkpoints and their own
 scores, measured on the split the run scored, decoded as the run decoded (--no-card skips that); a run
 whose metrics.json predates that record, or whose scored split was held out of its training data at
-random, gets no card. --output must be a new or empty folder. Checkpoints of different runs (each run
+random, gets no card. --output must be a new or empty folder, not under a file, in a place that can be
+written (checked before anything is loaded). Checkpoints of different runs (each run
 records an id in its checkpoints and metrics.json), of another run than --model's, or trained with
 another vocabulary than --model's tokenizer are refused.
 """

@@ -333,6 +333,46 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert "Traceback" not in refused.stderr
 
 
+def test_average_checkpoints_refuses_an_output_it_cannot_write_before_averaging(
+    trained, tmp_path, monkeypatch, capsys
+):
+    """--output under a file, or in a read-only place, failed with a traceback, and only after the
+    checkpoints were loaded and averaged."""
+    import runpy
+
+    output_dir, _ = trained
+    script = str(ROOT / "scripts" / "average_checkpoints.py")
+    args = ["--model", str(output_dir), "--checkpoints", *map(str, list_checkpoints(output_dir))]
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    result = run_script("average_checkpoints.py", *args, "--output", str(afile / "averaged"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: --output {afile / 'averaged'} cannot be written: {afile} is a file, not a folder" in (
+        result.stderr
+    )
+    assert afile.read_text() == "mine"
+
+    # A read-only place, in this process: os.access answers as for a read-only mount (a folder's mode
+    # binds no root), and the averaging is watched.
+    def averaged(*args, **kwargs):
+        raise AssertionError("the checkpoints were loaded and averaged before --output was checked")
+
+    access = os.access
+
+    def read_only(path, mode, *args, **kwargs):
+        return not (mode & os.W_OK and Path(path) == tmp_path) and access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(training_module, "load_averaged_weights", averaged)
+    monkeypatch.setattr(os, "access", read_only)
+    monkeypatch.setattr(sys, "argv", [script, *args, "--output", str(tmp_path / "averaged")])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(script, run_name="__main__")
+    assert exited.value.code == 2
+    assert f"--output {tmp_path / 'averaged'} cannot be written: {tmp_path} is not writable" in (
+        capsys.readouterr().err
+    )
+
+
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):
     """A checkpoint between two log lines carries the updates not yet logged: the first line after a
     resume averages the same updates as the uninterrupted run's (it used to leave out those before the

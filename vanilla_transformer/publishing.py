@@ -70,11 +70,13 @@ def check_writable_place(folder: str | Path) -> None:
 
 def check_new_folder(folder: str | Path) -> None:
     """Raise ValueError unless `folder` is absent or empty (a tool that writes a whole folder must not mix
-    its files into another's) and could be renamed into place (`check_renamable`)."""
+    its files into another's), could be renamed into place (`check_renamable`) and can be written there
+    (`check_writable_place`)."""
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} exists and is not an empty folder; name a new one.")
     check_renamable(folder)
+    check_writable_place(folder)
 
 
 def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[Path]:
