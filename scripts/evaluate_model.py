@@ -48,11 +48,11 @@ if args.length_penalty is not None and not math.isfinite(args.length_penalty):
     parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
 if args.test_file and args.split != "test":
     parser.error("--split names a split of the embedded corpus; a --test_file is scored whole")
-if args.hypotheses is not None:  # checked now, not after the whole evaluation
+if args.hypotheses is not None:  # checked now (its folder writable too), not after the whole evaluation
     try:
         check_output_file(args.hypotheses, args.test_file or default_corpus_path(), args.model)
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(f"--hypotheses {error}")
 
 data_options = {
     "source_lang": args.source_lang,

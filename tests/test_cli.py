@@ -3,6 +3,7 @@
 import os
 import stat
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,23 @@ def test_a_path_under_proc_or_dev_is_written_through_not_replaced(tmp_path):
     with target.open("r+") as held, replaced_when_complete(f"/proc/self/fd/{held.fileno()}") as stream:
         stream.write("through the link\n")
     assert target.read_text() == "through the link\n"
+
+
+def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    """evaluate_model.py --hypotheses in a read-only folder translated everything, then failed: the file
+    is written beside its name and renamed, so its folder must be writable. A device or a pipe, written
+    directly, needs no writable folder."""
+    access = os.access
+
+    def read_only(path, mode, *args, **kwargs):  # as for a read-only mount (a folder's mode binds no root)
+        return not (mode & os.W_OK and Path(path) == tmp_path) and access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
+    for output in (tmp_path / "new.txt", tmp_path / "existing.txt"):
+        output.with_name("existing.txt").write_text("old\n")
+        with pytest.raises(ValueError, match=f"^{output}: the folder {tmp_path} is not writable"):
+            check_output_file(output)
+    device = tmp_path / "null"
+    device.symlink_to(os.devnull)
+    assert check_output_file(device) == device
+    assert check_output_file(tmp_path.parent / "fine.txt") == tmp_path.parent / "fine.txt"

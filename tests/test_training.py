@@ -1533,6 +1533,37 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     assert ignored.returncode == 2 and "a --test_file is scored whole" in ignored.stderr
 
 
+def test_evaluate_script_checks_that_the_hypotheses_folder_can_be_written_before_translating(
+    tmp_path, monkeypatch, capsys
+):
+    """--hypotheses in a read-only folder translated the whole split, then failed to write."""
+    import runpy
+
+    import vanilla_transformer.evaluation
+
+    def translated(*args, **kwargs):
+        raise AssertionError("the split was translated before --hypotheses was checked")
+
+    access = os.access
+
+    def read_only(path, mode, *args, **kwargs):  # as for a read-only mount (a folder's mode binds no root)
+        return not (mode & os.W_OK and Path(path) == tmp_path) and access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(vanilla_transformer.evaluation, "evaluate_model", translated)
+    monkeypatch.setattr(os, "access", read_only)
+    script = str(ROOT / "scripts" / "evaluate_model.py")
+    hypotheses = tmp_path / "hyp.txt"
+    monkeypatch.setattr(
+        sys, "argv", [script, "--model", str(tmp_path / "model"), "--hypotheses", str(hypotheses)]
+    )
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(script, run_name="__main__")
+    assert exited.value.code == 2
+    assert (
+        f"error: --hypotheses {hypotheses}: the folder {tmp_path} is not writable" in capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     ("script", "flag"),
     [

@@ -90,15 +90,22 @@ def positive_int(text: str) -> int:
 
 
 def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Path:
-    """An output file's path, checked before any work: its folder exists, it is not a folder, it is none
-    of the `inputs` (paths, or files open for reading, standard input included) and no existing file
-    inside an input that is a folder (a model folder: writing it would destroy them). Raises ValueError
-    saying which. A new file inside an input folder is allowed."""
+    """An output file's path, checked before any work: its folder exists, it is not a folder, the folder
+    can be written where the file is written beside its name and renamed (`replaced_when_complete`), it
+    is none of the `inputs` (paths, or files open for reading, standard input included) and no existing
+    file inside an input that is a folder (a model folder: writing it would destroy them). Raises
+    ValueError saying which. A new file inside an input folder is allowed."""
     path = Path(output)
     if path.is_dir():
         raise ValueError(f"{output} is a folder; name a file to write.")
-    if not path.absolute().parent.is_dir():
-        raise ValueError(f"{output}: the folder {path.absolute().parent} does not exist.")
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise ValueError(f"{output}: the folder {folder} does not exist.")
+    if not _written_through(path) and not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"{output}: the folder {folder} is not writable (read-only, or another user's); the file is "
+            "written there beside its name, then renamed. Name a file in a writable folder."
+        )
     if not path.exists() or not stat.S_ISREG(os.stat(path).st_mode):
         return path  # a device or a pipe is written, not replaced: no input can be destroyed through it
     # The output replaces the entry named `path` (a symlink there is replaced, not what it points to), so
@@ -125,6 +132,13 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
     return path
 
 
+def _written_through(path: Path) -> bool:
+    """Whether `replaced_when_complete` writes `path` directly rather than beside it and renaming: a path
+    that is not a regular file (a device, a pipe), or any path under /dev or /proc."""
+    special = path.absolute().parts[1:2] in (("dev",), ("proc",))
+    return special or (path.exists() and not stat.S_ISREG(os.stat(path).st_mode))
+
+
 @contextmanager
 def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     """A UTF-8 text stream whose contents become `path` only when the block ends without an exception
@@ -135,8 +149,7 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     shell's `>(...)`), or any path under /dev or /proc (/dev/stdout is a link to whatever standard output
     is, a regular file too), is written directly: renaming would replace it with a file."""
     path = Path(path)
-    special = path.absolute().parts[1:2] in (("dev",), ("proc",))
-    if special or (path.exists() and not stat.S_ISREG(os.stat(path).st_mode)):
+    if _written_through(path):
         with path.open("w", encoding="utf-8") as stream:
             yield stream
         return
