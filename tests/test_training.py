@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import os
 import shutil
 import socket
@@ -1198,6 +1199,21 @@ def test_an_output_dir_that_cannot_be_written_is_refused_with_the_flags(tmp_path
         ValueError, match=f"^--output_dir {tmp_path / 'run'} cannot be written: {tmp_path} is not"
     ):
         TrainingConfig(output_dir=str(tmp_path / "run"))
+
+
+def test_infinite_limits_are_refused_with_the_flags(tmp_path):
+    """--max_train_minutes inf (and --max_grad_norm inf) were accepted and written into metrics.json as
+    `Infinity`, which is not JSON: the run's record could not be read by JSON parsers."""
+    with pytest.raises(
+        ValueError, match="--max_train_minutes must be a finite number of minutes; 0 means no"
+    ):
+        TrainingConfig(max_train_minutes=math.inf)
+    with pytest.raises(ValueError, match="--max_grad_norm must be a finite number; leave it unset"):
+        TrainingConfig(max_grad_norm=math.inf)
+    assert TrainingConfig(max_train_minutes=0).max_train_minutes == 0  # no limit, as before
+    flags = ["--output_dir", str(tmp_path / "run"), "--report_to", "none"]
+    result = run_script("train.py", "--max_train_minutes", "inf", *flags)
+    assert result.returncode == 2 and "--max_train_minutes must be a finite number" in result.stderr
 
 
 def test_a_tokenizer_without_special_tokens_or_end_tokens_is_refused():

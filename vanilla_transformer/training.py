@@ -439,6 +439,11 @@ class TrainingConfig:
             raise ValueError(
                 f"--max_train_minutes must be positive, or 0 for no limit; got {self.max_train_minutes}."
             )
+        # Recorded in metrics.json and the model card, where an infinity would be invalid JSON.
+        if self.max_train_minutes == math.inf:
+            raise ValueError("--max_train_minutes must be a finite number of minutes; 0 means no limit.")
+        if self.max_grad_norm == math.inf:
+            raise ValueError("--max_grad_norm must be a finite number; leave it unset to clip nothing.")
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainingConfig:
