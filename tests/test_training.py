@@ -1216,6 +1216,18 @@ def test_infinite_limits_are_refused_with_the_flags(tmp_path):
     assert result.returncode == 2 and "--max_train_minutes must be a finite number" in result.stderr
 
 
+def test_a_max_length_below_two_tokens_is_refused_with_the_flags(tmp_path):
+    """--max_length 1 passed the flag checks (with a --max_tokens to match) and was refused only after
+    the data was loaded and a BPE vocabulary trained."""
+    with pytest.raises(ValueError, match=r"^--max_length must be at least 2 tokens \(a word and the end"):
+        TrainingConfig(max_length=1, max_tokens=2)
+    flags = ["--max_length", "1", "--max_tokens", "2", "--vocab_size", "100"]
+    result = run_script("train.py", "--output_dir", str(tmp_path / "run"), *flags, "--report_to", "none")
+    assert result.returncode == 2 and "--max_length must be at least 2 tokens" in result.stderr
+    assert not (tmp_path / "run").exists()  # no tokenizer trained
+    assert TrainingConfig(max_length=2, max_tokens=4).max_length == 2
+
+
 def test_a_tokenizer_without_special_tokens_or_end_tokens_is_refused():
     """Without a padding token a run once failed at its first batch, inside the collator; without the end
     token after each text it trained and published a model that never stops."""

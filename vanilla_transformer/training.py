@@ -341,6 +341,10 @@ class TrainingConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+        if self.max_length < 2:  # what tokenize_parallel_data refuses, after the data and BPE training
+            raise ValueError(
+                f"--max_length must be at least 2 tokens (a word and the end token), got {self.max_length}."
+            )
         if self.vocab_size is not None and self.vocab_size <= len(SPECIAL_TOKENS):
             raise ValueError(
                 f"--vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
