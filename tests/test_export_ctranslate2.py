@@ -147,6 +147,9 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     trained_folder(tmp_path / "model", corpus)
     with pytest.raises(ValueError, match="quantization must be one of"):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", quantization="int3")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"a-file/ct2 cannot be written: .* is a file"):  # before loading
+        export_ctranslate2(tmp_path / "nowhere", tmp_path / "a-file" / "ct2")
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=8)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 8
     # A start token left unset (a MarianConfig built with transformers 5's defaults): what to set, where.

@@ -270,6 +270,8 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(ValueError, match="is a file; name a folder"):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt"))
+    with pytest.raises(ValueError, match=r"--output_dir .*notes\.txt/tuned cannot be written: .* is a file"):
+        FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt" / "tuned"))
 
 
 def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path, caplog):

@@ -43,7 +43,7 @@ from .modeling_vanilla_transformer import (
     check_beam_settings,
     sinusoidal_position_encoding,
 )
-from .publishing import publish_folder
+from .publishing import check_writable_place, publish_folder
 from .translation import SentenceError, checked_sentences, one_line
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,7 @@ def export_ctranslate2(
             "the two. Name a new folder (or an earlier export to replace)."
         )
 
+    check_writable_place(target)  # under a file, or read-only: before the model is read and converted
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
     if max_positions < 2:

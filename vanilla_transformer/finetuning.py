@@ -32,6 +32,7 @@ from .machine import describe_machine, format_machine, processes_without_a_gpu
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
 from .parallel_data import load_parallel_data, tokenize_parallel_data
+from .publishing import check_writable_place
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,10 @@ class FinetuneConfig:
         output = Path(self.output_dir)
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output_dir {self.output_dir} is a file; name a folder.")
+        try:  # under a file, or read-only: refused before any work, not after training
+            check_writable_place(output)
+        except ValueError as error:
+            raise ValueError(f"--output_dir {error}") from None
         if Path(self.model).exists() and output.exists() and output.resolve() == Path(self.model).resolve():
             raise ValueError(f"--output_dir {self.output_dir} is the --model folder; name a new folder.")
         checkpoint = self.checkpoint_to_resume()
