@@ -182,9 +182,9 @@ _KEEP_COPIES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_weight
 @contextlib.contextmanager
 def kept_copies(active: bool = True) -> Iterator[None]:
     """Inside it (where `active`), per-step layers may compute on copies of their matrices in other
-    kernels' layouts, kept across calls; callers are decodings with a cache. Not under torch.compile,
-    which cannot trace the context variable (and computes on torch's kernels there anyway)."""
-    if not active:
+    kernels' layouts, kept across calls; callers are decodings with a cache. Inactive under
+    torch.compile, which cannot trace the context variable (and computes on torch's kernels anyway)."""
+    if not active or torch.compiler.is_compiling():
         yield
         return
     token = _KEEP_COPIES.set(True)

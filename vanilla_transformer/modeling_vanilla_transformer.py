@@ -665,7 +665,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
         all_self_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions else None
-        with kept_copies(cache is not None and checking):  # `checking`: not compiling
+        with kept_copies(cache is not None):
             for layer in self.layers:
                 hidden_states, self_weights, cross_weights = layer(
                     hidden_states,
@@ -1115,7 +1115,7 @@ class VanillaTransformerForConditionalGeneration(
                 self, hidden_states, labels, num_items_in_batch, label_smoothed_cross_entropy
             )
         else:
-            with kept_copies(outputs.cache is not None and not torch.compiler.is_compiling()):
+            with kept_copies(outputs.cache is not None):
                 logits = self.project(hidden_states)  # (B, T, V)
             if labels is not None:
                 labels = labels.to(logits.device)
@@ -1166,7 +1166,7 @@ class VanillaTransformerForConditionalGeneration(
         ):
             return None
         encoder_hidden_states = encoder_outputs[0]
-        with kept_copies(not torch.compiler.is_compiling()):
+        with kept_copies():
             hidden_states = self.model.decoder.decoding_step(
                 decoder_input_ids, encoder_hidden_states, attention_mask, cache
             )
