@@ -598,7 +598,8 @@ def test_a_resume_with_another_training_recipe_is_refused_naming_each_changed_fl
     """A resume once took --adam_beta1/2/--adam_epsilon and ignored them (the checkpoint's optimizer
     state brought the old ones back) while metrics.json and the model card named the new ones; --dropout,
     --label_smoothing, --lr_scale, --warmup_steps, --stutter_rate and --unlikelihood_weight took effect
-    mid-run without a word, and the card named only the new value."""
+    mid-run without a word, and the card named only the new value; --vocab_size was ignored (the
+    checkpoint's tokenizer is kept)."""
     args = small_args(tmp_path / "run", corpus_files, max_steps=4, eval_steps=0, test_samples=1)
     train(parse_config(args))
     names = [p.name for p in list_checkpoints(tmp_path / "run")]
@@ -623,6 +624,7 @@ def test_a_resume_with_another_training_recipe_is_refused_naming_each_changed_fl
         (["--unlikelihood_weight", "0"], "--unlikelihood_weight 2.0 -> 0.0"),
         (["--lr_schedule", "linear"], "--lr_schedule 'inverse_sqrt' -> 'linear'"),
         (["--max_grad_norm", "1"], "--max_grad_norm None -> 1.0"),
+        (["--vocab_size", "500"], "--vocab_size 400 -> 500"),  # the checkpoint's tokenizer stays
         (
             ["--config_overrides", f"{SMALL_MODEL},attention_dropout=0.1"],
             "--config_overrides attention_dropout 0.0 -> 0.1",

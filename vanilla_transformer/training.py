@@ -1369,11 +1369,13 @@ def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
 # targets (flags), the loss and dropout (model fields, which the flags or --config_overrides set), and
 # the precision. Resumed under other values, a run would go on as another one without a word (Adam's
 # betas and epsilon were not even applied: the checkpoint's optimizer state brings its own back) while
-# metrics.json and the model card named only the new values. The run's length (--max_steps,
-# --max_train_minutes), validation, checkpoint and logging cadence, decoding and output may change.
+# metrics.json and the model card named only the new values. --vocab_size is here too: a resumed run
+# keeps the checkpoint's tokenizer, so another size was ignored without a word. The run's length
+# (--max_steps, --max_train_minutes), validation, checkpoint and logging cadence, decoding and output
+# may change.
 RECIPE_FLAGS = (
     *("lr_schedule", "lr_scale", "warmup_steps", "lr_cooldown", "adam_beta1", "adam_beta2", "adam_epsilon"),
-    *("max_grad_norm", "stutter_rate", "stutter_repeats"),
+    *("max_grad_norm", "stutter_rate", "stutter_repeats", "vocab_size"),
 )
 RECIPE_MODEL_FIELDS = ("dropout", "label_smoothing", "unlikelihood_weight")  # flags of their own too
 RECIPE_OVERRIDE_FIELDS = ("attention_dropout", "activation_dropout", "qkv_init_gain")  # --config_overrides
