@@ -21,12 +21,13 @@ import contextlib
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.cli import first_line, positive_int
 from vanilla_transformer.evaluation import TOKENIZER_FILES, evaluate_model, format_scores, looks_local
-from vanilla_transformer.publishing import check_new_folder, publish_folder
+from vanilla_transformer.publishing import check_new_folder, disk_full_message, publish_folder
 from vanilla_transformer.training import (
     checkpoint_problems,
     checkpoint_steps,
@@ -112,31 +113,38 @@ except RuntimeError as error:  # torch lists every mismatched weight: name the f
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     shapes = next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
     parser.error(f"the checkpoints' weights do not fit {args.model}'s model: {shapes[:300]}")
-with publish_folder(output) as staging:  # the folder appears complete or not at all
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    if no_card is None:
-        try:
-            scores = evaluate_model(
+try:
+    with publish_folder(output) as staging:  # the folder appears complete or not at all
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if no_card is None:
+            try:
+                scores = evaluate_model(
+                    staging,
+                    split=record["metrics"]["split"],
+                    max_samples=record["metrics"]["scored_pairs"],
+                    batch_size=args.batch_size,
+                    data_options=record["scored_data"],
+                )
+            except (OSError, ValueError) as error:  # the run's data moved, or a Hub dataset not reached
+                split = record["metrics"]["split"]
+                parser.error(
+                    f"the run's {split} data could not be scored: {first_line(error)} (--no-card skips it)"
+                )
+            print("\n".join(format_scores(scores)))
+            write_averaged_card(
                 staging,
-                split=record["metrics"]["split"],
-                max_samples=record["metrics"]["scored_pairs"],
-                batch_size=args.batch_size,
-                data_options=record["scored_data"],
+                model_name=output.resolve().name,
+                run_record=record,
+                steps=steps,
+                scores=scores,
             )
-        except (OSError, ValueError) as error:  # the run's data moved, or a Hub dataset not reached
-            split = record["metrics"]["split"]
-            parser.error(
-                f"the run's {split} data could not be scored: {first_line(error)} (--no-card skips it)"
-            )
-        print("\n".join(format_scores(scores)))
-        write_averaged_card(
-            staging,
-            model_name=output.resolve().name,
-            run_record=record,
-            steps=steps,
-            scores=scores,
-        )
+except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    message = disk_full_message(error, output, weights, "Nothing was written: free some space and run again.")
+    if message is None:
+        raise
+    parser.error(message)
 print(f"the average of {len(args.checkpoints)} checkpoints written to {output}")
 if no_card is not None and args.card:
     print(f"no model card: {no_card}")

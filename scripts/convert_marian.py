@@ -16,6 +16,7 @@ model it was converted from and that model's licence: what scripts/push_to_hub.p
 import argparse
 from pathlib import Path
 
+from safetensors import SafetensorError
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
 from vanilla_transformer.cli import first_line, positive_int
@@ -23,7 +24,7 @@ from vanilla_transformer.conversion import convert_from_marian, write_converted_
 from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
 from vanilla_transformer.model_card import base_license
 from vanilla_transformer.parallel_data import load_parallel_data
-from vanilla_transformer.publishing import check_new_folder, publish_folder
+from vanilla_transformer.publishing import check_new_folder, disk_full_message, publish_folder
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="Marian model folder or Hub id")
@@ -108,25 +109,37 @@ if args.tokenizer:
             f"the Marian tokenizer of {args.model} could not be loaded (it needs sentencepiece; "
             f"--no-tokenizer converts the model alone): {first_line(error)}"
         )
-with publish_folder(args.output) as staging:  # the folder appears complete or not at all
-    model.save_pretrained(staging)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    if args.test_file is not None:
-        scores = evaluate_model(
-            staging, max_samples=args.max_samples, batch_size=args.batch_size or 32, data_options=scoring_data
-        )
-        print("\n".join(format_scores(scores)))
-        write_converted_card(
-            staging,
-            model_name=output.resolve().name,
-            converted_from=args.model,
-            scores=scores,
-            test_file=args.test_file,
-            source_lang=args.source_lang,
-            target_lang=args.target_lang,
-            license=base_license(args.model),
-        )
+try:
+    with publish_folder(args.output) as staging:  # the folder appears complete or not at all
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if args.test_file is not None:
+            scores = evaluate_model(
+                staging,
+                max_samples=args.max_samples,
+                batch_size=args.batch_size or 32,
+                data_options=scoring_data,
+            )
+            print("\n".join(format_scores(scores)))
+            write_converted_card(
+                staging,
+                model_name=output.resolve().name,
+                converted_from=args.model,
+                scores=scores,
+                test_file=args.test_file,
+                source_lang=args.source_lang,
+                target_lang=args.target_lang,
+                license=base_license(args.model),
+            )
+except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    message = disk_full_message(
+        error, args.output, weights, "Nothing was written: free some space and run again."
+    )
+    if message is None:
+        raise
+    parser.error(message)
 print(f"model written to {args.output}")
 if args.test_file is None:
     print("no model card: --test_file (with --source_lang, --target_lang) scores the model and writes one")

@@ -73,6 +73,25 @@ def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path):
     ).exists()
 
 
+def test_convert_script_explains_a_full_disk(tmp_path):
+    """A full disk while the converted weights were written gave safetensors' traceback."""
+    marian_model().save_pretrained(tmp_path / "marian")
+    full_disk = str(Path(__file__).resolve().parent / "full_disk.py")
+    command = [sys.executable, full_disk, SCRIPT, "--model", str(tmp_path / "marian"), "--no-tokenizer"]
+    result = subprocess.run(
+        [*command, "--output", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"error: Writing {tmp_path / 'out'} failed (" in result.stderr
+    assert "(os error 28)): " in result.stderr and "MiB free in" in result.stderr
+    assert "Nothing was written: free some space and run again." in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marian"]  # no folder, no staging folder
+
+
 def test_convert_script_refuses_a_checkpoint_without_the_encoder(tmp_path):
     """A saved MarianForCausalLM has model_type "marian" and no encoder: transformers filled the missing
     weights with random ones, only warning, and the script wrote the model."""

@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
+from transformers import PreTrainedModel
 
 from tests.test_unlikelihood import per_token_formula
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
+from vanilla_transformer.cli import InputError
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.finetuning import FinetuneConfig, bleu_metric_fn, build_trainer, finetune
 from vanilla_transformer.hub import check_model_folder
@@ -274,18 +277,31 @@ def test_finetuning_never_writes_over_a_model(start, tmp_path):
         FinetuneConfig(model=str(folder), train_file="t", output_dir=str(tmp_path / "notes.txt" / "tuned"))
 
 
-def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path, caplog):
+def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path, caplog, monkeypatch):
     """Seq2SeqTrainer keeps its last two checkpoints in --output_dir: a second fine-tune started there
     once deleted an interrupted one's, and there was no way to continue it. A fine-tune stopped after its
     last update (in the final evaluation or save) could not be finished either, and `latest` took a
-    checkpoint stopped while written (Trainer's own choice) and refused it."""
+    checkpoint stopped while written (Trainer's own choice) and refused it. A full disk in the final save
+    gave safetensors' traceback."""
     from safetensors.torch import load_file
 
     start_dir, data = start
     output = tmp_path / "tuned"
     options = {"eval_steps": 3, "max_eval_samples": 4, "num_beams": 1, "per_device_train_batch_size": 16}
-    finetune(small_config(start_dir, data, output, max_steps=6, **options))
-    finished = load_file(output / "model.safetensors")
+    saving = PreTrainedModel.save_pretrained
+
+    def full_disk_at_the_end(self, directory, *args, **kwargs):  # checkpoints fit, the model does not
+        if Path(directory) == output:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return saving(self, directory, *args, **kwargs)
+
+    with monkeypatch.context() as patched:  # once a traceback; now what to do, and nothing lost
+        patched.setattr(PreTrainedModel, "save_pretrained", full_disk_at_the_end)
+        full = r"^Writing .*tuned failed \(.*\(os error 28\)\): [\d.,]+ MiB free"
+        with pytest.raises(InputError, match=full) as error:
+            finetune(small_config(start_dir, data, output, max_steps=6, **options))
+    assert "--resume_from_checkpoint latest, which saves the model without training" in str(error.value)
+    finished = load_file(output / "checkpoint-6" / "model.safetensors")  # the final update's weights
     for path in output.iterdir():  # what a kill in the final save leaves: the checkpoints, a config begun
         if not path.name.startswith("checkpoint-"):
             shutil.rmtree(path) if path.is_dir() else path.unlink()

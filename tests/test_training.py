@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -332,6 +333,29 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     refused = average(tmp_path / "from-damaged", str(damaged))
     assert refused.returncode == 2 and "model.safetensors is not readable" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_average_checkpoints_explains_a_full_disk(trained, tmp_path):
+    """A full disk while the average's weights were written gave safetensors' traceback; now a message
+    with the space free and needed, and nothing written."""
+    output_dir, _ = trained
+    command = [
+        sys.executable,
+        str(ROOT / "tests" / "full_disk.py"),
+        str(ROOT / "scripts" / "average_checkpoints.py"),
+    ]
+    command += ["--model", str(output_dir), "--no-card", "--output", str(tmp_path / "averaged")]
+    command += ["--checkpoints", *(str(p) for p in list_checkpoints(output_dir))]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    folder = re.escape(str(tmp_path / "averaged"))
+    assert re.search(
+        rf"error: Writing {folder} failed \(.*os error 28\)\): [\d.,]+ MiB free in .*, "
+        r"and the weights alone take about [\d.]+ MiB\. Nothing was written: free some space",
+        result.stderr,
+    ), result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # no folder, no staging folder left
 
 
 def test_average_checkpoints_refuses_an_output_it_cannot_write_before_averaging(

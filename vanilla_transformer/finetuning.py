@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import (
     DataCollatorForSeq2Seq,
     EvalPrediction,
@@ -25,14 +26,14 @@ from transformers import (
 )
 from transformers.trainer_callback import TrainerState
 
-from .cli import json_field
+from .cli import InputError, json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
 from .machine import describe_machine, format_machine, processes_without_a_gpu
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
 from .parallel_data import load_parallel_data, tokenize_parallel_data
-from .publishing import check_writable_place
+from .publishing import check_writable_place, disk_full_message
 
 logger = logging.getLogger(__name__)
 
@@ -321,18 +322,31 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
         trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
-    trainer.save_model(config.output_dir)
-    if trainer.is_world_process_zero():
-        if trainer.model.config.model_type == VanillaTransformerConfig.model_type:
+    own = trainer.model.config.model_type == VanillaTransformerConfig.model_type  # what the card describes
+    try:
+        trainer.save_model(config.output_dir)
+        if trainer.is_world_process_zero() and own:
             write_finetuned_card(config, trainer, after, seconds)
-        else:  # the card describes this package's model: its architecture, code and usage
-            logger.warning(
-                f"No model card was written: {config.output_dir} holds a {type(trainer.model).__name__}, and "
-                "the card describes this package's model. To publish it with push_to_hub.py, convert it "
-                f"(`python scripts/convert_marian.py --model {config.output_dir} --output FOLDER --test_file "
-                "PAIRS --source_lang ... --target_lang ...` scores it and writes the card), or publish it "
-                "as it is with transformers' push_to_hub."
-            )
+    except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
+        weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        message = disk_full_message(
+            error,
+            config.output_dir,
+            weights,
+            "The checkpoints are intact: free some space and run again with the same flags and "
+            "--resume_from_checkpoint latest, which saves the model without training further.",
+        )
+        if message is None:
+            raise
+        raise InputError(message) from error
+    if trainer.is_world_process_zero() and not own:
+        logger.warning(
+            f"No model card was written: {config.output_dir} holds a {type(trainer.model).__name__}, and "
+            "the card describes this package's model. To publish it with push_to_hub.py, convert it "
+            f"(`python scripts/convert_marian.py --model {config.output_dir} --output FOLDER --test_file "
+            "PAIRS --source_lang ... --target_lang ...` scores it and writes the card), or publish it "
+            "as it is with transformers' push_to_hub."
+        )
     return before | after
 
 

@@ -9,6 +9,7 @@ on one file system, and `finish_interrupted_publish` completes (or undoes) whate
 half done; training calls it before it reads anything from its output folder.
 """
 
+import errno
 import logging
 import os
 import re
@@ -17,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError
 
 try:
     import fcntl
@@ -167,13 +170,48 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     _swap_in(ready, folder)
 
 
+# How safetensors' writer (Rust) reports a full disk or quota: "... No space left on device (os error 28)".
+NO_SPACE_MESSAGE = re.compile(rf"\(os error ({errno.ENOSPC}|{errno.EDQUOT})\)")
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether `error` says that the disk (or the user's quota) is full: an OSError's errno, or the
+    message of safetensors' `SafetensorError`, which is not an OSError."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, SafetensorError) and NO_SPACE_MESSAGE.search(str(error)) is not None
+
+
+def mebibytes(size: int) -> str:
+    """`size` bytes in MiB for a message: "0.6" below 10 MiB, "1,234" above."""
+    return f"{size / 2**20:,.1f}" if size < 10 * 2**20 else f"{size / 2**20:,.0f}"
+
+
+def disk_full_message(error: BaseException, folder: str | Path, weights: int, then: str) -> str | None:
+    """What to tell the user when writing `folder` failed with `error` because the disk (or the quota)
+    is full: the space free where it is written, the space its `weights` (bytes) take, and `then` (what
+    to do once space is freed). None for any other error, which should be raised as it is."""
+    if not out_of_space(error):
+        return None
+    place = Path(folder).resolve().parent
+    free = shutil.disk_usage(place).free if place.is_dir() else 0
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"Writing {folder} failed ({reason}): {mebibytes(free)} MiB free in {place}, and the weights alone "
+        f"take about {mebibytes(weights)} MiB. {then}"
+    )
+
+
 __all__ = [
     "check_new_folder",
     "check_renamable",
     "check_writable_place",
+    "disk_full_message",
     "finish_interrupted_publish",
     "hidden_sibling",
     "lock_folder",
+    "mebibytes",
+    "out_of_space",
     "publish_folder",
     "staging_paths",
 ]

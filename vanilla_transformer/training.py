@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -70,6 +69,8 @@ from .publishing import (
     finish_interrupted_publish,
     hidden_sibling,
     lock_folder,
+    mebibytes,
+    out_of_space,
     publish_folder,
 )
 from .tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
@@ -693,18 +694,6 @@ def save_checkpoint(
     return final
 
 
-# How safetensors' writer (Rust) reports a full disk or quota: "... No space left on device (os error 28)".
-NO_SPACE_MESSAGE = re.compile(rf"\(os error ({errno.ENOSPC}|{errno.EDQUOT})\)")
-
-
-def out_of_space(error: Exception) -> bool:
-    """Whether `error` says that the disk (or the user's quota) is full: an OSError's errno, or the
-    message of safetensors' `SafetensorError`, which is not an OSError."""
-    if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, SafetensorError) and NO_SPACE_MESSAGE.search(str(error)) is not None
-
-
 def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) -> Exception:
     """What to raise when writing a checkpoint fails: where the disk is full (torch's writer then says
     only "iostream error", safetensors' "No space left on device"), a clear `InputError` saying so and
@@ -730,11 +719,6 @@ def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) 
         f"{mebibytes(needed)} MiB. The earlier checkpoints are intact: free some space (or move "
         "--output_dir) and resume with --resume_from_checkpoint latest."
     )
-
-
-def mebibytes(size: int) -> str:
-    """`size` bytes in MiB for a message: "0.6" below 10 MiB, "1,234" above."""
-    return f"{size / 2**20:,.1f}" if size < 10 * 2**20 else f"{size / 2**20:,.0f}"
 
 
 FSDP_WEIGHTS = "pytorch_model_fsdp.bin"  # Accelerate's name for an FSDP model's full state dict
