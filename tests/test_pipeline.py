@@ -269,6 +269,43 @@ def test_token_ids_returned_as_transformers_4_did(saved):
     assert translator(SENTENCES[0], clean_up_tokenization_spaces=False) == translator(SENTENCES[0])
 
 
+def test_stop_sequences_and_return_type_as_transformers_pipelines_take_them(saved):
+    """`stop_sequence` and transformers 4's `return_type` reached `generate`, which called them unused
+    model arguments."""
+    _, model, _ = saved
+    # transformers' stop strings need a vocabulary that spells "abcdef" (it decodes each token after it).
+    texts = SENTENCES * 10 + ["En el principio crió Dios.", "Y lloró Jesús.", "a b c d e f"] * 10
+    tokenizer = train_bpe_tokenizer(texts, model.config.vocab_size)
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer, num_beams=1, max_new_tokens=8)
+    alone = [translator(s, return_tensors=True)[0]["translation_token_ids"].tolist() for s in SENTENCES]
+    pieces = [tokenizer.decode([token]) for token in alone[1]]
+    stop = next(piece for piece in pieces[2:-1] if piece.strip() and piece != pieces[1])  # a later word
+    end = pieces.index(stop) + 1
+    assert all(stop not in tokenizer.decode(ids) for ids in (alone[0], alone[2])), "pick another sentence"
+    for stop_sequence in (stop, [stop, "never generated"]):
+        batched = translator(SENTENCES, stop_sequence=stop_sequence, batch_size=3, return_tensors=True)
+        ids = [result["translation_token_ids"].tolist() for result in batched]
+        # The row stopped there, without the padding the batch gives it; the others as they were.
+        assert ids == [alone[0], alone[1][:end], alone[2]]
+    text = translator(SENTENCES[1], stop_sequence=stop)[0]["translation_text"]
+    assert text == tokenizer.decode(alone[1][:end], skip_special_tokens=True).strip() and text.endswith(stop)
+    with pytest.raises(ValueError, match="stop_sequence must be a non-empty string"):
+        translator(SENTENCES[1], stop_sequence="")
+
+    from transformers.pipelines.text_generation import ReturnType
+
+    only_ids = translator(SENTENCES[1], return_type=ReturnType.TENSORS)[0]
+    assert (
+        set(only_ids) == {"translation_token_ids"} and only_ids["translation_token_ids"].tolist() == alone[1]
+    )
+    for kind in (ReturnType.NEW_TEXT, "TEXT"):
+        assert translator(SENTENCES[1], return_type=kind) == translator(SENTENCES[1])
+    with pytest.raises(ValueError, match=r"return_type must be ReturnType\.TENSORS"):
+        translator(SENTENCES[1], return_type=ReturnType.FULL_TEXT)
+    with pytest.raises(ValueError, match="Give return_type, or return_tensors and return_text, not both"):
+        translator(SENTENCES[1], return_type=ReturnType.TENSORS, return_text=True)
+
+
 def test_language_codes_are_refused_clearly(saved):
     """They reached `generate`, which called them unused model arguments, perhaps typos."""
     _, model, tokenizer = saved

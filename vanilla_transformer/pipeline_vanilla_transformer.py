@@ -63,16 +63,21 @@ def _checked_stream(texts: Iterable[Any]) -> Iterator[str]:
         yield _checked_text(text, index)
 
 
-def _sequence_lengths(output_ids: torch.Tensor, end_ids: list[int]) -> torch.Tensor:
-    """Each generated sequence's length: up to and including its first end token after the start token.
-    `generate` pads a sequence that ended before the batch's longest, so that the ids of a sentence
-    would otherwise depend on the sentences batched with it."""
+def _sequence_lengths(output_ids: torch.Tensor, end_ids: list[int], pad_id: int | None) -> torch.Tensor:
+    """Each generated sequence's length: up to and including its first end token after the start token;
+    for one without an end token (stopped by a stop string, or at the length limit), up to its last token
+    that is not padding. `generate` pads a sequence that ended before the batch's longest, so that the
+    ids of a sentence would otherwise depend on the sentences batched with it."""
     lengths = torch.full(output_ids.shape[:1], output_ids.shape[-1], device=output_ids.device)
-    if output_ids.shape[-1] < 2 or not end_ids:
+    if output_ids.shape[-1] < 2:
         return lengths
-    ends = torch.isin(
-        output_ids[:, 1:], torch.tensor(end_ids, dtype=output_ids.dtype, device=output_ids.device)
-    )
+    generated = output_ids[:, 1:]  # after the start token, which may be the padding token
+    if pad_id is not None:
+        positions = torch.arange(1, output_ids.shape[-1], device=output_ids.device)
+        lengths = 1 + (generated.ne(pad_id) * positions).amax(-1)  # 1 where all is padding
+    if not end_ids:
+        return lengths
+    ends = torch.isin(generated, torch.tensor(end_ids, dtype=output_ids.dtype, device=output_ids.device))
     return torch.where(ends.any(-1), ends.int().argmax(-1) + 2, lengths)
 
 
@@ -103,7 +108,13 @@ class TranslationPipeline(Pipeline):
       none (this package's) nothing is cut; set `tokenizer.model_max_length` to choose a limit.
     - `return_tensors`: the generated token ids, under `translation_token_ids` (up to and including the
       end token, without the padding of a batch); the text is then left out unless `return_text=True`.
+    - `return_type`: transformers 4's spelling of the two above, `ReturnType.TENSORS` (the token ids
+      alone) or `ReturnType.TEXT` (the text alone); the enum of transformers' text-generation pipeline
+      (whose `NEW_TEXT` means the text here) or its member's name.
     - `clean_up_tokenization_spaces`: passed to the tokenizer's `decode` (default False).
+    - `stop_sequence`: a string, or a list of strings, that ends a translation once generated (it is kept
+      in the text); `generate`'s `stop_strings`, given the pipeline's tokenizer. The end token still ends
+      it too (transformers 4 replaced the end token by the stop sequence's first token).
     - `src_lang`, `tgt_lang`: refused; the model translates one language pair and takes no language code.
     """
 
@@ -117,7 +128,9 @@ class TranslationPipeline(Pipeline):
         truncation: bool | str | TruncationStrategy | None = None,
         return_tensors: bool | None = None,
         return_text: bool | None = None,
+        return_type: Any = None,
         clean_up_tokenization_spaces: bool | None = None,
+        stop_sequence: str | list[str] | None = None,
         src_lang: str | None = None,
         tgt_lang: str | None = None,
         **generate_kwargs: Any,
@@ -152,6 +165,25 @@ class TranslationPipeline(Pipeline):
                     "maximum length (sinusoidal positions). Set tokenizer.model_max_length to cut sources "
                     "at that many tokens."
                 )
+        if return_type is not None:
+            kind = getattr(return_type, "name", return_type)
+            if kind not in ("TENSORS", "TEXT", "NEW_TEXT"):
+                raise ValueError(
+                    "return_type must be ReturnType.TENSORS (the token ids) or ReturnType.TEXT (the text); "
+                    f"got {return_type!r}."
+                )
+            if return_tensors is not None or return_text is not None:
+                raise ValueError("Give return_type, or return_tensors and return_text, not both.")
+            return_tensors, return_text = kind == "TENSORS", kind != "TENSORS"
+        if stop_sequence is not None:
+            strings = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
+            if not isinstance(strings, (list, tuple)) or not all(isinstance(t, str) and t for t in strings):
+                raise ValueError(
+                    f"stop_sequence must be a non-empty string or a list of them; got {stop_sequence!r}."
+                )
+            generate_kwargs["stop_strings"] = list(strings)
+        if generate_kwargs.get("stop_strings") is not None and "tokenizer" not in generate_kwargs:
+            generate_kwargs["tokenizer"] = self.tokenizer  # `generate` matches the strings with it
         postprocess_params = {}
         if return_tensors is not None:
             postprocess_params["return_tensors"] = bool(return_tensors)
@@ -242,7 +274,9 @@ class TranslationPipeline(Pipeline):
         sentences = model_inputs["input_ids"].shape[0]
         with evaluation_mode(self.model):  # a model handed over from training would translate with dropout
             output_ids = self.model.generate(**model_inputs, **generate_kwargs)
-        lengths = _sequence_lengths(output_ids, self._end_token_ids(generate_kwargs))
+        config = generate_kwargs.get("generation_config") or self.model.generation_config
+        pad_id = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        lengths = _sequence_lengths(output_ids, self._end_token_ids(generate_kwargs), pad_id)
         # (sentences, sequences per sentence, ...): the pipeline splits a batch's outputs by their first
         # dimension, one entry per input sentence, also with `num_return_sequences` > 1.
         return {
