@@ -108,9 +108,9 @@ class TranslationPipeline(Pipeline):
       none (this package's) nothing is cut; set `tokenizer.model_max_length` to choose a limit.
     - `return_tensors`: the generated token ids, under `translation_token_ids` (up to and including the
       end token, without the padding of a batch); the text is then left out unless `return_text=True`.
-    - `return_type`: transformers 4's spelling of the two above, `ReturnType.TENSORS` (the token ids
-      alone) or `ReturnType.TEXT` (the text alone); the enum of transformers' text-generation pipeline
-      (whose `NEW_TEXT` means the text here) or its member's name.
+    - `return_type`: transformers 4's spelling of the two above: `ReturnType.TENSORS` (the token ids
+      alone) or `ReturnType.NEW_TEXT` (the text alone), of transformers' text-generation pipeline, or
+      the name "TENSORS" or "TEXT" (transformers 4's translation pipeline had an enum of its own).
     - `clean_up_tokenization_spaces`: passed to the tokenizer's `decode` (default False).
     - `stop_sequence`: a string, or a list of strings, that ends a translation once generated (it is kept
       in the text); `generate`'s `stop_strings`, given the pipeline's tokenizer. The end token still ends
