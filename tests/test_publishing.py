@@ -230,3 +230,23 @@ def test_a_place_that_cannot_be_written_is_named_before_any_work(tmp_path, monke
     read_only(monkeypatch, tmp_path / "model")  # its files are moved out when it is replaced
     with pytest.raises(ValueError, match=rf"{tmp_path / 'model'} is not writable"):
         check_writable_place(tmp_path / "model")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an open file by /proc/self/fd")
+def test_a_folder_is_flushed_to_disk_before_it_is_published(tmp_path, monkeypatch):
+    """The rename that publishes a folder reached the disk perhaps before its files did: after a crash
+    of the machine, a complete-looking folder could hold empty files."""
+    flushed, fsync = [], os.fsync
+
+    def recorded_fsync(descriptor: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{descriptor}"))
+        flushed.append((path, (tmp_path / "model").exists()))
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    with publishing.publish_folder(tmp_path / "model") as staging:
+        write_files(staging, {"config.json": "{}", "sub/weights.bin": "w"})
+    partial = publishing.staging_paths(tmp_path.resolve() / "model")[0]
+    before = {path for path, published in flushed if not published}
+    assert {partial / "config.json", partial / "sub" / "weights.bin", partial / "sub", partial} <= before
+    assert flushed[-1] == (tmp_path.resolve(), True)  # then the renames into the parent folder

@@ -782,6 +782,46 @@ def test_a_full_disk_while_checkpointing_is_explained_and_leaves_no_partial_fold
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an open file by /proc/self/fd")
+def test_checkpoints_are_flushed_before_they_are_named_and_removed_whole(tmp_path, monkeypatch):
+    """A checkpoint was named step-N with its files perhaps still in the page cache (a machine crash
+    could leave empty files under a complete name), and an old one was deleted file by file under its
+    step-N name: a kill midway left a half checkpoint where `latest` and the average look."""
+    accelerator = Accelerator()
+    flushed, fsync = [], os.fsync
+
+    def recorded_fsync(descriptor: int) -> None:
+        flushed.append(Path(os.readlink(f"/proc/self/fd/{descriptor}")))
+        fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    save_checkpoint(accelerator, tmp_path, {"step": 4, "run_id": "r"}, keep=1)
+    folder = tmp_path.resolve() / "checkpoints"
+    written = [p for p in (folder / "step-00000004").rglob("*")]
+    assert written and {folder / ".partial-step-00000004" / p.name for p in written} <= set(flushed)
+    assert flushed[-1] == folder  # the rename itself
+
+    removing, rmtree = [], shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):  # a kill while the old checkpoint is deleted
+        path = Path(path)
+        if path.name.startswith(".removing-") and path.exists():
+            removing.append(path.name)
+            next(p for p in path.rglob("*") if p.is_file()).unlink()
+            raise KeyboardInterrupt
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(training_module.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=1)
+    assert removing == [".removing-step-00000004"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000008"]  # no half step-4
+    assert training_module._run_checkpoints(folder) is not None  # still a run's folder, not foreign
+    monkeypatch.setattr(training_module.shutil, "rmtree", rmtree)
+    save_checkpoint(accelerator, tmp_path, {"step": 12, "run_id": "r"}, keep=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000012"]
+
+
 @pytest.mark.parametrize("earlier", [True, False])
 def test_a_full_disk_under_the_safetensors_writer_is_explained(tmp_path, monkeypatch, earlier):
     """safetensors' writer (the model's weights) reports a full disk as a SafetensorError, which is not an

@@ -148,6 +148,32 @@ def _swap_in(ready: Path, folder: Path) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
+def sync_folder(folder: Path) -> None:
+    """Flush `folder`'s entries (the renames into it) to disk; nothing where folders cannot be opened
+    (Windows)."""
+    if os.name != "posix":
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(folder: Path) -> None:
+    """Flush every file under `folder`, and the folders themselves, to disk. A rename is what makes a
+    written folder count as complete (a checkpoint, a model folder); without this, a crash of the
+    machine soon after could leave the renamed folder with empty or short files. About 25 ms for 50 MiB
+    on a virtual disk."""
+    for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders holding them
+        if path.is_file() and not path.is_symlink():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+        elif path.is_dir() and not path.is_symlink():
+            sync_folder(path)
+    sync_folder(folder)
+
+
 @contextmanager
 def publish_folder(folder: str | Path) -> Iterator[Path]:
     """Yield an empty staging folder; when the block ends without an exception, its files become
@@ -163,11 +189,13 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     partial.mkdir(parents=True)
     try:
         yield partial
+        sync_tree(partial)  # on disk before it is named complete: a crash cannot publish empty files
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     os.replace(partial, ready)
     _swap_in(ready, folder)
+    sync_folder(folder.parent)
 
 
 # How safetensors' writer (Rust) reports a full disk or quota: "... No space left on device (os error 28)".
@@ -214,4 +242,6 @@ __all__ = [
     "out_of_space",
     "publish_folder",
     "staging_paths",
+    "sync_folder",
+    "sync_tree",
 ]

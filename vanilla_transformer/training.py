@@ -72,6 +72,8 @@ from .publishing import (
     mebibytes,
     out_of_space,
     publish_folder,
+    sync_folder,
+    sync_tree,
 )
 from .tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 from .translation import translate
@@ -84,9 +86,10 @@ CHECKPOINT_TOKENIZER = "tokenizer"  # a checkpoint's copy of the run's tokenizer
 MANIFEST_FILE = "manifest.json"  # every file of a checkpoint: size and SHA-256
 MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
 # What a run writes into --output_dir before its model folder: the tokenizer it trains, logs,
-# checkpoints (in `checkpoints/`: step-N, .partial-step-N while written, retired-<time>).
+# checkpoints (in `checkpoints/`: step-N, .partial-step-N while written, .removing-step-N while deleted,
+# retired-<time>).
 RUN_WORKING_ENTRIES = ("checkpoints", "logs", "tokenizer")
-RUN_CHECKPOINT_ENTRY = re.compile(r"step-\d+|\.partial-step-\d+|retired-[\d-]+")
+RUN_CHECKPOINT_ENTRY = re.compile(r"step-\d+|\.(partial|removing)-step-\d+|retired-[\d-]+")
 
 
 def _run_checkpoints(folder: Path) -> list[str] | None:
@@ -649,6 +652,16 @@ def retire_later_checkpoints(output_dir: str | Path, resume_path: Path | None) -
     return moved
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete checkpoint `path` so that a kill midway leaves no half-deleted step-N for `latest` or the
+    average to meet: it is renamed `.removing-step-N` first (one rename), then deleted; the next
+    checkpoint's write clears what a kill left."""
+    doomed = path.with_name(f".removing-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     output_dir: Path,
@@ -667,6 +680,8 @@ def save_checkpoint(
     partial = folder / f".partial-step-{state['step']:08d}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
+        for stale in folder.glob(".removing-step-*"):  # left by a kill while a checkpoint was removed
+            shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
@@ -677,19 +692,22 @@ def save_checkpoint(
                 tokenizer.save_pretrained(partial / CHECKPOINT_TOKENIZER)
             (partial / STATE_FILE).write_text(json.dumps(state | {"scheduled": scheduled}, indent=1))
             write_manifest(partial)
+            sync_tree(partial)  # on disk before it is named step-N (see `sync_tree`)
     except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
         explained = checkpoint_write_error(error, partial, accelerator.is_main_process)
         if explained is error:
             raise
         raise explained from error
     if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():
+            remove_checkpoint(final)
         os.replace(partial, final)
+        sync_folder(folder)
         for old in list_checkpoints(output_dir)[:-1]:
             if json_field(old / STATE_FILE, "scheduled") is False:
-                shutil.rmtree(old)
+                remove_checkpoint(old)
         for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old)
+            remove_checkpoint(old)
     accelerator.wait_for_everyone()
     return final
 
