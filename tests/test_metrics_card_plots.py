@@ -382,6 +382,7 @@ def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_o
         **card_kwargs(training=TRAINING | hub_base, metrics=METRICS | {"max_length_offset": None})
     )
     assert tuned.data.base_model == "Helsinki-NLP/opus-mt-en-es"
+    assert "\nbase_model_relation: finetune\n" in str(tuned)  # the Hub's model tree: a fine-tune of it
     text = " ".join(tuned.text.split())
     assert "fine-tuned from `Helsinki-NLP/opus-mt-en-es` on" in text and "trained from scratch" not in text
     assert "transformers' `inverse_sqrt`" in text and "The recipe of the paper" not in text
@@ -389,6 +390,7 @@ def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_o
     assert "source length +" not in text.split("Decoding:")[1].split("The paper")[0]  # no length rule set
     local = build_model_card(**card_kwargs(training=TRAINING | {"finetuned_from": "tiny-en-es"}))
     assert local.data.base_model is None and "fine-tuned from `tiny-en-es`" in " ".join(local.text.split())
+    assert "base_model_relation" not in str(local)
     scratch = build_model_card(**card_kwargs())
     assert scratch.data.base_model is None and "trained from scratch" in " ".join(scratch.text.split())
 
@@ -397,6 +399,7 @@ def test_a_converted_model_card_describes_no_training_and_links_its_hub_source()
     hub = {"converted_from": "Helsinki-NLP/opus-mt-en-es", "converted_from_hub": True}
     converted = build_model_card(**card_kwargs(training=hub, dataset={}))
     assert converted.data.base_model == "Helsinki-NLP/opus-mt-en-es"
+    assert "base_model_relation" not in str(converted)  # no relation of the Hub's fits a conversion
     text = " ".join(converted.text.split())
     assert "holding the weights of `Helsinki-NLP/opus-mt-en-es`, a MarianMTModel" in text
     assert "trained from scratch" not in text and "Not trained here: the card of" in text

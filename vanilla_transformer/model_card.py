@@ -224,6 +224,7 @@ def _card_data(
     target_lang: str,
     license: str | None,
     base_model: str | None = None,
+    base_model_relation: str | None = None,
 ) -> ModelCardData:
     dataset_name = metrics.get("dataset_name") or dataset.get("name") or "unnamed dataset"  # the scored data
     hub_id = dataset.get("hub_id")
@@ -259,6 +260,7 @@ def _card_data(
         language=[source_lang, target_lang],
         license=license,
         base_model=base_model,
+        **({"base_model_relation": base_model_relation} if base_model_relation else {}),
         library_name="transformers",
         pipeline_tag="translation",
         tags=list(TAGS),
@@ -316,6 +318,10 @@ def build_model_card(
     # The model this one started from, or holds the weights of, where it is a Hub model.
     origins = [training[key] for key in ("finetuned_from", "converted_from") if training.get(f"{key}_hub")]
     base_model = origins[0] if origins else None
+    # The Hub's model tree files a fine-tune under its base model's "Finetunes". A conversion (the same
+    # weights in another architecture) has no relation of the Hub's (adapter, merge, quantized,
+    # finetune) that fits, and is left for the Hub to infer.
+    relation = "finetune" if training.get("finetuned_from_hub") else None
     card_data = _card_data(
         model_name=model_name,
         metrics=metrics,
@@ -324,6 +330,7 @@ def build_model_card(
         target_lang=target_lang,
         license=license,
         base_model=base_model,
+        base_model_relation=relation,
     )
     variables = _template_variables(
         model_name=model_name,
