@@ -19,7 +19,9 @@ Shape legend:
 
 from __future__ import annotations
 
+import ast
 import copy
+import logging
 import math
 import numbers
 from collections.abc import Callable
@@ -961,6 +963,25 @@ class SourceLengthGenerationConfig(GenerationConfig):
 _MAX_LENGTH_FROM_DEFAULTS = "_max_length_from_defaults"
 
 
+class _DormantBeamSettingsFilter(logging.Filter):
+    """Drops transformers' warning that a greedy generation config's `early_stopping` and
+    `length_penalty` "are not valid and may be ignored": it validates the folder's generation config as
+    a plain `GenerationConfig` before the model's `SourceLengthGenerationConfig` takes it over, for which
+    they are dormant beam settings (see its `validate`). A warning naming any other flag passes."""
+
+    PREFIX = "The following generation flags are not valid and may be ignored: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        try:
+            flags = ast.literal_eval(message[len(self.PREFIX) :].split("]")[0] + "]")
+        except (ValueError, SyntaxError):
+            return True
+        return not (isinstance(flags, list) and set(flags) <= {"early_stopping", "length_penalty"})
+
+
 class VanillaTransformerForConditionalGeneration(
     VanillaTransformerPreTrainedModel, LeanGenerationSteps, GenerationMixin
 ):
@@ -984,6 +1005,16 @@ class VanillaTransformerForConditionalGeneration(
         if type(value) is GenerationConfig:
             value.__class__ = SourceLengthGenerationConfig
         self.__dict__["_generation_config"] = value
+
+    def adjust_generation_fn(self, *args: Any, **kwargs: Any) -> None:
+        """transformers' loading of the folder's generation config (in `from_pretrained`), without its
+        warning about a greedy config's dormant beam settings (`_DormantBeamSettingsFilter`)."""
+        quiet, logger = _DormantBeamSettingsFilter(), logging.getLogger(GenerationConfig.__module__)
+        logger.addFilter(quiet)
+        try:
+            super().adjust_generation_fn(*args, **kwargs)
+        finally:
+            logger.removeFilter(quiet)
 
     def __init__(self, config: VanillaTransformerConfig):
         super().__init__(config)
