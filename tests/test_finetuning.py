@@ -3,6 +3,8 @@
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,8 @@ from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.finetuning import FinetuneConfig, bleu_metric_fn, build_trainer, finetune
 from vanilla_transformer.hub import check_model_folder
 from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -394,3 +398,31 @@ def test_a_marian_fine_tune_says_how_to_get_a_card(marian_start, start, tmp_path
     assert not (tmp_path / "tuned" / "README.md").exists()
     assert "No model card was written" in caplog.text and "holds a MarianMTModel" in caplog.text
     assert f"convert_marian.py --model {tmp_path / 'tuned'} --output FOLDER --test_file" in caplog.text
+
+
+def launch_two_cpu_processes(script: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes 2 SCRIPT ARGS`, as the README
+    and `processes_without_a_gpu` tell a user to run CPU processes."""
+    from tests.test_training import cpu_only, free_port
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--main_process_port", str(free_port()), str(script), *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, cwd=cwd, env=cpu_only()
+    )
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
+    """Two CPU processes train one model on halves of each update (gloo), not two copies on all of it:
+    without `use_cpu`, Trainer left each process on its own, both writing the same folder."""
+    model_dir, data = start
+    output = tmp_path / "tuned"
+    args = [f"--model={model_dir}", f"--train_file={data}", f"--output_dir={output}", "--max_steps=2"]
+    args += ["--eval_steps=2", "--per_device_train_batch_size=8", "--per_device_eval_batch_size=8"]
+    args += ["--num_beams=1", "--warmup_steps=1", "--validation_size=40", "--max_eval_samples=21"]
+    result = launch_two_cpu_processes(ROOT / "scripts" / "finetune.py", args, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    text = " ".join((output / "README.md").read_text(encoding="utf-8").split())
+    assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
+    assert "2 processes |" in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +262,11 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     if config.max_eval_samples is not None:
         validation = validation.select(range(min(config.max_eval_samples, len(validation))))
 
+    # Several processes without GPUs (`CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu ...`, torchrun on
+    # a CPU machine): Trainer sets up data parallelism over gloo only when told that it runs on CPUs;
+    # otherwise every process trained a copy of its own on all the data and wrote the same files.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        argument_overrides.setdefault("use_cpu", True)
     arguments = Seq2SeqTrainingArguments(
         output_dir=config.output_dir,
         max_steps=config.max_steps,
