@@ -412,17 +412,47 @@ def launch_two_cpu_processes(script: Path, args: list[str], cwd: Path) -> subpro
     )
 
 
+RECORDING_LAUNCHER = """
+import json, runpy, sys
+from vanilla_transformer import finetuning
+
+score = finetuning.BleuMetric.__call__
+
+
+def recorded(self, prediction):
+    with open(SCORED, "a") as log:
+        print(json.dumps({"outputs": len(prediction.predictions), "pairs": len(self.references)}), file=log)
+    return score(self, prediction)
+
+
+finetuning.BleuMetric.__call__ = recorded
+sys.argv[0] = SCRIPT
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
     """Two CPU processes train one model on halves of each update (gloo), not two copies on all of it:
     without `use_cpu`, Trainer left each process on its own, both writing the same folder."""
     model_dir, data = start
-    output = tmp_path / "tuned"
+    output, scored = tmp_path / "tuned", tmp_path / "scored.jsonl"
+    # finetune.py, with what each evaluation scores recorded (by every process) in `scored`.
+    recording = tmp_path / "finetune_recording.py"
+    recording.write_text(
+        RECORDING_LAUNCHER.replace("SCORED", repr(str(scored))).replace(
+            "SCRIPT", repr(str(ROOT / "scripts" / "finetune.py"))
+        )
+    )
     args = [f"--model={model_dir}", f"--train_file={data}", f"--output_dir={output}", "--max_steps=2"]
     args += ["--eval_steps=2", "--per_device_train_batch_size=8", "--per_device_eval_batch_size=8"]
     args += ["--num_beams=1", "--warmup_steps=1", "--validation_size=40", "--max_eval_samples=21"]
-    result = launch_two_cpu_processes(ROOT / "scripts" / "finetune.py", args, tmp_path)
+    result = launch_two_cpu_processes(recording, args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
+    # Every evaluation (before, at step 2, after; on each process) scored the 21 pairs once each: the
+    # processes' last batches are filled up with repeated pairs, which were scored too (32 outputs).
+    evaluations = [json.loads(line) for line in scored.read_text().splitlines()]
+    assert len(evaluations) == 6 and all(e == {"outputs": 21, "pairs": 21} for e in evaluations), evaluations
     text = " ".join((output / "README.md").read_text(encoding="utf-8").split())
     assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
     assert "2 processes |" in text
