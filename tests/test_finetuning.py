@@ -388,6 +388,26 @@ def test_scores_are_against_the_reference_texts_not_the_decoded_labels():
     assert bleu_metric_fn(tokenizer, other)(outputs)["chrf"] == 100  # falls back to decoding
 
 
+def test_outputs_are_scored_against_the_reference_texts_of_their_pairs(start, tmp_path):
+    """Evaluation batches grouped by length (transformers 5 groups them where training does) came back
+    in another order than the split's: `BleuMetric` did not recognise the references and scored every
+    evaluation against the decoded labels."""
+    model_dir, data = start
+    trainer = build_trainer(
+        small_config(model_dir, data, tmp_path / "tuned", max_eval_samples=20), use_cpu=True
+    )
+    metric, in_order = trainer.compute_metrics, []
+
+    def recorded(prediction):
+        rows = [row[row != -100].tolist() for row in prediction.label_ids]
+        in_order.append(rows == list(metric.references["labels"]))
+        return metric(prediction)
+
+    trainer.compute_metrics = recorded
+    trainer.evaluate()
+    assert in_order == [True]
+
+
 def test_a_marian_fine_tune_says_how_to_get_a_card(marian_start, start, tmp_path, caplog):
     """A fine-tuned MarianMTModel folder gets no card (the card describes this package's model), and
     push_to_hub.py refuses a folder without one: the run said nothing of either."""
@@ -421,7 +441,10 @@ score = finetuning.BleuMetric.__call__
 
 def recorded(self, prediction):
     with open(SCORED, "a") as log:
-        print(json.dumps({"outputs": len(prediction.predictions), "pairs": len(self.references)}), file=log)
+        rows = [row[row != -100].tolist() for row in prediction.label_ids]
+        in_order = rows == list(self.references["labels"])
+        record = {"outputs": len(rows), "pairs": len(self.references), "in_order": in_order}
+        print(json.dumps(record), file=log)
     return score(self, prediction)
 
 
@@ -449,10 +472,12 @@ def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
     args += ["--num_beams=1", "--warmup_steps=1", "--validation_size=40", "--max_eval_samples=21"]
     result = launch_two_cpu_processes(recording, args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    # Every evaluation (before, at step 2, after; on each process) scored the 21 pairs once each: the
-    # processes' last batches are filled up with repeated pairs, which were scored too (32 outputs).
+    # Every evaluation (before, at step 2, after; on each process) scored the 21 pairs once each, in
+    # order: the processes' last batches are filled up with repeated pairs, which were scored too (32
+    # outputs), and batches grouped by length scored the outputs against the labels decoded.
     evaluations = [json.loads(line) for line in scored.read_text().splitlines()]
-    assert len(evaluations) == 6 and all(e == {"outputs": 21, "pairs": 21} for e in evaluations), evaluations
+    expected = {"outputs": 21, "pairs": 21, "in_order": True}
+    assert len(evaluations) == 6 and all(e == expected for e in evaluations), evaluations
     text = " ".join((output / "README.md").read_text(encoding="utf-8").split())
     assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
     assert "2 processes |" in text

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
+from torch.utils.data import SequentialSampler
 from transformers import (
     DataCollatorForSeq2Seq,
     EvalPrediction,
@@ -26,6 +27,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import has_length
 
 from .cli import InputError, json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
@@ -226,7 +228,15 @@ bleu_metric_fn = BleuMetric  # its earlier name
 
 
 class FinetuneTrainer(Seq2SeqTrainer):
-    """`Seq2SeqTrainer` whose evaluation scores every validation pair once, also on several processes."""
+    """`Seq2SeqTrainer` whose evaluation scores every validation pair once, in the split's order (so that
+    `BleuMetric` scores against the reference texts), also on several processes."""
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler | None:
+        # transformers 5 also groups evaluation batches by length where training does
+        # (`train_sampling_strategy="group_by_length"`): the outputs came back in another order than the
+        # split's, `BleuMetric` never recognised its references, and scored against the labels decoded.
+        # Several processes: Accelerate shards these batches and gathers them back in this order.
+        return SequentialSampler(eval_dataset) if has_length(eval_dataset) else None
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         # Seq2SeqTrainer.evaluate gathers the processes' outputs with `accelerator.gather`, which keeps the
