@@ -7,6 +7,8 @@ Every flag is listed by --help; the logic lives in vanilla_transformer.finetunin
 
 import sys
 
+from accelerate import PartialState
+
 from vanilla_transformer.cli import parse_dataclass
 from vanilla_transformer.finetuning import FinetuneConfig, finetune
 
@@ -23,5 +25,7 @@ if __name__ == "__main__":
             file=sys.stderr,
         )
         sys.exit(130)
+    if not PartialState().is_main_process:  # one report, not one per process
+        sys.exit(0)
     for name in ("loss", "bleu", "chrf", "gen_len"):
         print(f"{name:8s} before {metrics[f'before_{name}']:8.3f}   after {metrics[f'after_{name}']:8.3f}")

@@ -481,3 +481,4 @@ def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
     text = " ".join((output / "README.md").read_text(encoding="utf-8").split())
     assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
     assert "2 processes |" in text
+    assert result.stdout.count("bleu     before") == 1, result.stdout  # one report, not one per process
