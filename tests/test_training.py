@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
+from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
 from vanilla_transformer import training as training_module
 from vanilla_transformer.batching import TokenBatchSampler
 from vanilla_transformer.cli import InputError, check_output_file
@@ -1103,6 +1104,21 @@ def test_fsdp2_on_two_cpu_processes(tmp_path, corpus_files, ddp_run):
     loader = make_loader(tokenized["validation"], collator, 600, shuffle=False, seed=0, num_shards=1)
     single = validation_loss(model, loader, Accelerator(), model.config.label_smoothing)
     assert single["loss"] == pytest.approx(metrics["val_loss"], rel=1e-5)
+
+
+def test_the_unsharded_copy_for_evaluation_leaves_the_random_state_alone():
+    """Under FSDP every validation builds an unsharded copy of the model; building it drew from the
+    global RNG (its initial weights), which dropout draws from, so a run that validated went on with
+    other dropout masks than the DDP run (its losses after the first validation differed)."""
+    config = VanillaTransformerConfig.from_preset(
+        "tiny", vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1
+    )
+    model = VanillaTransformerForConditionalGeneration(config)
+    before = torch.get_rng_state()
+    copy = training_module.full_copy(model, model)
+    assert torch.equal(torch.get_rng_state(), before)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], tensor), name
 
 
 def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):

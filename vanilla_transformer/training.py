@@ -978,7 +978,11 @@ def full_copy(model: Any, like: VanillaTransformerForConditionalGeneration) -> A
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    copy = VanillaTransformerForConditionalGeneration(like.config)
+    # Its initial weights, replaced at once, must not draw from the global RNG: that is dropout's, and a
+    # validation under FSDP then changed every later update's dropout (the losses after it left the
+    # DDP run's, which validation leaves alone).
+    with torch.random.fork_rng(devices=[]):
+        copy = VanillaTransformerForConditionalGeneration(like.config)
     copy.load_state_dict(weights)
     copy.tie_weights()
     copy.generation_config = copy_module.deepcopy(like.generation_config)
