@@ -1121,6 +1121,50 @@ def test_the_unsharded_copy_for_evaluation_leaves_the_random_state_alone():
         assert torch.equal(copy.state_dict()[name], tensor), name
 
 
+SLOW_PUBLISH_LAUNCHER = """
+import runpy, sys, time
+from datetime import timedelta
+
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from vanilla_transformer import training
+
+plain_init, plain_publish = Accelerator.__init__, training.publish
+
+
+def init(self, *args, **kwargs):  # a process group that waits 10 s, not 30 minutes
+    plain_init(self, *args, **kwargs, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=10))])
+
+
+def publish(*args, **kwargs):  # a long upload after the folder is written
+    plain_publish(*args, **kwargs)
+    time.sleep(15)
+
+
+Accelerator.__init__, training.publish = init, publish
+sys.argv[0] = SCRIPT
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_long_publish_does_not_time_the_other_processes_out(tmp_path, corpus_files):
+    """The main process writes the folder and uploads it alone; the others waited for it at a barrier,
+    which timed out during an upload longer than the process group's timeout (Accelerate's 30 minutes):
+    the run failed, and the launcher stopped the main process in the middle of its upload."""
+    launcher = tmp_path / "slow_publish.py"
+    launcher.write_text(SLOW_PUBLISH_LAUNCHER.replace("SCRIPT", repr(str(ROOT / "scripts" / "train.py"))))
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()), str(launcher)]
+    command += small_args(tmp_path / "run", corpus_files, max_steps=2, save_steps=2, eval_steps=0)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=cpu_only()
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "test BLEU" in result.stdout  # the main process's report, after the upload
+
+
 def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     """--mixed_precision bf16 on a CPU: Accelerate runs the forward under bfloat16 autocast. The run
     learns as the float32 run with the same flags does, and writes float32 weights. (Its own process:

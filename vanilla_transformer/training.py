@@ -1066,9 +1066,11 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         stopped = train_loop(run)
         final, metrics = finalise(run, stopped)
         samples = score_test_split(run, final, metrics)
+        # The other processes are done: they do not wait for the main process's folder and upload at a
+        # barrier, which times out (Accelerate's 30 minutes) during a long upload, failing the run, and
+        # the launcher then stops the main process where it is.
         if run.accelerator.is_main_process:
             publish(run, final, metrics, samples)
-        run.accelerator.wait_for_everyone()
         run.accelerator.end_training()
     finally:
         if lock is not None:
