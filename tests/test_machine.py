@@ -11,6 +11,7 @@ from vanilla_transformer.machine import (
     describe_machine,
     format_gpu,
     format_machine,
+    one_process_of_several,
     processes_without_a_gpu,
 )
 
@@ -95,3 +96,16 @@ def test_more_processes_than_gpus_is_refused_with_the_fix():
     assert processes_without_a_gpu({}, gpus=1) is None  # one process
     # Several machines: only this machine's processes need this machine's GPUs.
     assert processes_without_a_gpu({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, gpus=4) is None
+
+
+def test_a_cpu_launch_of_several_processes_that_started_one_is_named():
+    """`accelerate launch --cpu --num_processes 2` starts one process (Accelerate's CPU launcher starts
+    several only through mpirun): the run trained alone, and nothing said so."""
+    launch = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    message = one_process_of_several(launch)
+    assert message and "one process" in message
+    assert "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes N" in message
+    assert one_process_of_several({"ACCELERATE_USE_CPU": "True"}) is None  # --cpu, one process asked for
+    assert one_process_of_several(launch | {"WORLD_SIZE": "2"}) is None  # torchrun's processes
+    assert one_process_of_several(launch | {"PMI_SIZE": "2"}) is None  # mpirun's (--mpirun_hostfile)
+    assert one_process_of_several(launch | {"ACCELERATE_USE_CPU": "False"}) is None

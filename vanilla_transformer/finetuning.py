@@ -32,7 +32,7 @@ from transformers.trainer_utils import has_length
 from .cli import InputError, json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
-from .machine import describe_machine, format_machine, processes_without_a_gpu
+from .machine import describe_machine, format_machine, one_process_of_several, processes_without_a_gpu
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
 from .parallel_data import load_parallel_data, tokenize_parallel_data
@@ -252,6 +252,8 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     problem = None if argument_overrides.get("use_cpu") else processes_without_a_gpu()
     if problem:
         raise ValueError(problem)
+    if alone := one_process_of_several():
+        logger.warning(alone)
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
     # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)
     # logits kept) with the fine-tuning's factor, and Trainer's smoother, which would need the logits,

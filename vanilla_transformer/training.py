@@ -55,6 +55,7 @@ from .machine import (
     describe_machine,
     format_gpu,
     format_machine,
+    one_process_of_several,
     processes_without_a_gpu,
     resident_bytes,
 )
@@ -1121,6 +1122,8 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(even_batches=False),
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    if accelerator.num_processes == 1 and (alone := one_process_of_several()):
+        logger.warning(alone)
     sharded = accelerator.distributed_type == DistributedType.FSDP
     if accelerator.is_main_process:  # a run killed while publishing its folder left it half moved
         finish_interrupted_publish(output_dir)
