@@ -1106,6 +1106,31 @@ def test_fsdp2_on_two_cpu_processes(tmp_path, corpus_files, ddp_run):
     assert single["loss"] == pytest.approx(metrics["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_an_fsdp_run_resumes_as_it_would_have_gone_on(tmp_path, corpus_files, ddp_run):
+    """FSDP checkpoints hold the shared embedding under its three names; Accelerate's loading (torch's
+    `set_model_state_dict`) knew one and stopped every FSDP resume with a KeyError. Resumed at update
+    8, the run logs the losses of the uninterrupted one (the DDP run's, which FSDP's equal)."""
+    output_dir = tmp_path / "fsdp"
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command += ["--config_file", str(ROOT / "configs/accelerate/fsdp.yaml"), "--num_processes", "2"]
+    command += ["--mixed_precision", "no", "--main_process_port", str(free_port())]
+    command += [str(ROOT / "tests/fsdp_on_cpu.py"), *small_args(output_dir, corpus_files, eval_steps=0)]
+    for more in (["--max_steps", "8"], ["--max_steps", "12", "--resume_from_checkpoint", "latest"]):
+        result = subprocess.run(
+            command + more,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            cwd=tmp_path,
+            env=cpu_only(),
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stderr
+    assert logged_losses(output_dir) == pytest.approx(logged_losses(ddp_run[0]), rel=1e-5)
+
+
 def test_the_unsharded_copy_for_evaluation_leaves_the_random_state_alone():
     """Under FSDP every validation builds an unsharded copy of the model; building it drew from the
     global RNG (its initial weights), which dropout draws from, so a run that validated went on with

@@ -21,7 +21,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1433,10 +1433,54 @@ def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dic
             )
     accelerator.wait_for_everyone()
     try:
-        accelerator.load_state(str(resume_path))
+        with whole_fsdp_weights_loaded_by_name(accelerator):
+            accelerator.load_state(str(resume_path))
     except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
         raise InputError(f"Could not load checkpoint {resume_path}: {error}") from error
     return json.loads((resume_path / STATE_FILE).read_text())
+
+
+@contextmanager
+def whole_fsdp_weights_loaded_by_name(accelerator: Accelerator) -> Iterator[None]:
+    """Under FSDP, let `accelerator.load_state` load the model's whole-state checkpoint
+    (`FSDP_WEIGHTS`) under one name per tensor.
+
+    Accelerate loads it with torch's `set_model_state_dict` (from the main process, strictly), which
+    fails for this model: its shared embedding is one module under three names (`model.shared`,
+    `model.encoder.embed_tokens`, `model.decoder.embed_tokens`), the checkpoint holds all three, and torch
+    knows only the first, so every FSDP resume stopped with a KeyError naming
+    `model.encoder.embed_tokens.weight` (and without those names, strict loading misses them). Here the
+    main process sends each tensor under the first of its names, and loading checks that only the other
+    names of shared tensors went unloaded."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        yield
+        return
+    import accelerate.accelerator as accelerator_module
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def load(plugin: Any, accelerator: Accelerator, model: Any, input_dir: str, *args: Any, **kwargs: Any):
+        names = dict(model.named_parameters()) | dict(model.named_buffers())  # each tensor's first name
+        every = model.state_dict(keep_vars=True)
+        weights = checkpoint_weights(Path(input_dir)) if accelerator.is_main_process else {}
+        result = set_model_state_dict(
+            model,
+            {name: tensor for name, tensor in weights.items() if name in names},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )
+        unloaded = [name for name in result.missing_keys if name in names or name not in every]
+        if unloaded or result.unexpected_keys:
+            raise RuntimeError(
+                f"Checkpoint weights do not match the model: {unloaded or result.unexpected_keys}"
+            )
+        accelerator.wait_for_everyone()
+        return result
+
+    plain = accelerator_module.load_fsdp_model
+    accelerator_module.load_fsdp_model = load
+    try:
+        yield
+    finally:
+        accelerator_module.load_fsdp_model = plain
 
 
 class TrainingClock:
