@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.trainer_utils import has_length
 
 from .cli import InputError, json_field
@@ -227,9 +229,35 @@ class BleuMetric:
 bleu_metric_fn = BleuMetric  # its earlier name
 
 
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """Trainer's length-grouped order, drawn from `seed` and the epoch (`epoch()`, read when an epoch
+    starts) rather than from the global RNG: every process must draw the same order, which Accelerate
+    then shards, and the global RNG differs between processes once dropout has drawn from it for batches
+    of different shapes (from the second epoch on, some pairs were trained twice per epoch and others
+    not at all)."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int, epoch: Callable[[], int]):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed, self.epoch = seed, epoch
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch())
+        return super().__iter__()
+
+
 class FinetuneTrainer(Seq2SeqTrainer):
     """`Seq2SeqTrainer` whose evaluation scores every validation pair once, in the split's order (so that
     `BleuMetric` scores against the reference texts), also on several processes."""
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
+        sampler = super()._get_train_sampler(train_dataset)
+        if type(sampler) is not LengthGroupedSampler or sampler.generator is not None:
+            return sampler
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        # The epoch the loop is in (after a resume too: the state is restored before the epoch starts).
+        return EpochSeededLengthGroupedSampler(
+            sampler.batch_size, sampler.lengths, seed, lambda: math.floor((self.state.epoch or 0) + 1e-9)
+        )
 
     def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler | None:
         # transformers 5 also groups evaluation batches by length where training does
