@@ -246,6 +246,21 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "empty.tsv", ""), validation_file=good)
 
 
+def test_delimited_fields_that_look_like_numbers_stay_text(tmp_path):
+    """pandas read a column (or a 10,000-row chunk of one, as datasets reads a file) that looked numeric
+    as numbers: a file of such targets was refused as "not text", and the last rows of a longer one
+    silently became other text ("01.50" -> "1.5", "007" -> "7")."""
+    numbers = write(tmp_path / "n.tsv", "en\tes\nAgent\t007\nPrice\t1.50\n")
+    data, _ = load_parallel_data(test_file=numbers, for_training=False)
+    assert data["test"]["target"] == ["007", "1.50"]
+    rows = "".join(f"Hello {i}\tHola {i}\n" for i in range(10_000))
+    for suffix, delimiter in ((".tsv", "\t"), (".csv", ",")):
+        long = write(tmp_path / f"long{suffix}", f"en{delimiter}es\n" + rows.replace("\t", delimiter))
+        long.write_text(long.read_text() + f"Item 1{delimiter}01.50\nItem 2{delimiter}007\n")
+        data, _ = load_parallel_data(test_file=long, for_training=False)
+        assert data["test"]["target"][-3:] == ["Hola 9999", "01.50", "007"]
+
+
 def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     rows = "en\tes\n" + "short\tcorto\n" * 3 + ("long " * 40 + "\tlargo\n")
     tsv = write(tmp_path / "a.tsv", rows)

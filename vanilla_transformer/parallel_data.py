@@ -81,8 +81,9 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
         decoder.decode(b"", final=True)
 
 
-def check_delimited(path: Path) -> None:
-    """Raise a ValueError naming file and line unless every row of a .tsv/.csv has the header's fields.
+def check_delimited(path: Path) -> list[str]:
+    """Raise a ValueError naming file and line unless every row of a .tsv/.csv has the header's fields;
+    return the header's names.
 
     TSV: fields are split on every tab, with no quoting (a tab inside a sentence is an extra field).
     CSV: standard quoting (fields with commas, quotes or line breaks are double-quoted, quotes doubled).
@@ -127,6 +128,7 @@ def check_delimited(path: Path) -> None:
             raise DataError(f"{path} is empty: it needs a header row naming the columns.")
         if pairs == 0:
             raise DataError(f"{path} has a header row and no sentence pairs under it.")
+        return header
 
 
 def _csv_quoted(field: str) -> bool:
@@ -155,6 +157,7 @@ def check_jsonl(path: Path) -> None:
 def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
+    fields: dict[str, int] = {}  # a delimited file's number of columns
     for split, path in paths.items():
         if path.is_dir():
             raise DataError(f"{split} file {path} is a folder; name a file ({', '.join(FILE_BUILDERS)}).")
@@ -166,7 +169,7 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
             )
         check_utf8(path)
         if FILE_BUILDERS[path.suffix] == "csv":
-            check_delimited(path)
+            fields[split] = len(check_delimited(path))
         elif path.suffix == ".jsonl":
             check_jsonl(path)
         suffixes.add(path.suffix)
@@ -183,9 +186,13 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
     # them, instead of failing inside datasets' schema merge.
     data = DatasetDict()
     for split, path in paths.items():
+        # Every delimited field is text: pandas would otherwise read a column, or a block of 10,000 rows
+        # of one (datasets reads a file in such chunks), that looks numeric as numbers, turning "007" into
+        # 7 and "1.50" into 1.5, or refusing the file.
+        as_text = {"converters": dict.fromkeys(range(fields[split]), str)} if split in fields else {}
         try:
             data[split] = load_dataset(
-                FILE_BUILDERS[suffix], data_files={split: str(path)}, split=split, **options
+                FILE_BUILDERS[suffix], data_files={split: str(path)}, split=split, **options, **as_text
             )
         except Exception as error:  # datasets wraps parser errors in several exception types
             raise DataError(f"Could not parse {path}: {error}") from error
