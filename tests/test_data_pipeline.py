@@ -163,6 +163,16 @@ def test_translation_pairs_in_other_languages_are_named(tmp_path):
         load_parallel_data(train_file=mixed, validation_file=jsonl, source_lang="en", target_lang="es")
 
 
+def test_a_translation_pair_side_that_is_not_text_is_named(tmp_path):
+    """A number there reached the metric as an int (a traceback after translating the whole file), and a
+    list was read as its repr, "['y']", and trained on or scored against as a sentence."""
+    good = '{"translation": {"en": "Hello", "es": "Hola"}}\n'
+    for value in ("5", '["y"]', '{"x": "y"}'):
+        jsonl = write(tmp_path / "v.jsonl", good + f'{{"translation": {{"en": "x", "es": {value}}}}}\n')
+        with pytest.raises(DataError, match=r"Row 2 of the test data has .* as its 'es' side, not text"):
+            load_parallel_data(test_file=jsonl, for_training=False)
+
+
 def test_a_hub_translation_feature_row_with_a_null_side_is_empty_not_refused():
     """A Hub dataset's `Translation` rows carry every language: a None there is a null, an empty side."""
     rows = [{"de": "Hallo", "en": "Hi", "fr": "Salut"}, {"de": None, "en": "Yes", "fr": None}]

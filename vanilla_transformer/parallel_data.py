@@ -224,6 +224,14 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
                     f"Row {index + 1} of the {split} data is a translation pair in {has}, not "
                     f"{source_column!r}-{target_column!r}: every row needs the two languages."
                 )
+            for language in (source_column, target_column):
+                # As in plain columns: a number or a list is not a sentence (its repr would be read as
+                # one, or a number reach the tokenizer and the metric).
+                if pair.get(language) is not None and not isinstance(pair[language], str):
+                    raise DataError(
+                        f"Row {index + 1} of the {split} data has {pair[language]!r:.60} as its "
+                        f"{language!r} side, not text: every value must be a string."
+                    )
         return {
             "source": [pair.get(source_column) for pair in pairs],
             "target": [pair.get(target_column) for pair in pairs],
