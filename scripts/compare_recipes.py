@@ -180,7 +180,7 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
         num_beams=MARIAN["num_beams"],
         max_new_tokens=longest + 50,
     )
-    scores = score_translations(hypotheses, test["target"])
+    scores = score_translations(hypotheses, test["target"], target_lang=args.target_lang)
     return {
         "updates": result.global_step,
         "train_minutes": limit.elapsed / 60,

@@ -1,5 +1,6 @@
 """BLEU/chrF metric module, batched translation, model card rendering and training-curve plots."""
 
+import importlib
 import math
 from pathlib import Path
 
@@ -74,6 +75,44 @@ def test_metric_passes_tokenize_and_lowercase():
     lowered = sacrebleu.corpus_chrf([p.lower() for p in predictions], [[r.lower() for r in REFERENCES]])
     assert result["chrf"] == pytest.approx(lowered.score)
     assert "case:lc" in result["bleu_signature"] and "tok:intl" in result["bleu_signature"]
+
+
+def test_bleu_tokenises_as_sacrebleu_does_for_the_target_language(monkeypatch):
+    """13a splits on spaces and punctuation only: Chinese references were scored as whole sentences, so a
+    translation one character off scored BLEU 0. The references' language picks sacreBLEU's tokeniser."""
+    references = ["我喜欢吃香蕉。", "今天天气很好。"]
+    predictions = ["我喜欢吃苹果。", "今天天气很好。"]
+    for language in ("zh", "zh-CN", "zh_Hant"):
+        result = score_translations(predictions, references, target_lang=language)
+        assert result["bleu"] == pytest.approx(
+            sacrebleu.corpus_bleu(predictions, [references], tokenize="zh").score
+        )
+        assert result["bleu"] > 50 and "tok:zh" in result["bleu_signature"]
+    assert "tok:13a" in score_translations(PREDICTIONS, REFERENCES, target_lang="es")["bleu_signature"]
+    chosen = score_translations(predictions, references, target_lang="zh", tokenize="13a")  # yours wins
+    assert chosen["bleu"] == 0 and "tok:13a" in chosen["bleu_signature"]
+
+    # Japanese and Korean: MeCab's tokenisers where sacrebleu[ja]/[ko] is installed, else characters.
+    def without_mecab(self):
+        raise RuntimeError("Japanese tokenization requires extra dependencies: pip install sacrebleu[ja]")
+
+    mecab = importlib.import_module("sacrebleu.tokenizers.tokenizer_ja_mecab")
+    monkeypatch.setattr(mecab.TokenizerJaMecab, "__init__", without_mecab)
+    with pytest.warns(UserWarning, match=r"computed on characters \(tok:char\), not with ja-mecab"):
+        result = score_translations(["猫が好き"], ["猫が好きです"], target_lang="ja")
+    assert "tok:char" in result["bleu_signature"]
+
+
+def test_evaluate_model_scores_with_the_target_languages_tokeniser(tmp_path, monkeypatch):
+    from vanilla_transformer import evaluation
+
+    test = tmp_path / "test.tsv"
+    test.write_text("en\tzh\nI like bananas.\t我喜欢吃香蕉。\nIt is fine today.\t今天天气很好。\n")
+    monkeypatch.setattr(evaluation, "load_model_folder", lambda *_: (None, None))
+    monkeypatch.setattr(evaluation, "translate", lambda *_, **__: ["我喜欢吃苹果。", "今天天气很好。"])
+    options = {"test_file": str(test), "source_lang": "en", "target_lang": "zh"}
+    result = evaluation.evaluate_model("model", data_options=options)
+    assert "tok:zh" in result["bleu_signature"] and result["bleu"] > 50
 
 
 def test_perfect_translations_score_100():

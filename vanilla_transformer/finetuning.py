@@ -201,10 +201,18 @@ class BleuMetric:
     which lose what the tokenizer cannot represent (characters outside its vocabulary become `<unk>`
     and vanish, normalisation rewrites others), so scores would not match `evaluate_model`'s.
     `scores`: the last evaluation's sacreBLEU results, signatures included, and `split_pairs` the size of
-    the split whose first pairs `references` are (both for the model card)."""
+    the split whose first pairs `references` are (both for the model card). `target_lang`, the
+    references' language code, picks sacreBLEU's BLEU tokeniser for it (`score_translations`)."""
 
-    def __init__(self, tokenizer: Any, references: Any = None, split_pairs: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        references: Any = None,
+        split_pairs: int | None = None,
+        target_lang: str | None = None,
+    ) -> None:
         self.tokenizer, self.references, self.split_pairs = tokenizer, references, split_pairs
+        self.target_lang = target_lang
         self.scores: dict[str, Any] = {}
 
     def __call__(self, prediction: EvalPrediction) -> dict[str, float]:
@@ -221,7 +229,7 @@ class BleuMetric:
         else:
             labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
             texts = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
-        self.scores = score_translations(hypotheses, texts)
+        self.scores = score_translations(hypotheses, texts, target_lang=self.target_lang)
         lengths = [int(np.count_nonzero(row != tokenizer.pad_token_id)) for row in predictions]
         return {"bleu": self.scores["bleu"], "chrf": self.scores["chrf"], "gen_len": float(np.mean(lengths))}
 
@@ -354,7 +362,10 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         processing_class=tokenizer,
         compute_metrics=BleuMetric(
-            tokenizer, validation.select_columns(["source", "target", "labels"]), len(tokenized["validation"])
+            tokenizer,
+            validation.select_columns(["source", "target", "labels"]),
+            len(tokenized["validation"]),
+            target_lang=config.target_lang,
         ),
     )
 

@@ -35,8 +35,10 @@ def load_translation_metric() -> evaluate.EvaluationModule:
 def score_translations(predictions: Sequence[str], references: Sequence[str], **kwargs: Any) -> dict:
     """Corpus BLEU and chrF of `predictions` against one reference each.
 
-    Keyword arguments go to the metric: `tokenize` (BLEU tokeniser, default "13a") and `lowercase`
-    (default False). Returns the metric's dict: "bleu", "chrf", "bleu_signature", "chrf_signature",
+    Keyword arguments go to the metric: `target_lang` (the references' language code, which picks
+    sacreBLEU's BLEU tokeniser for it: "zh" for Chinese, MeCab's for Japanese and Korean, else "13a"),
+    `tokenize` (a BLEU tokeniser of your choice instead) and `lowercase` (default False).
+    Returns the metric's dict: "bleu", "chrf", "bleu_signature", "chrf_signature",
     "bleu_precisions", "brevity_penalty", "sys_len", "ref_len".
     """
     if isinstance(predictions, str) or isinstance(references, str):

@@ -1044,9 +1044,8 @@ class Run:
             batch_size=config.eval_batch_size,
             **config.decoding(),
         )
-        bleu = score_translations(hypotheses, self.data["validation"]["target"][: config.eval_samples])[
-            "bleu"
-        ]
+        references = self.data["validation"]["target"][: config.eval_samples]
+        bleu = score_translations(hypotheses, references, target_lang=config.target_lang)["bleu"]
         self.model.train()
         return {"val_loss": losses["loss"], "val_ppl": losses["ppl"], "val_bleu": bleu}
 
@@ -1827,7 +1826,7 @@ def score_test_split(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict
         batch_size=config.eval_batch_size,
         **config.decoding(),
     )
-    scores = score_translations(hypotheses, test_split["target"])
+    scores = score_translations(hypotheses, test_split["target"], target_lang=config.target_lang)
     metrics |= {"split": split, "scored_pairs": count} | {
         f"test_{k}": scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")
     }

@@ -7,6 +7,7 @@ copied by `evaluate` into its modules cache and imported from there, so it impor
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import datasets
@@ -23,8 +24,13 @@ _KWARGS_DESCRIPTION = """\
 Args:
     predictions (list of str): detokenised system outputs, one per segment.
     references (list of str): detokenised references, one per prediction.
-    tokenize (str): BLEU tokeniser, one of sacreBLEU's ("13a", the default and WMT standard; "intl",
-        "char", "none", ...). chrF works on characters and ignores it.
+    tokenize (str): BLEU tokeniser, one of sacreBLEU's ("13a", "intl", "zh", "char", "none", ...). chrF
+        works on characters and ignores it. Default: the WMT standard for `target_lang`, as sacreBLEU's
+        command line chooses it: "zh" for Chinese, "ja-mecab" for Japanese, "ko-mecab" for Korean
+        ("char" where sacrebleu[ja] or sacrebleu[ko] is not installed, with a warning), else "13a".
+    target_lang (str): language code of the references ("zh", "zh-CN", "es", ...), which picks the
+        default `tokenize`: 13a splits on spaces and punctuation only, so text without spaces between
+        words would be scored as whole sentences.
     lowercase (bool): lowercase predictions and references before scoring (default False).
 Returns:
     bleu (float): corpus BLEU, 0-100.
@@ -75,8 +81,9 @@ class BleuChrf(evaluate.Metric):
         self,
         predictions: list[str],
         references: list[str],
-        tokenize: str = BLEU.TOKENIZER_DEFAULT,
+        tokenize: str | None = None,
         lowercase: bool = False,
+        target_lang: str | None = None,
     ) -> dict[str, Any]:
         predictions, references = list(predictions), list(references)
         if len(predictions) != len(references):
@@ -86,10 +93,23 @@ class BleuChrf(evaluate.Metric):
             )
         if not predictions:
             raise ValueError("No predictions to score: `predictions` and `references` are empty.")
+        chosen = tokenize is not None
+        if tokenize is None:
+            tokenize = default_tokenize(target_lang)
         if tokenize not in BLEU.TOKENIZERS:
             raise ValueError(f"Unknown BLEU `tokenize` {tokenize!r}; choose one of {list(BLEU.TOKENIZERS)}.")
 
-        bleu = BLEU(tokenize=tokenize, lowercase=lowercase)
+        try:
+            bleu = BLEU(tokenize=tokenize, lowercase=lowercase)
+        except RuntimeError as error:  # MeCab's tokenisers need sacrebleu[ja] / sacrebleu[ko]
+            if chosen or not tokenize.endswith("-mecab"):
+                raise
+            warnings.warn(
+                f"BLEU for {target_lang!r} is computed on characters (tok:char), not with {tokenize} as "
+                f"sacreBLEU's default for it: {' '.join(str(error).split())}",
+                stacklevel=2,
+            )
+            bleu = BLEU(tokenize="char", lowercase=lowercase)
         chrf = CHRF(lowercase=lowercase)
         bleu_score = bleu.corpus_score(predictions, [references])
         chrf_score = chrf.corpus_score(predictions, [references])
@@ -103,3 +123,13 @@ class BleuChrf(evaluate.Metric):
             "sys_len": int(bleu_score.sys_len),
             "ref_len": int(bleu_score.ref_len),
         }
+
+
+# sacreBLEU's own choice for a target language (its command line's `-l`), 13a for the others.
+LANGUAGE_TOKENIZERS = {"zh": "zh", "ja": "ja-mecab", "ko": "ko-mecab"}
+
+
+def default_tokenize(target_lang: str | None) -> str:
+    """The BLEU tokeniser for references in `target_lang` ("zh", "zh-TW", "zh_Hans", "ja", ...)."""
+    primary = (target_lang or "").replace("_", "-").split("-")[0].lower()
+    return LANGUAGE_TOKENIZERS.get(primary, BLEU.TOKENIZER_DEFAULT)
