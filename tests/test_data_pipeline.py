@@ -98,6 +98,19 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column_name(tmp_path):
             load_parallel_data(test_file=tsv, for_training=False)
 
 
+def test_evaluation_sources_that_occur_in_train_are_reported(tmp_path):
+    """A test or validation file sharing sentences with the training file (OPUS splits, a test file cut
+    from the same corpus) scored memorised pairs without a word."""
+    rows = "".join(f"s{i}\tt{i}\n" for i in range(30))
+    train = write(tmp_path / "train.tsv", "en\tes\n" + rows)
+    test = write(tmp_path / "test.tsv", "en\tes\ns1\tother\ns2\tt2\nnew\tnuevo\n")
+    validation = write(tmp_path / "validation.tsv", "en\tes\nnew\tnuevo\n")
+    data, report = load_parallel_data(train_file=train, validation_file=validation, test_file=test)
+    assert len(data["test"]) == 3  # kept: the test file is the user's
+    assert report.sources_in_train == {"validation": 0, "test": 2}
+    assert report.lines()[0].startswith("warning: 2 of the test pairs have a source sentence that")
+
+
 def test_the_report_says_whether_validation_was_drawn_from_train(tmp_path):
     """An averaged model's card can rescore a split of the data's own, not one drawn at random."""
     rows = "".join(f"s{i}\tt{i}\n" for i in range(30))

@@ -37,6 +37,9 @@ class DataReport:
     too_long: dict[str, int] = field(default_factory=dict)
     held_out_in_train: int = 0
     validation_held_out: bool = False  # the validation split was drawn from train at random
+    # Pairs of a validation or test split given as such (not drawn from train) whose source is also a
+    # training source: kept (the split is the user's), but said, as their scores reward memorising.
+    sources_in_train: dict[str, int] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         out = [
@@ -47,6 +50,12 @@ class DataReport:
                 f"dropped {self.held_out_in_train} held-out validation pairs that also occur in train "
                 "(repeated pairs of the training file)"
             )
+        out += [
+            f"warning: {n} of the {split} pairs have a source sentence that also occurs in train: their "
+            "scores reward memorising the training data (remove them from one of the two)"
+            for split, n in self.sources_in_train.items()
+            if n
+        ]
         out += [
             f"skipped {n} {split} pairs longer than max_length" for split, n in self.too_long.items() if n
         ]
@@ -372,7 +381,20 @@ def load_parallel_data(
             raise DataError("Every held-out validation pair also occurs in train; pass validation_file.")
         data["train"], data["validation"] = held_out["train"], validation
         report.validation_held_out = True
+    report.sources_in_train = sources_in_train(data, [] if report.validation_held_out else ["validation"])
     return data, report
+
+
+def sources_in_train(data: DatasetDict, splits: list[str]) -> dict[str, int]:
+    """For each of `splits` (and the test split, where there is one), how many of its pairs have a
+    source sentence that is also a source of the train split. The held-out sources are kept in memory
+    and train is read in batches, so a corpus of millions of pairs is not."""
+    held_out = {split: data[split]["source"] for split in [*splits, "test"] if split in data}
+    wanted = {source for sources in held_out.values() for source in sources}
+    seen: set[str] = set()
+    for batch in data["train"].select_columns(["source"]).iter(batch_size=10_000):
+        seen.update(source for source in batch["source"] if source in wanted)
+    return {split: sum(source in seen for source in sources) for split, sources in held_out.items()}
 
 
 def tokenize_parallel_data(
