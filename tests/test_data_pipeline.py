@@ -45,6 +45,18 @@ def test_tokenizer_round_trip_and_special_tokens(tokenizer, tmp_path):
     assert loaded.decode(loaded("Jesus wept.")["input_ids"], skip_special_tokens=True) == "Jesus wept."
 
 
+def test_a_tab_or_other_whitespace_between_words_separates_them(tokenizer, tmp_path):
+    """A tab was a character of its own (<unk>: no training text had one) and took the next word's
+    word-start marker: "God<tab>created" was encoded, and decoded, as one word."""
+    spaced = tokenizer("God created the earth.")["input_ids"]
+    for text in ("God\tcreated the earth.", "God created\u3000the\u00a0earth.", "God\t created the earth."):
+        decoded = tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True)
+        assert decoded.split() == ["God", "created", "the", "earth."]
+    assert tokenizer("God\tcreated the earth.")["input_ids"] == spaced
+    tokenizer.save_pretrained(tmp_path)  # the rule is saved with it
+    assert AutoTokenizer.from_pretrained(tmp_path)("God\tcreated the earth.")["input_ids"] == spaced
+
+
 def test_tokenizer_shares_one_vocabulary_across_languages(tokenizer):
     english, spanish = tokenizer("God created")["input_ids"], tokenizer("crió Dios")["input_ids"]
     assert max(english + spanish) < len(tokenizer)

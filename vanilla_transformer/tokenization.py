@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 # Order fixes the ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, the defaults of VanillaTransformerConfig.
@@ -22,18 +22,21 @@ def train_bpe_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Learn one BPE vocabulary from source and target sentences together.
 
-    Text is NFKC-normalised, split on whitespace with a word-boundary marker (Metaspace) and before and
-    after punctuation, so that decoding restores the original spacing. Every encoded sequence ends
-    with `</s>`; the decoder starts from `<s>`. The special tokens' spellings in text ("<s>", "</s>"
-    as HTML's strikethrough, say) are text, not those tokens (`split_special_tokens`, saved with the
-    tokenizer): otherwise a sentence would end, or a token vanish from it, where one stands.
+    Text is NFKC-normalised and every whitespace character made a space (a tab between two words was a
+    character of its own, `<unk>` where training text had none, and the next word lost its word-start
+    marker: two words read and translated as one), then split on spaces with a word-boundary marker
+    (Metaspace) and before and after punctuation, so that decoding restores the original spacing.
+    Every encoded sequence ends with `</s>`; the decoder starts from `<s>`. The special tokens'
+    spellings in text ("<s>", "</s>" as HTML's strikethrough, say) are text, not those tokens
+    (`split_special_tokens`, saved with the tokenizer): otherwise a sentence would end, or a token
+    vanish from it, where one stands.
     """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(
             f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}."
         )
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " ")])
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()]
     )
