@@ -254,6 +254,9 @@ def test_bad_data_gives_clear_errors(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "h.tsv", "en\tes\n\n"))  # parse: ... no data!"
     with pytest.raises(ValueError, match=r"e\.jsonl is empty"):
         load_parallel_data(train_file=write(tmp_path / "e.jsonl", "\n"))
+    for text in ("", " \n", "\ufeff", "[]", "[ \n ]\n"):  # once "Could not parse e.json: " and no reason
+        with pytest.raises(DataError, match=r"e\.json is empty: it needs a JSON array of objects"):
+            load_parallel_data(test_file=write(tmp_path / "e.json", text), for_training=False)
     with pytest.raises(ValueError, match="same type"):
         load_parallel_data(train_file=good, validation_file=write(tmp_path / "v.jsonl", '{"en": "a"}\n'))
 

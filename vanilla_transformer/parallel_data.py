@@ -163,6 +163,13 @@ def check_jsonl(path: Path) -> None:
         raise DataError(f"{path} is empty: it needs one JSON object per line.")
 
 
+def _empty_json(path: Path, head: int = 4096) -> bool:
+    """Whether a .json file holds nothing, or an empty array (judged on its first `head` bytes)."""
+    with path.open("rb") as handle:
+        text = handle.read(head).removeprefix(codecs.BOM_UTF8)
+    return len(text) < head and text.replace(b"[", b"", 1).replace(b"]", b"", 1).strip() == b""
+
+
 def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
@@ -181,6 +188,8 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
             fields[split] = len(check_delimited(path))
         elif path.suffix == ".jsonl":
             check_jsonl(path)
+        elif _empty_json(path):  # datasets said "Could not parse F: " with no reason, or "... no data!"
+            raise DataError(f"{path} is empty: it needs a JSON array of objects (or JSON Lines, as .jsonl).")
         suffixes.add(path.suffix)
     if len({FILE_BUILDERS[s] for s in suffixes}) > 1 or suffixes == {".tsv", ".csv"}:
         raise DataError(f"All data files must have the same type, got {sorted(suffixes)}.")
