@@ -40,7 +40,12 @@ SKIPPED_CATALOGS = re.compile(r"^(iso_|iso-|xkeyboard-config)")
 PLACEHOLDER = re.compile(
     r"%(?:\d+\$)?[-+ #0']*(?:\*|\d+)?(?:\.(?:\*|\d+))?(?:hh|h|ll|l|L|q|j|z|t)?[a-zA-Z%]|\{[^{}]*\}"
 )
-ACCELERATOR = re.compile(r"(?<![\w&_])[_&](?=\w)")
+# A keyboard accelerator: "_" or "&" before the letter it marks, at a word's start (the message's, or after
+# a space, a "|" context separator, an opening quote or bracket, or a hyphen: "Von-_links"). Not an "&" that
+# starts an entity ("&amp;", "&lt;": text about XML), nor "_" that starts an identifier ("_open_osfhandle")
+# or follows other punctuation (the strftime flag "%_d", "`_POSIX2_LOCALEDEF'", "pam_*_item()"): these
+# once lost the character, the source and its translation alike.
+ACCELERATOR = re.compile(r"(?:^|(?<=[\s|(\[»«\"'“„-]))(?:_|&(?![#\w]+;))(?=[^\W\d_])(?![^\W_]*_\w)")
 HELD_OUT_SHARE = {"validation": 0.05, "test": 0.05}
 
 

@@ -185,6 +185,10 @@ def locale_dir(tmp_path) -> Path:
 def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_dir, tmp_path, capsys):
     builder = load_script("build_messages_corpus")
     assert builder.normalise("_Open\n  the  &file") == "Open the file"
+    assert builder.normalise("Von-_links-nach-rechts, pinentry|_OK") == "Von-links-nach-rechts, pinentry|OK"
+    for text in ("escape & as &amp; or &#38;", "same as %_d", "define `_POSIX2_LOCALEDEF'", "pam_*_item()"):
+        assert builder.normalise(text) == text  # once "escape & as amp; or #38;", "same as %d", ...
+    assert builder.normalise("function _open_osfhandle failed") == "function _open_osfhandle failed"
     assert builder.placeholders("%2$s of {name} at %.*s") == builder.placeholders("{name}: %.*s %2$s")
 
     output = tmp_path / "corpus"
