@@ -25,7 +25,12 @@ parser.add_argument("--model", required=True, help="model folder (or Hub id)")
 parser.add_argument("--test_file", help="local .tsv/.csv/.jsonl file to score (default: embedded corpus)")
 parser.add_argument("--split", default="test", help="split of the embedded corpus (default: test)")
 parser.add_argument("--source_lang", default="en", help="default: en")
-parser.add_argument("--target_lang", default="es", help="default: es")
+parser.add_argument(
+    "--target_lang",
+    default="es",
+    help="default: es; it also picks BLEU's tokeniser, as sacreBLEU does (zh, ja, ko: theirs; else 13a), "
+    "so name it with --target_column too",
+)
 parser.add_argument("--source_column")
 parser.add_argument("--target_column")
 parser.add_argument("--max_samples", type=positive_int, help="score only the first N pairs")
