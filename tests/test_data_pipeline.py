@@ -1,11 +1,13 @@
 """Tokenizer, data loading and token-based batching."""
 
+import csv
 import random
 
 import pytest
 from datasets import Dataset, DatasetDict, Features, Translation
 from transformers import AutoTokenizer
 
+from vanilla_transformer import parallel_data
 from vanilla_transformer.batching import TokenBatchSampler
 from vanilla_transformer.parallel_data import (
     DataError,
@@ -297,6 +299,18 @@ def test_delimited_fields_that_look_like_numbers_stay_text(tmp_path):
         long.write_text(long.read_text() + f"Item 1{delimiter}01.50\nItem 2{delimiter}007\n")
         data, _ = load_parallel_data(test_file=long, for_training=False)
         assert data["test"]["target"][-3:] == ["Hola 9999", "01.50", "007"]
+
+
+def test_a_csv_field_over_128_kib_is_read(tmp_path, monkeypatch):
+    """The csv module's field limit (128 KiB) ended the strict check in a traceback, "_csv.Error: field
+    larger than field limit", on a file pandas reads; a long sentence is the length checks' to judge."""
+    long = write(tmp_path / "long.csv", 'en,es\nhi,hola\n"' + "word " * 40_000 + '",b\n')
+    data, _ = load_parallel_data(test_file=long, for_training=False)
+    assert len(data["test"][1]["source"]) == 199_999
+    assert csv.field_size_limit() == 131072  # the module's limit is restored
+    monkeypatch.setattr(parallel_data, "FIELD_SIZE_LIMIT", 1000)  # a row it still cannot read is named
+    with pytest.raises(DataError, match=r"long\.csv, line 3: not readable as CSV \(field larger"):
+        load_parallel_data(test_file=long, for_training=False)
 
 
 def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import csv
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,13 +98,25 @@ def check_delimited(path: Path) -> list[str]:
     CSV: standard quoting (fields with commas, quotes or line breaks are double-quoted, quotes doubled).
     A row that repeats the header (files concatenated with their headers) is refused too.
     """
+    # The csv module refuses a field over 128 KiB (a traceback, "field larger than field limit"), which
+    # pandas reads: a long sentence is the length checks' to judge. Its limit is global, so restored.
+    limit = csv.field_size_limit(FIELD_SIZE_LIMIT)
+    try:
+        return _check_delimited(path)
+    finally:
+        csv.field_size_limit(limit)
+
+
+FIELD_SIZE_LIMIT = 2**31 - 1  # the largest the csv module takes on every platform
+
+
+def _check_delimited(path: Path) -> list[str]:
     # utf-8-sig: a byte-order mark (as Windows editors write) is not part of the header's first name.
     with path.open(encoding="utf-8-sig", newline="") as handle:
         if path.suffix == ".tsv":
             rows = ((number, line.rstrip("\r\n").split("\t")) for number, line in enumerate(handle, 1))
         else:
-            reader = csv.reader(handle)
-            rows = ((reader.line_num, row) for row in reader)
+            rows = _csv_rows(path, handle)
         header: list[str] | None = None
         pairs = 0
         for line, row in rows:
@@ -138,6 +150,16 @@ def check_delimited(path: Path) -> list[str]:
         if pairs == 0:
             raise DataError(f"{path} has a header row and no sentence pairs under it.")
         return header
+
+
+def _csv_rows(path: Path, handle: Any) -> Iterator[tuple[int, list[str]]]:
+    """The rows of a CSV file with the line each ends on; a row the csv module cannot read is named."""
+    reader = csv.reader(handle)
+    try:
+        for row in reader:
+            yield reader.line_num, row
+    except csv.Error as error:
+        raise DataError(f"{path}, line {reader.line_num}: not readable as CSV ({error}).") from None
 
 
 def _csv_quoted(field: str) -> bool:
