@@ -12,6 +12,7 @@ reproducible for the same package versions.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,11 @@ def fetch_sword_dir(workdir: Path) -> Path:
     return root / "usr" / "share" / "sword"
 
 
+def pysword_missing() -> bool:
+    """Whether `pysword`, which reads the SWORD modules, is not installed."""
+    return importlib.util.find_spec("pysword") is None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -47,10 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-words", type=int, default=20, help="longest side kept, in words (default 20)")
     args = parser.parse_args(argv)
+    # Said before any download: once a traceback after it (no pysword), or every pair dropped and the
+    # shipped corpus replaced by an empty file (--max-words 0).
+    if args.max_words <= 0:
+        parser.error(f"--max-words must be positive, got {args.max_words}")
+    if pysword_missing():
+        parser.error("reading the SWORD modules needs pysword: pip install pysword")
+    if args.sword_dir is not None and not (args.sword_dir / "mods.d").is_dir():
+        parser.error(f"--sword-dir {args.sword_dir} is not an unpacked usr/share/sword (no mods.d folder)")
 
     with tempfile.TemporaryDirectory() as tmp:
         sword_dir = args.sword_dir or fetch_sword_dir(Path(tmp))
         build = build_corpus(sword_dir, max_words=args.max_words)
+    empty = [split for split in SPLITS if not build.split_counts[split]]
+    if empty:  # not written: the shipped corpus would be replaced by one that cannot train or score
+        sys.exit(f"error: no pairs left for {', '.join(empty)}; {args.output} not written")
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_corpus(build.records, args.output)

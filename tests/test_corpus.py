@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -173,6 +175,40 @@ def test_write_corpus_is_deterministic(tmp_path) -> None:
 
 
 # --- the shipped file ---------------------------------------------------------------------------------
+
+
+def test_build_corpus_script_refuses_what_would_fail_or_empty_the_corpus_before_any_work(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Without pysword it ended in a traceback after the download; with --max-words 0 every pair was
+    dropped and the shipped corpus replaced by an empty file."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "build_corpus.py"
+    spec = importlib.util.spec_from_file_location("build_corpus_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "fetch_sword_dir", lambda _: pytest.fail("downloaded"))
+    monkeypatch.setattr(script, "pysword_missing", lambda: False)
+    output = tmp_path / "corpus.jsonl.gz"
+    sword = tmp_path / "sword"
+    (sword / "mods.d").mkdir(parents=True)
+    for argv, message in (
+        (["--max-words", "0"], "--max-words must be positive, got 0"),
+        (["--sword-dir", str(tmp_path)], "is not an unpacked usr/share/sword"),
+    ):
+        with pytest.raises(SystemExit):
+            script.main([*argv, "--output", str(output)])
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(script, "pysword_missing", lambda: True)
+    with pytest.raises(SystemExit):
+        script.main(["--sword-dir", str(sword), "--output", str(output)])
+    assert "needs pysword: pip install pysword" in capsys.readouterr().err
+    monkeypatch.setattr(script, "pysword_missing", lambda: False)  # installed, and the build empties splits
+    counts = {"train": 3, "validation": 0, "test": 0}
+    build = corpus.CorpusBuild([], [], [], 0, 0, 0, 0, 0, 0, counts)
+    monkeypatch.setattr(script, "build_corpus", lambda *_, **__: build)
+    with pytest.raises(SystemExit, match="no pairs left for validation, test"):
+        script.main(["--sword-dir", str(sword), "--output", str(output)])
+    assert not output.exists()
 
 
 @pytest.fixture(scope="module")
