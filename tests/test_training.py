@@ -1,5 +1,6 @@
 """The training job end to end on a small slice of the embedded corpus: one process, resume, two processes."""
 
+import datetime
 import itertools
 import json
 import math
@@ -1148,18 +1149,10 @@ def test_the_unsharded_copy_for_evaluation_leaves_the_random_state_alone():
 
 SLOW_PUBLISH_LAUNCHER = """
 import runpy, sys, time
-from datetime import timedelta
-
-from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
 
 from vanilla_transformer import training
 
-plain_init, plain_publish = Accelerator.__init__, training.publish
-
-
-def init(self, *args, **kwargs):  # a process group that waits 10 s, not 30 minutes
-    plain_init(self, *args, **kwargs, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=10))])
+plain_publish = training.publish
 
 
 def publish(*args, **kwargs):  # a long upload after the folder is written
@@ -1167,7 +1160,7 @@ def publish(*args, **kwargs):  # a long upload after the folder is written
     time.sleep(15)
 
 
-Accelerator.__init__, training.publish = init, publish
+training.publish = publish
 sys.argv[0] = SCRIPT
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -1182,12 +1175,31 @@ def test_a_long_publish_does_not_time_the_other_processes_out(tmp_path, corpus_f
     launcher.write_text(SLOW_PUBLISH_LAUNCHER.replace("SCRIPT", repr(str(ROOT / "scripts" / "train.py"))))
     command = [sys.executable, "-m", "accelerate.commands.launch"]
     command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()), str(launcher)]
-    command += small_args(tmp_path / "run", corpus_files, max_steps=2, save_steps=2, eval_steps=0)
+    flags = {"max_steps": 2, "save_steps": 2, "eval_steps": 0, "ddp_timeout": 10}  # a 10 s process group
+    command += small_args(tmp_path / "run", corpus_files, **flags)
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path, env=cpu_only()
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "test BLEU" in result.stdout  # the main process's report, after the upload
+
+
+def test_the_process_groups_timeout_is_a_flag(tmp_path, monkeypatch):
+    """Before the data, the main process alone downloads, tokenises and learns the BPE vocabulary while
+    the others wait at a barrier: with a large corpus that outlasts the process group's 30 minutes, and
+    there was no way to wait longer."""
+    handlers = []
+    plain = training_module.Accelerator
+
+    def recorded(*args, **kwargs):
+        handlers.extend(kwargs.get("kwargs_handlers", []))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(training_module, "Accelerator", recorded)
+    training_module.make_accelerator(parse_config(["--ddp_timeout", "7200"]), tmp_path / "run")
+    assert [handler.timeout for handler in handlers] == [datetime.timedelta(hours=2)]
+    with pytest.raises(ValueError, match="--ddp_timeout must be positive, got 0"):
+        TrainingConfig(ddp_timeout=0)
 
 
 def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
+    InitProcessGroupKwargs,
     LoggerType,
     ProjectConfiguration,
     broadcast_object_list,
@@ -259,6 +261,14 @@ class TrainingConfig:
     mixed_precision: str | None = field(
         default=None, metadata={"help": "no, fp16 or bf16 (default: launcher's)"}
     )
+    ddp_timeout: int = field(
+        default=1800,
+        metadata={
+            "help": "seconds a process waits for the others at a synchronisation point before the run fails "
+            "(several processes): the main process alone downloads, tokenises and learns the BPE "
+            "vocabulary while the others wait; raise it for a large corpus (as transformers' ddp_timeout)"
+        },
+    )
     seed: int = 0
     # Validation, checkpoints, output
     eval_steps: int | None = field(
@@ -341,7 +351,7 @@ class TrainingConfig:
         positive = ["max_length", "max_tokens", "max_steps", "gradient_accumulation_steps"]
         positive += [] if self.vocab_size is None else ["vocab_size"]
         positive += ["save_steps", "keep_checkpoints", "average_checkpoints", "num_beams", "eval_batch_size"]
-        positive += ["logging_steps", "eval_samples", "stutter_repeats"]
+        positive += ["logging_steps", "eval_samples", "stutter_repeats", "ddp_timeout"]
         positive += [] if self.test_samples is None else ["test_samples"]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -1119,6 +1129,7 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
         # Batches are sharded round-robin; TokenBatchSampler makes their count a multiple of the
         # process count, so no process repeats examples to even out.
         dataloader_config=DataLoaderConfiguration(even_batches=False),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
     )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     if accelerator.num_processes == 1 and (alone := one_process_of_several()):
