@@ -1439,6 +1439,18 @@ def test_evaluation_pairs_too_long_for_a_batch_are_refused_before_training():
     check_evaluation_lengths(splits, 30, 1)  # only the test pairs to be translated count (--test_samples)
 
 
+def test_splits_smaller_than_the_process_count_are_refused_before_training():
+    """One validation pair on two processes stopped every process with the batch sampler's traceback."""
+    from datasets import Dataset, DatasetDict
+
+    splits = DatasetDict(train=Dataset.from_dict({"x": [1, 2, 3]}), validation=Dataset.from_dict({"x": [1]}))
+    training_module.check_split_sizes(splits, 1)
+    with pytest.raises(InputError, match=r"^The validation split has 1 pair\(s\) .* than the 2 processes"):
+        training_module.check_split_sizes(splits, 2)
+    with pytest.raises(InputError, match=r"^The train split has 3 pair\(s\) .* fewer than the 4 processes"):
+        training_module.check_split_sizes(splits, 4)
+
+
 def run_script(name: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, str(ROOT / "scripts" / name), *args]
     return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=300, check=False)

@@ -1200,6 +1200,7 @@ def start(config: TrainingConfig) -> Run:
         log(line)
     log(f"data: {', '.join(f'{split} {len(ds)} pairs' for split, ds in tokenized.items())}; {memory()}")
     check_evaluation_lengths(tokenized, config.max_tokens, config.test_samples)
+    check_split_sizes(tokenized, accelerator.num_processes)
 
     model, optimizer, peak_lr = build_model(config, tokenizer)
     architecture = {name: getattr(model.config, name) for name in ARCHITECTURE_FIELDS}  # before wrapping
@@ -1289,6 +1290,19 @@ def check_evaluation_lengths(tokenized: Any, max_tokens: int, test_samples: int 
                 f'("{dataset[longest]["source"][:50]}...") has {sizes[longest]:,} {what}. Evaluation '
                 f"pairs are not filtered by --max_length, but must fit one batch; raise --max_tokens to "
                 f"{sizes[longest]} or remove or split the pair(s)."
+            )
+
+
+def check_split_sizes(tokenized: Any, processes: int) -> None:
+    """Refuse, before training, a training or validation split with fewer pairs than there are
+    processes: each process trains on, and measures the validation loss of, a share of at least one
+    pair (the batch sampler's error came from every process as a traceback)."""
+    for split in ("train", "validation"):
+        if len(tokenized[split]) < processes:
+            raise InputError(
+                f"The {split} split has {len(tokenized[split])} pair(s) after filtering, fewer than the "
+                f"{processes} processes, each of which needs at least one: give more {split} pairs, or "
+                "launch fewer processes."
             )
 
 
