@@ -1,5 +1,6 @@
 """The final model folder is replaced all at once: a kill at any step leaves the old folder or the new one."""
 
+import errno
 import os
 from pathlib import Path
 
@@ -14,6 +15,11 @@ from vanilla_transformer.publishing import (
     staging_paths,
 )
 from vanilla_transformer.training import TrainingConfig
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 OLD = {"config.json": "old config", "model.safetensors": "old weights", "README.md": "old card"}
 NEW = {"config.json": "new config", "model.safetensors": "new weights", "README.md": "new card"}
@@ -250,3 +256,29 @@ def test_a_folder_is_flushed_to_disk_before_it_is_published(tmp_path, monkeypatc
     before = {path for path, published in flushed if not published}
     assert {partial / "config.json", partial / "sub" / "weights.bin", partial / "sub", partial} <= before
     assert flushed[-1] == (tmp_path.resolve(), True)  # then the renames into the parent folder
+
+
+@pytest.mark.skipif(fcntl is None, reason="reads a descriptor's access mode with fcntl")
+def test_a_folder_is_flushed_through_writable_descriptors_on_windows(tmp_path, monkeypatch):
+    """Windows' os.fsync (`_commit`: FlushFileBuffers) refuses a file opened for reading alone ("[Errno 9]
+    Bad file descriptor"), which POSIX accepts: every checkpoint and model folder failed there. Here
+    Windows is played by `os.name` and an fsync that refuses such descriptors as `_commit` does."""
+    write_files(tmp_path / "model", {"config.json": "{}", "sub/weights.bin": "w"})
+    flushed, fsync = [], os.fsync
+
+    def windows_fsync(descriptor: int) -> None:
+        if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        flushed.append(os.fstat(descriptor).st_size)
+        fsync(descriptor)
+
+    failed = None
+    with monkeypatch.context() as windows:  # undone before pytest, which makes paths, reports
+        windows.setattr(os, "fsync", windows_fsync)
+        windows.setattr(os, "name", "nt")
+        try:
+            publishing.sync_tree(tmp_path / "model")
+        except OSError as error:
+            failed = error
+    assert failed is None  # once: OSError [Errno 9] Bad file descriptor
+    assert sorted(flushed) == [1, 2]  # the two files written; folders cannot be opened there

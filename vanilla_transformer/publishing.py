@@ -160,6 +160,20 @@ def sync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
+def sync_file(path: Path) -> None:
+    """Flush file `path` to disk. POSIX flushes through a read-only descriptor (so also a file without
+    write permission); Windows' `os.fsync` (`_commit`: FlushFileBuffers) refuses one, "[Errno 9] Bad file
+    descriptor", and needs the file open for writing, so there a read-only file is left as it is."""
+    try:
+        handle = path.open("rb" if os.name == "posix" else "r+b")
+    except PermissionError:
+        if os.name == "posix":
+            raise
+        return  # read-only on Windows: not written by this process, nothing of its own to flush
+    with handle:
+        os.fsync(handle.fileno())
+
+
 def sync_tree(folder: Path) -> None:
     """Flush every file under `folder`, and the folders themselves, to disk. A rename is what makes a
     written folder count as complete (a checkpoint, a model folder); without this, a crash of the
@@ -167,8 +181,7 @@ def sync_tree(folder: Path) -> None:
     on a virtual disk."""
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders holding them
         if path.is_file() and not path.is_symlink():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
+            sync_file(path)
         elif path.is_dir() and not path.is_symlink():
             sync_folder(path)
     sync_folder(folder)
@@ -242,6 +255,7 @@ __all__ = [
     "out_of_space",
     "publish_folder",
     "staging_paths",
+    "sync_file",
     "sync_folder",
     "sync_tree",
 ]
