@@ -497,3 +497,30 @@ def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
     assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
     assert "2 processes |" in text
     assert result.stdout.count("bleu     before") == 1, result.stdout  # one report, not one per process
+
+
+@pytest.mark.parametrize("device, on_cpus", [(None, True), ("mps", True), ("xpu", False)])
+def test_several_processes_run_on_cpus_only_without_an_accelerator(
+    start, tmp_path, monkeypatch, device, on_cpus
+):
+    """Several processes without a CUDA GPU were all told `use_cpu`: on an Intel XPU (or Ascend NPU,
+    Gaudi) machine, whose devices Trainer distributes over, the fine-tune then ran on the CPUs."""
+    from vanilla_transformer import finetuning
+
+    model_dir, data = start
+    arguments = {}
+
+    class Stop(Exception):
+        pass
+
+    def recorded(**kwargs):
+        arguments.update(kwargs)
+        raise Stop
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: device and torch.device(device))
+    monkeypatch.setattr(finetuning, "Seq2SeqTrainingArguments", recorded)
+    with pytest.raises(Stop):
+        build_trainer(small_config(model_dir, data, tmp_path / "tuned"))
+    assert arguments.get("use_cpu", False) is on_cpus

@@ -283,6 +283,16 @@ class FinetuneTrainer(Seq2SeqTrainer):
         return super().evaluation_loop(*args, **kwargs)
 
 
+def distributed_accelerator() -> bool:
+    """Whether processes here run on an accelerator that Trainer distributes over: a CUDA GPU, or
+    another one torch knows (XPU, NPU, HPU, ...), but not Apple's MPS, which has no process group."""
+    if torch.cuda.is_available():
+        return True
+    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    return current is not None and current.type != "mps"
+
+
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
     problem = None if argument_overrides.get("use_cpu") else processes_without_a_gpu()
@@ -325,7 +335,8 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     # Several processes without GPUs (`CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu ...`, torchrun on
     # a CPU machine): Trainer sets up data parallelism over gloo only when told that it runs on CPUs;
     # otherwise every process trained a copy of its own on all the data and wrote the same files.
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+    # Only there: on an Intel XPU, Ascend NPU or Gaudi machine, use_cpu moved the processes off them.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed_accelerator():
         argument_overrides.setdefault("use_cpu", True)
     arguments = Seq2SeqTrainingArguments(
         output_dir=config.output_dir,
