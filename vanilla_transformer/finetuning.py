@@ -34,7 +34,13 @@ from transformers.trainer_utils import has_length
 from .cli import InputError, json_field
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
-from .machine import describe_machine, format_machine, one_process_of_several, processes_without_a_gpu
+from .machine import (
+    describe_machine,
+    distributed_accelerator,
+    format_machine,
+    one_process_of_several,
+    processes_without_a_gpu,
+)
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
 from .parallel_data import load_parallel_data, tokenize_parallel_data
@@ -281,16 +287,6 @@ class FinetuneTrainer(Seq2SeqTrainer):
         # `gather_for_metrics` drops them.
         self.gather_function = self.accelerator.gather_for_metrics
         return super().evaluation_loop(*args, **kwargs)
-
-
-def distributed_accelerator() -> bool:
-    """Whether processes here run on an accelerator that Trainer distributes over: a CUDA GPU, or
-    another one torch knows (XPU, NPU, HPU, ...), but not Apple's MPS, which has no process group."""
-    if torch.cuda.is_available():
-        return True
-    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    return current is not None and current.type != "mps"
 
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:

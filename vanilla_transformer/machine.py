@@ -172,6 +172,17 @@ def processes_without_a_gpu(environ: Mapping[str, str] | None = None, gpus: int 
     )
 
 
+def distributed_accelerator() -> bool:
+    """Whether processes here run on an accelerator that Accelerate (and Trainer) distribute over: a
+    CUDA GPU, or another one torch knows (XPU, NPU, HPU, ...), but not Apple's MPS, which has no
+    process group."""
+    if torch.cuda.is_available():
+        return True
+    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    return current is not None and current.type != "mps"
+
+
 def one_process_of_several(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this process runs alone although its launch asked for several, or None.
 
@@ -200,6 +211,7 @@ __all__ = [
     "cpu_model",
     "describe_gpu",
     "describe_machine",
+    "distributed_accelerator",
     "format_gpu",
     "format_machine",
     "matmul_rate",

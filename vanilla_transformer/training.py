@@ -55,6 +55,7 @@ from .hub import check_repo_id, incidental, other_files, push_model_folder, reso
 from .machine import (
     describe_gpu,
     describe_machine,
+    distributed_accelerator,
     format_gpu,
     format_machine,
     one_process_of_several,
@@ -1119,8 +1120,9 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
         raise InputError(problem)
     accelerator = Accelerator(
         # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
-        # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs.
-        cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available(),
+        # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs (not where
+        # another accelerator, an XPU or NPU, would take the processes).
+        cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed_accelerator(),
         mixed_precision=config.mixed_precision,
         log_with=None if config.report_to == "none" else config.report_to,
         project_config=ProjectConfiguration(
