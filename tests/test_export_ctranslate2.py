@@ -122,8 +122,8 @@ def test_float32_export_generates_the_same_tokens(tmp_path, corpus, variant):
 
 
 def test_decoding_settings_the_export_drops_are_named():
-    """A converted OPUS-MT model's generation config forbids the pad token and caps outputs at 512
-    tokens; exported, neither holds, so the export names them (warning and settings file)."""
+    """A converted OPUS-MT model's generation config forbids the pad token and forces the end token at
+    its length limit; exported, neither holds, so the export names them (warning and settings file)."""
     from transformers import GenerationConfig
 
     opus_mt = GenerationConfig(
@@ -132,9 +132,8 @@ def test_decoding_settings_the_export_drops_are_named():
     assert uncarried_generation_settings(opus_mt) == [
         "bad_words_ids",
         "forced_eos_token_id",
-        "max_length",
         "renormalize_logits",
-    ]
+    ]  # its max_length is carried (test_a_fixed_length_limit_is_carried)
     neutral = GenerationConfig(num_beams=4, length_penalty=0.6, min_length=0, repetition_penalty=1.0)
     assert uncarried_generation_settings(neutral) == []
 
@@ -330,3 +329,21 @@ def test_translations_cut_by_a_small_position_table_are_named(tmp_path, corpus, 
         whole = CTranslate2Translator(tmp_path / "large").translate(sources)
     assert "were cut" not in caplog.text  # stopped by the source length + 50 rule, as generate() stops
     assert all(len(a) < len(b) for a, b in zip(cut, whole, strict=True))
+
+
+@pytest.mark.parametrize(
+    "length", [{"max_length_offset": None}, {"max_length": 9}, {"max_new_tokens": 7}], ids=str
+)
+def test_a_fixed_length_limit_is_carried(tmp_path, corpus, length):
+    """A generation config with a length of its own (OPUS-MT's max_length, a max_new_tokens), or a
+    converted Marian model's max_length_offset None (transformers' 20 tokens), stops generate() there;
+    the export applied the source length + 50 rule instead, silently for the offset None."""
+    model, tokenizer = trained_folder(tmp_path / "model", corpus, steps=0, add_final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias[0, model.config.eos_token_id] = -1e4  # never ends: every limit is reached
+    model.generation_config.update(**length)
+    model.save_pretrained(tmp_path / "model")
+    sources = ["short", "a sentence of a few more words than the others"]
+    expected = translate(model, tokenizer, sources, num_beams=1)
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
+    assert CTranslate2Translator(tmp_path / "ct2").translate(sources, num_beams=1) == expected

@@ -246,8 +246,8 @@ def export_ctranslate2(
     if not_carried:
         logger.warning(
             f"The model's generation config sets {', '.join(not_carried)}, which the export does not carry "
-            "(it keeps the beam size, the length penalty, n-gram blocking and the source length + "
-            f"{DEFAULT_MAX_LENGTH_OFFSET} rule): its translations may differ from generate()'s."
+            "(it keeps the beam size, the length penalty, n-gram blocking and the length limit): its "
+            "translations may differ from generate()'s."
         )
     offset = getattr(generation, "max_length_offset", None)
     settings = {
@@ -257,6 +257,8 @@ def export_ctranslate2(
         "num_beams": generation.num_beams or 1,
         "length_penalty": 1.0 if generation.length_penalty is None else generation.length_penalty,
         "max_length_offset": DEFAULT_MAX_LENGTH_OFFSET if offset is None else offset,  # 0 stays 0
+        # a fixed limit of new tokens instead of the offset rule (its max_length, transformers' default)
+        "max_new_tokens": fixed_new_tokens(generation),
         "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
         # transformers' default is False; CTranslate2's beam search always stops as True does
         "early_stopping": "never"
@@ -278,16 +280,15 @@ def export_ctranslate2(
 
 
 # Decoding settings of a generation config that change what `generate()` outputs but that the export
-# does not carry (converted OPUS-MT models set several: `bad_words_ids` for the pad token, `max_length`
-# 512, `forced_eos_token_id`, `renormalize_logits`), and the values that change nothing.
+# does not carry (converted OPUS-MT models set several: `bad_words_ids` for the pad token,
+# `forced_eos_token_id`, `renormalize_logits`), and the values that change nothing. (A fixed `max_length`
+# or `max_new_tokens` is carried: `fixed_new_tokens`.)
 UNCARRIED_GENERATION_FIELDS = (
     "bad_words_ids",
     "suppress_tokens",
     "begin_suppress_tokens",
     "forced_bos_token_id",
     "forced_eos_token_id",
-    "max_length",
-    "max_new_tokens",
     "min_length",
     "min_new_tokens",
     "repetition_penalty",
@@ -304,6 +305,26 @@ _NEUTRAL = {
     "do_sample": False,
     "num_return_sequences": 1,
 }
+
+
+# transformers' limit where a generation config sets no length (and no `max_length_offset` rule applies):
+# `max_length` 20, counted in new tokens for an encoder-decoder.
+TRANSFORMERS_DEFAULT_NEW_TOKENS = 20
+
+
+def fixed_new_tokens(generation: Any) -> int | None:
+    """The new tokens `generate()` allows every sentence (the end token counted) under `generation`
+    (the model's `GenerationConfig`), or None where each sentence gets its own source length +
+    `max_length_offset`: that rule applies while neither `max_new_tokens` nor `max_length` is set and
+    the offset is not None (a converted Marian model without a length has None: transformers' 20 tokens
+    then). `max_length` counts the decoder's start token."""
+    if generation.max_new_tokens is not None:
+        return generation.max_new_tokens
+    if generation.max_length is not None:
+        return max(generation.max_length - 1, 0)
+    if getattr(generation, "max_length_offset", DEFAULT_MAX_LENGTH_OFFSET) is None:
+        return TRANSFORMERS_DEFAULT_NEW_TOKENS
+    return None
 
 
 def uncarried_generation_settings(generation: Any) -> list[str]:
@@ -344,7 +365,8 @@ def beam_search_differences(
 class CTranslate2Translator:
     """Translate with an exported folder the way `translation.translate` does with `generate()`:
     the folder's tokenizer, beam size and length penalty, each sentence stopped after its own source
-    length + `max_length_offset` new tokens (counting the end token, as `generate` does)."""
+    length + `max_length_offset` new tokens (counting the end token, as `generate` does), or after the
+    fixed `max_new_tokens` of a generation config that sets a length."""
 
     def __init__(
         self, export_dir: str | Path, *, device: str = "cpu", compute_type: str = "default", **kwargs: Any
@@ -414,9 +436,12 @@ class CTranslate2Translator:
             by_length.setdefault(len(tokens), []).append(index)
         outputs: dict[int, str] = {}
         cut: list[int] = []  # sentences whose translation the position table stopped short of the rule
+        fixed = settings.get("max_new_tokens")  # absent from earlier exports: the offset rule
+        rule = f"source length + {settings['max_length_offset']}" if fixed is None else f"{fixed}-token"
         for length, indices in by_length.items():
-            limit = min(length + settings["max_length_offset"], settings["max_positions"])
-            capped = limit < length + settings["max_length_offset"]
+            allowed = length + settings["max_length_offset"] if fixed is None else fixed
+            limit = min(allowed, settings["max_positions"])
+            capped = limit < allowed
             for start in range(0, len(indices), batch_size):
                 chunk = indices[start : start + batch_size]
                 results = self.translator.translate_batch(
@@ -435,8 +460,8 @@ class CTranslate2Translator:
             )
             logger.warning(
                 f"The translations of {named} were cut at {settings['max_positions']} tokens, the exported "
-                f"position table's size, before the source length + {settings['max_length_offset']} limit "
-                "that generate() keeps: export again with a larger --max_positions."
+                f"position table's size, before the {rule} limit that generate() keeps: export again with a "
+                "larger --max_positions."
             )
         return [outputs[i] for i in range(len(sources))]
 
