@@ -151,11 +151,13 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         export_ctranslate2(tmp_path / "nowhere", tmp_path / "a-file" / "ct2")
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=8)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 8
-    # A start token left unset (a MarianConfig built with transformers 5's defaults): what to set, where.
+    # No start token at all (a bos_token_id alone left unset is a MarianConfig's, and exports: the decoder
+    # start token serves): what to set, where.
     config = json.loads((tmp_path / "model" / "config.json").read_text())
-    (tmp_path / "model" / "config.json").write_text(json.dumps(config | {"bos_token_id": None}))
+    unset = {"bos_token_id": None, "decoder_start_token_id": None}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config | unset))
     with pytest.raises(
-        ValueError, match=r"bos_token_id is None; .* set `bos_token_id` in the model folder's"
+        ValueError, match=r"decoder_start_token_id is None; .* set `decoder_start_token_id` in the model"
     ):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2-unset")
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
@@ -346,4 +348,17 @@ def test_a_fixed_length_limit_is_carried(tmp_path, corpus, length):
     sources = ["short", "a sentence of a few more words than the others"]
     expected = translate(model, tokenizer, sources, num_beams=1)
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
+    assert CTranslate2Translator(tmp_path / "ct2").translate(sources, num_beams=1) == expected
+
+
+def test_a_model_without_a_bos_token_id_exports(tmp_path, corpus):
+    """A converted Marian model has no bos_token_id (MarianConfig's default), which neither generate()
+    nor CTranslate2 needs beside the decoder start token: the export refused it, asking for one."""
+    model, tokenizer = trained_folder(tmp_path / "model", corpus, steps=0)
+    model.config.bos_token_id = model.generation_config.bos_token_id = None
+    model.generation_config.max_new_tokens = 6
+    model.save_pretrained(tmp_path / "model")
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
+    sources = ["In the beginning", "Jesus wept."]
+    expected = translate(model, tokenizer, sources, num_beams=1)
     assert CTranslate2Translator(tmp_path / "ct2").translate(sources, num_beams=1) == expected

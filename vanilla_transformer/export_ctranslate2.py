@@ -160,18 +160,26 @@ def ctranslate2_spec(
         spec.decoder.projection.bias = model.final_logits_bias.detach()[0]
     spec.register_source_vocabulary(list(tokens))
     spec.register_target_vocabulary(list(tokens))
-    spec.config.bos_token = tokens[_one_token_id(config, "bos_token_id")]
+    # CTranslate2 starts each output with the decoder start token (generate() with the beginning-of-
+    # sequence token where none is set); its own bos_token serves only where that is absent, and to begin
+    # sources if asked (add_source_bos, off): a converted Marian model has no bos_token_id.
+    start = _one_token_id(config, "decoder_start_token_id", "bos_token_id")
+    bos = start if config.bos_token_id is None else _one_token_id(config, "bos_token_id")
+    spec.config.bos_token = tokens[bos]
     spec.config.eos_token = tokens[_one_token_id(config, "eos_token_id")]
-    spec.config.decoder_start_token = tokens[_one_token_id(config, "decoder_start_token_id")]
+    spec.config.decoder_start_token = tokens[start]
     if tokenizer.unk_token is not None:
         spec.config.unk_token = tokenizer.unk_token
     spec.config.layer_norm_epsilon = config.layer_norm_eps
     return spec
 
 
-def _one_token_id(config: Any, field: str) -> int:
-    """The configuration's `field` as one token id (a one-element list too): an export has one of each."""
+def _one_token_id(config: Any, field: str, fallback: str | None = None) -> int:
+    """The configuration's `field` (else its `fallback` field, where `field` is unset) as one token id (a
+    one-element list too): an export has one of each."""
     value = getattr(config, field)
+    if value is None and fallback is not None and getattr(config, fallback) is not None:
+        field, value = fallback, getattr(config, fallback)
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     if not isinstance(value, int):
