@@ -362,3 +362,20 @@ def test_a_model_without_a_bos_token_id_exports(tmp_path, corpus):
     sources = ["In the beginning", "Jesus wept."]
     expected = translate(model, tokenizer, sources, num_beams=1)
     assert CTranslate2Translator(tmp_path / "ct2").translate(sources, num_beams=1) == expected
+
+
+def test_translating_with_beams_names_the_papers_length_penalty_form(tmp_path, corpus, caplog):
+    """A model whose generation config asks for the paper's length penalty form ranks beams by
+    ((5 + |Y|) / 6)^alpha, CTranslate2 by |Y|^alpha: only the export said so (whatever the beam size),
+    and translating the export with beams, where the outputs differ, said nothing."""
+    model, _ = trained_folder(tmp_path / "model", corpus, steps=0)
+    model.generation_config.num_beams, model.generation_config.length_penalty_form = 1, "gnmt"
+    model.save_pretrained(tmp_path / "model")
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
+    translator = CTranslate2Translator(tmp_path / "ct2")
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        translator.translate(["Jesus wept."])
+    assert caplog.text == ""  # greedy search has no length penalty
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        translator.translate(["Jesus wept."], num_beams=4)
+    assert "paper's length penalty ((5 + |Y|) / 6)^alpha" in caplog.text

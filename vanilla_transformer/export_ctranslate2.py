@@ -19,8 +19,9 @@ layer-norm epsilon it does not have) is refused with the reason. Float32 exports
 token like `generate()` (tests/test_export_ctranslate2.py); `CTranslate2Translator` applies the same
 decoding rules: beam size, length penalty, each sentence's own source length + 50. CTranslate2 divides
 a beam's log-probability by |Y|^alpha, transformers' form; a model whose generation config asks for the
-paper's ((5 + |Y|) / 6)^alpha (`length_penalty_form="gnmt"`) is exported with a warning that beam
-search there may end differently.
+paper's ((5 + |Y|) / 6)^alpha (`length_penalty_form="gnmt"`) is exported with the form recorded, and the
+export and `CTranslate2Translator` warn, whenever beams are used, that beam search there may end
+differently.
 
 Needs the optional extra: `pip install -e ".[ctranslate2]"`.
 """
@@ -245,11 +246,6 @@ def export_ctranslate2(
     spec.validate()
     spec.optimize(quantization=quantization)
     generation = model.generation_config
-    if getattr(generation, "length_penalty_form", None) == "gnmt":
-        logger.warning(
-            "The model's beam search uses the paper's length penalty ((5 + |Y|) / 6)^alpha; CTranslate2 "
-            "divides by |Y|^alpha, so the export may pick other beams for some sentences."
-        )
     not_carried = uncarried_generation_settings(generation)
     if not_carried:
         logger.warning(
@@ -272,11 +268,16 @@ def export_ctranslate2(
         "early_stopping": "never"
         if generation.early_stopping == "never"
         else bool(generation.early_stopping),
+        # CTranslate2 has transformers' form only: recorded so that translating with beams says so
+        "length_penalty_form": getattr(generation, "length_penalty_form", None) or "power",
         "not_carried": not_carried,
         "source_model": str(model_dir),
     }
     for difference in beam_search_differences(
-        settings["num_beams"], settings["early_stopping"], settings["no_repeat_ngram_size"]
+        settings["num_beams"],
+        settings["early_stopping"],
+        settings["no_repeat_ngram_size"],
+        settings["length_penalty_form"],
     ):
         logger.warning(difference)
     output_dir = Path(output_dir)
@@ -348,13 +349,18 @@ def uncarried_generation_settings(generation: Any) -> list[str]:
 
 
 def beam_search_differences(
-    num_beams: int, early_stopping: bool | str, no_repeat_ngram_size: int
+    num_beams: int, early_stopping: bool | str, no_repeat_ngram_size: int, length_penalty_form: str = "power"
 ) -> list[str]:
     """How CTranslate2's beam search would pick other outputs than `generate()` with these settings
     (none for greedy search or the paper's settings)."""
     if num_beams <= 1:
         return []
     differences = []
+    if length_penalty_form == "gnmt":
+        differences.append(
+            "The model's beam search uses the paper's length penalty ((5 + |Y|) / 6)^alpha; CTranslate2 "
+            "divides by |Y|^alpha, so it may pick other beams for some sentences."
+        )
     if early_stopping is not True:
         differences.append(
             f"The generation config's early_stopping is {early_stopping!r}: generate()'s beam search then "
@@ -433,7 +439,10 @@ class CTranslate2Translator:
             "min_decoding_length": 0,
         }
         differences = beam_search_differences(
-            options["beam_size"], settings.get("early_stopping", True), options["no_repeat_ngram_size"]
+            options["beam_size"],
+            settings.get("early_stopping", True),
+            options["no_repeat_ngram_size"],
+            settings.get("length_penalty_form", "power"),  # absent from earlier exports: not recorded
         )
         for difference in differences:
             if difference not in self.warned:
