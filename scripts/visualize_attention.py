@@ -9,6 +9,7 @@ translation (beam search, its generation config) is used. Logic in vanilla_trans
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 from vanilla_transformer.evaluation import load_model_folder
@@ -33,24 +34,34 @@ parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available
 args = parser.parse_args()
 if not 2 <= args.positions <= MAX_ENCODING_POSITIONS:
     parser.error(f"--positions must be between 2 and {MAX_ENCODING_POSITIONS}, got {args.positions}.")
-# Checked before the model loads and runs: the first folder on the way that exists must be a folder.
-existing = next(p for p in (Path(args.output_dir), *Path(args.output_dir).absolute().parents) if p.exists())
-if not existing.is_dir():
-    parser.error(f"--output_dir {args.output_dir}: {existing} is a file, not a folder.")
+# Checked before the model loads and runs: the first folder on the way that exists must be a folder, and
+# the folder must be made now (no permission, a name too long, ...), not after the model ran.
+try:
+    existing = next(
+        p for p in (Path(args.output_dir), *Path(args.output_dir).absolute().parents) if p.exists()
+    )
+    if not existing.is_dir():
+        parser.error(f"--output_dir {args.output_dir}: {existing} is a file, not a folder.")
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+except OSError as error:
+    parser.error(f"--output_dir {args.output_dir}: {error.strerror or error}")
 try:
     model, tokenizer = load_model_folder(args.model, args.device)
     maps = attention_maps(model, tokenizer, args.source, args.target)
 except (OSError, ValueError) as error:
     parser.error(str(error))
 
-paths = plot_attention_maps(maps, args.output_dir)
-paths["positional_encoding"] = f"{args.output_dir}/positional_encoding.png"
-plot_positional_encoding(
-    paths["positional_encoding"],
-    d_model=model.config.d_model,
-    length=args.positions,
-    layout=model.config.position_encoding_layout,
-)
+try:
+    paths = plot_attention_maps(maps, args.output_dir)
+    paths["positional_encoding"] = f"{args.output_dir}/positional_encoding.png"
+    plot_positional_encoding(
+        paths["positional_encoding"],
+        d_model=model.config.d_model,
+        length=args.positions,
+        layout=model.config.position_encoding_layout,
+    )
+except OSError as error:  # a full disk, a folder made read-only meanwhile
+    sys.exit(f"error: --output_dir {args.output_dir}: {error}")
 print("source:", " ".join(maps.source_tokens))
 print("target:", " ".join(maps.target_tokens))
 for path in paths.values():

@@ -209,3 +209,20 @@ def test_script_refuses_an_output_dir_that_is_a_file_before_loading(tmp_path):
         )
         assert result.returncode == 2 and f"{afile} is a file, not a folder" in result.stderr, result.stderr
     assert afile.read_text() == "mine"
+
+
+def test_script_refuses_an_output_dir_it_cannot_make_before_loading(tmp_path):
+    """It once loaded and ran the model, then failed with a traceback from mkdir."""
+    output_dir = tmp_path / ("x" * 300) / "maps"  # a name too long for the file system
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "visualize_attention.py"),
+            *("--model", str(tmp_path / "nope"), "--source", "x", "--output_dir", str(output_dir)),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "--output_dir" in result.stderr, result.stderr
