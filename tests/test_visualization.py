@@ -226,3 +226,14 @@ def test_script_refuses_an_output_dir_it_cannot_make_before_loading(tmp_path):
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "--output_dir" in result.stderr, result.stderr
+
+
+def test_positional_encoding_picture_names_the_concatenated_layouts_formula(tmp_path):
+    """Its title once gave the interleaved formula (odd dimensions cosines) for any layout."""
+    figure = plot_positional_encoding(tmp_path / "pe.png", d_model=8, length=10, layout="concatenated")
+    panel = next(ax for ax in figure.axes if ax.images)
+    drawn = torch.from_numpy(panel.images[0].get_array().data)
+    positions = torch.arange(10, dtype=torch.float64)[:, None]
+    torch.testing.assert_close(drawn[:, 1], torch.sin(positions[:, 0] / 10000 ** (2 / 8)))  # a sine
+    assert "2i+1) = cos" not in panel.get_title() and "PE(pos, 4+i) = cos" in panel.get_title()
+    assert "0-3: sin, 4-7: cos" in panel.get_xlabel()

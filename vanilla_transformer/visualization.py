@@ -225,9 +225,18 @@ def plot_positional_encoding(
     image = axes[0].imshow(
         encoding.numpy(), aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest"
     )
-    axes[0].set_xlabel("dimension (even: sin, odd: cos)" if layout == "interleaved" else "dimension")
+    axes[0].set_xlabel(
+        "dimension (even: sin, odd: cos)"
+        if layout == "interleaved"
+        else f"dimension (0-{d_model // 2 - 1}: sin, {d_model // 2}-{d_model - 1}: cos)"
+    )
     axes[0].set_ylabel("position")
-    axes[0].set_title(f"PE(pos, 2i) = sin(pos / 10000^(2i/{d_model})), PE(pos, 2i+1) = cos(...)", fontsize=9)
+    formula = (  # the layout's own: in the concatenated one, dimension 2i + 1 is a sine too
+        f"PE(pos, 2i) = sin(pos / 10000^(2i/{d_model})), PE(pos, 2i+1) = cos(...)"
+        if layout == "interleaved"
+        else f"PE(pos, i) = sin(pos / 10000^(2i/{d_model})), PE(pos, {d_model // 2}+i) = cos(...)"
+    )
+    axes[0].set_title(formula, fontsize=9)
     figure.colorbar(image, ax=axes[0], shrink=0.8)
     image = axes[1].imshow(similarity.numpy(), cmap="viridis", interpolation="nearest")
     axes[1].set_xlabel("position")
