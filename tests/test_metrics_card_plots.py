@@ -754,3 +754,15 @@ def test_a_card_says_whose_steps_ended_in_the_warm_up():
     text = " ".join(str(build_model_card(**card_kwargs(training=averaged))).split())
     assert "600 warm-up steps (the averaged checkpoints end at update 250, still warming up)" in text
     assert "the run stopped" not in text
+
+
+def test_card_limitations_name_the_scored_split_and_the_blocking_already_applied():
+    """They once said "on the test split" of validation scores, and advised n-gram blocking to a model
+    whose scores (and generation config) already used it."""
+    metrics = METRICS | {"split": "validation", "repetition": 0.01, "no_repeat_ngram_size": 3}
+    text = " ".join(build_model_card(**card_kwargs(metrics=metrics)).text.split())
+    limitation = text[text.index("Rare repetition") : text.index("BLEU is not comparable")]
+    assert "on the validation split is under Results" in limitation, limitation
+    assert "no_repeat_ngram_size=4" not in limitation and "3-token n-gram blocking" in limitation
+    plain = " ".join(build_model_card(**card_kwargs(metrics=METRICS | {"repetition": 0.0})).text.split())
+    assert "on the test split is under Results. `generate(..., no_repeat_ngram_size=4)`" in plain
