@@ -48,4 +48,11 @@ except (OSError, ValueError) as error:  # the folder, the repo id, the token; th
     parser.error(str(error))
 except Exception as error:  # the Hub not reached: the HTTP client's own errors, which are neither
     sys.exit(f"error: publishing to the Hub failed: {type(error).__name__}: {first_line(error)}")
+except KeyboardInterrupt:  # Ctrl-C: stop as command-line tools do, saying what the repo holds
+    print(
+        "interrupted: the upload is one commit, made at its end, so the repo holds none of it unless that "
+        "commit had been sent (the repo may have been created); run the command again to publish",
+        file=sys.stderr,
+    )
+    sys.exit(130)
 print(f"uploaded: {url}")

@@ -13,6 +13,7 @@ import http.server
 import json
 import os
 import re
+import runpy
 import shutil
 import socket
 import subprocess
@@ -493,3 +494,24 @@ def test_a_folder_needs_the_kernels_file_and_a_tokenizer_of_either_kind(model_fo
     for name in ("source.spm", "target.spm", "vocab.json"):  # a converted OPUS-MT model's tokenizer
         (folder / name).write_bytes(b"x")
     check_model_folder(folder)
+
+
+def test_push_script_stops_on_ctrl_c_without_a_traceback(model_folder, monkeypatch, capsys):
+    """Ctrl-C during the upload ended the script with a traceback and status 1."""
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HfApi, "create_repo", interrupted)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "push_to_hub.py"
+    argv = [str(script), "--folder", str(model_folder), "--repo_id", REPO_ID, "--token", "hf_dummy"]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stopped:
+        assert stopped.code == 130
+    except KeyboardInterrupt:  # caught here: escaping, it would stop the whole test session
+        pytest.fail("the KeyboardInterrupt escaped the script (a traceback)")
+    else:
+        pytest.fail("the script went on after Ctrl-C")
+    assert capsys.readouterr().err.startswith("interrupted: the upload is one commit")
