@@ -329,6 +329,9 @@ def test_push_refuses_bad_input_before_uploading(model_folder, tmp_path, monkeyp
         with pytest.raises(ValueError, match=message):
             push_model_folder(broken, REPO_ID, token="hf_dummy")
         shutil.copy(model_folder / name, broken / name)
+    # huggingface_hub refuses an empty commit message only after creating the repo: refused here first.
+    with pytest.raises(ValueError, match="commit message is empty"):
+        push_model_folder(model_folder, REPO_ID, token="hf_dummy", commit_message=" ")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "no_token_home"))
     with pytest.raises(ValueError, match="No Hugging Face token"):

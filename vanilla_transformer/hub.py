@@ -217,6 +217,8 @@ def push_model_folder(
     (default: HF_ENDPOINT or huggingface.co).
     """
     check_repo_id(repo_id)
+    if not commit_message.strip():  # huggingface_hub refuses it only once the repo has been created
+        raise ValueError("The commit message is empty; give one (--commit_message).")
     check_model_folder(folder)
     folder = Path(folder)
     api = HfApi(token=resolve_token(token), endpoint=endpoint)
