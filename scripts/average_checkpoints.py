@@ -140,8 +140,7 @@ try:
                 scores=scores,
             )
 except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    message = disk_full_message(error, output, weights, "Nothing was written: free some space and run again.")
+    message = disk_full_message(error, output, model, "Nothing was written: free some space and run again.")
     if message is None:
         raise
     parser.error(message)

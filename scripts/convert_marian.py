@@ -133,9 +133,8 @@ try:
                 license=base_license(args.model),
             )
 except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     message = disk_full_message(
-        error, args.output, weights, "Nothing was written: free some space and run again."
+        error, args.output, model, "Nothing was written: free some space and run again."
     )
     if message is None:
         raise

@@ -404,11 +404,10 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
         if trainer.is_world_process_zero() and own:
             write_finetuned_card(config, trainer, after, seconds)
     except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
-        weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
         message = disk_full_message(
             error,
             config.output_dir,
-            weights,
+            trainer.model,
             "The checkpoints are intact: free some space and run again with the same flags and "
             "--resume_from_checkpoint latest, which saves the model without training further.",
         )

@@ -21,6 +21,8 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from .cli import first_line
+
 try:
     import fcntl
 except ImportError:  # Windows: folders are not locked
@@ -228,18 +230,26 @@ def mebibytes(size: int) -> str:
     return f"{size / 2**20:,.1f}" if size < 10 * 2**20 else f"{size / 2**20:,.0f}"
 
 
-def disk_full_message(error: BaseException, folder: str | Path, weights: int, then: str) -> str | None:
-    """What to tell the user when writing `folder` failed with `error` because the disk (or the quota)
-    is full: the space free where it is written, the space its `weights` (bytes) take, and `then` (what
-    to do once space is freed). None for any other error, which should be raised as it is."""
-    if not out_of_space(error):
-        return None
+def weight_bytes(model: Any) -> int:
+    """The bytes `model`'s parameters take: about what its weights file needs on disk."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def disk_full_message(
+    error: BaseException, folder: str | Path, model: Any, then: str, what: str | None = None
+) -> str | None:
+    """What to tell the user when writing `folder` (`what`, default its path) failed with `error` because
+    the disk (or the quota) is full, as `error` says or as the space left shows (torch's writer says only
+    "iostream error"): the space free where it is written, the space `model`'s weights take, and `then`
+    (what to do once space is freed). None for any other error, which should be raised as it is."""
     place = Path(folder).resolve().parent
     free = shutil.disk_usage(place).free if place.is_dir() else 0
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    needed = weight_bytes(model)
+    if not (out_of_space(error) or free < needed):
+        return None
     return (
-        f"Writing {folder} failed ({reason}): {mebibytes(free)} MiB free in {place}, and the weights alone "
-        f"take about {mebibytes(weights)} MiB. {then}"
+        f"Writing {what or folder} failed ({first_line(error)}): {mebibytes(free)} MiB free in {place}, and "
+        f"the weights alone take about {mebibytes(needed)} MiB. {then}"
     )
 
 
@@ -258,4 +268,5 @@ __all__ = [
     "sync_file",
     "sync_folder",
     "sync_tree",
+    "weight_bytes",
 ]

@@ -70,6 +70,7 @@ from .plotting import plot_training_curves
 from .publishing import (
     check_renamable,
     check_writable_place,
+    disk_full_message,
     finish_interrupted_publish,
     hidden_sibling,
     lock_folder,
@@ -1901,23 +1902,20 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
 
 def model_folder_write_error(error: Exception, output_dir: Path, model: Any) -> Exception:
     """What to raise when writing the final model folder fails (its unfinished copy is already removed):
-    where the disk is full, a clear `InputError` saying so, with the space free and the space the weights
-    take, and that nothing is lost (resuming from the last checkpoint writes the folder again); otherwise
-    the error itself."""
-    place = output_dir.resolve().parent  # where the folder is written, beside the old one
-    free = shutil.disk_usage(place).free
-    needed = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not (out_of_space(error) or free < needed):
-        return error
+    where the disk is full, a clear `InputError` saying so (`disk_full_message`), and that nothing is
+    lost (resuming from the last checkpoint writes the folder again); otherwise the error itself."""
     saved = list_checkpoints(output_dir)
     last = f" (the last is {saved[-1].name})" if saved else ""
-    return InputError(
-        f"Writing the model folder {output_dir} failed ({first_line(error)}): {mebibytes(free)} MiB free "
-        f"in {place}, and its weights alone take about {mebibytes(needed)} MiB. Nothing is lost: the "
-        f"checkpoints are intact{last}. Free some space (or move --output_dir) and resume with "
-        "--resume_from_checkpoint latest, which averages, scores and writes the folder again without "
-        "training further."
+    message = disk_full_message(
+        error,
+        output_dir,
+        model,
+        f"Nothing is lost: the checkpoints are intact{last}. Free some space (or move --output_dir) and "
+        "resume with --resume_from_checkpoint latest, which averages, scores and writes the folder again "
+        "without training further.",
+        what=f"the model folder {output_dir}",
     )
+    return error if message is None else InputError(message)
 
 
 def memory() -> str:
