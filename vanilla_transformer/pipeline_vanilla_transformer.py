@@ -257,10 +257,15 @@ class TranslationPipeline(Pipeline):
             raise ValueError("Cannot translate an empty string.")
         return self.tokenizer(text, return_tensors="pt", truncation=truncation)
 
+    def _setting(self, name: str, generate_kwargs: dict[str, Any]) -> Any:
+        """A generation setting as `generate` takes it with these options: the keyword, else the
+        generation config given, else the model's."""
+        config = generate_kwargs.get("generation_config") or self.model.generation_config
+        return generate_kwargs.get(name, getattr(config, name, None))
+
     def _end_token_ids(self, generate_kwargs: dict[str, Any]) -> list[int]:
         """The end-of-sequence tokens `generate` stops at with these options."""
-        config = generate_kwargs.get("generation_config") or self.model.generation_config
-        ids = generate_kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+        ids = self._setting("eos_token_id", generate_kwargs)
         if ids is None:
             return []
         if isinstance(ids, torch.Tensor):
@@ -274,8 +279,7 @@ class TranslationPipeline(Pipeline):
         sentences = model_inputs["input_ids"].shape[0]
         with evaluation_mode(self.model):  # a model handed over from training would translate with dropout
             output_ids = self.model.generate(**model_inputs, **generate_kwargs)
-        config = generate_kwargs.get("generation_config") or self.model.generation_config
-        pad_id = generate_kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        pad_id = self._setting("pad_token_id", generate_kwargs)
         lengths = _sequence_lengths(output_ids, self._end_token_ids(generate_kwargs), pad_id)
         # (sentences, sequences per sentence, ...): the pipeline splits a batch's outputs by their first
         # dimension, one entry per input sentence, also with `num_return_sequences` > 1.
