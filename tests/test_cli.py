@@ -95,3 +95,21 @@ def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work
     device.symlink_to(os.devnull)
     assert check_output_file(device) == device
     assert check_output_file(tmp_path.parent / "fine.txt") == tmp_path.parent / "fine.txt"
+
+
+def test_the_scripts_modules_import_evaluate_datasets_and_matplotlib_only_when_used():
+    """Each of them added half a second to a second to every script's start (`--help`, a refused flag),
+    imported at the top of modules that every script loads. (`finetune.py` loads transformers' Trainer,
+    which imports `datasets` itself.)"""
+    import subprocess
+    import sys
+
+    modules = ["training", "evaluation", "translation", "metrics", "parallel_data", "plotting"]
+    code = (
+        "import sys\n"
+        + "".join(f"import vanilla_transformer.{module}\n" for module in modules)
+        + "print(sorted({'evaluate', 'datasets', 'matplotlib'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["[]"]

@@ -432,11 +432,13 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
 def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch, error, message):
     """Without network access, or with a config name the dataset lacks, `--dataset_name` ended in a
     traceback."""
+    import datasets
+
     from vanilla_transformer import parallel_data
 
     def failing(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(parallel_data, "load_dataset", failing)
+    monkeypatch.setattr(datasets, "load_dataset", failing)
     with pytest.raises(parallel_data.DataError, match=message):
         load_parallel_data(dataset_name="wmt/wmt14", dataset_config="xx-yy")

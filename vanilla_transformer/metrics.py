@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import evaluate
+if TYPE_CHECKING:
+    import evaluate
 
 METRIC_NAME = "bleu_chrf"
 
@@ -29,6 +30,8 @@ def metric_module_path() -> str:
 
 def load_translation_metric() -> evaluate.EvaluationModule:
     """A fresh BLEU + chrF `evaluate` metric (kept in memory: no cache files, safe to use in parallel)."""
+    import evaluate  # here, not at the top: it adds about a second to every script's start
+
     return evaluate.load(metric_module_path(), keep_in_memory=True)
 
 

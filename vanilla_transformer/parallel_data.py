@@ -14,9 +14,10 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from datasets import DatasetDict, Value, load_dataset
+if TYPE_CHECKING:  # imported where used: `datasets` adds over half a second to every script's start
+    from datasets import DatasetDict
 
 from .cli import InputError, first_line
 from .corpus import load_default_corpus
@@ -222,6 +223,8 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
         options = {"keep_default_na": False, "na_filter": False}
         if suffix == ".tsv":
             options |= {"delimiter": "\t", "quoting": csv.QUOTE_NONE}
+    from datasets import DatasetDict, load_dataset
+
     # One split at a time: files whose columns differ then reach the column check below, which names
     # them, instead of failing inside datasets' schema merge.
     data = DatasetDict()
@@ -240,6 +243,8 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
 
 
 def _to_source_target(data: DatasetDict, source_column: str, target_column: str) -> DatasetDict:
+    from datasets import Value
+
     if source_column == target_column:
         raise DataError(
             f"The source and the target are the same column, {source_column!r}: name two languages (or "
@@ -368,6 +373,8 @@ def load_parallel_data(
     if dataset_name and files:
         raise DataError("Pass either dataset_name or data files, not both.")
     if dataset_name:
+        from datasets import load_dataset
+
         try:
             data = load_dataset(dataset_name, dataset_config)
         except (OSError, ValueError) as error:  # not found, no network, a malformed id or config name

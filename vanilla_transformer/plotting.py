@@ -6,9 +6,6 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 LOSS_KEYS = {"train_loss": "train", "val_loss": "validation"}
 
 
@@ -46,6 +43,9 @@ def plot_training_curves(history: Sequence[Mapping[str, float]], path: str | Pat
     panels = [name for name, present in (("loss", losses), ("bleu", bleu[0]), ("lr", lr[0])) if present]
     if not panels:
         raise ValueError("`history` records none of 'train_loss', 'val_loss', 'val_bleu', 'lr'.")
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported here: it slows every start
+    from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7.0, 2.6 * len(panels)), layout="constrained")
     FigureCanvasAgg(figure)
