@@ -292,6 +292,32 @@ def test_output_attentions_needs_eager(batch):
         tiny_model("sdpa")(**batch, output_attentions=True)
 
 
+@pytest.mark.parametrize("tracer", ["export", "jit"])
+def test_export_and_jit_trace_give_the_eager_logits(batch, tracer):
+    """`torch.export.export` and `torch.jit.trace` capture the forward, as they do MarianMTModel's: on
+    another padding pattern than the traced one (rows padded on the left) the captured graph gives the
+    eager logits, and the eager model is unchanged afterwards (no traced tensors kept in it)."""
+    model = tiny_model()
+    model.config.use_cache = False  # a cache object is no traced output
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["attention_mask"])}
+    inputs["decoder_input_ids"] = shift_tokens_right(batch["labels"].clamp(min=PAD), PAD, BOS)
+    if tracer == "export":
+        traced = torch.export.export(model, (), inputs, strict=False).module()
+    else:
+        traced = torch.jit.trace(model, tuple(inputs.values()), strict=False)
+    left = {
+        **inputs,
+        "input_ids": inputs["input_ids"].clone(),
+        "attention_mask": inputs["attention_mask"].clone(),
+    }
+    left["input_ids"][1, :3], left["attention_mask"][1, :3] = PAD, 0
+    with torch.no_grad():
+        expected = model(**left).logits
+        got = traced(**left) if tracer == "export" else traced(*left.values())
+    assert type(expected) is torch.Tensor  # not a fake tensor left behind by the trace
+    assert_same_up_to_rounding(got["logits"], expected, TINY_TERMS)
+
+
 def test_attention_scaling_gives_unit_variance_scores():
     torch.manual_seed(0)
     d_k, n = 64, 256

@@ -487,6 +487,7 @@ def linear(
         policy.mode == "torch"
         or (policy.onednn is None and policy.mkl is None)
         or torch.compiler.is_compiling()  # first: nothing below needs tracing
+        or torch.jit.is_tracing()  # (traced, sizes are tensors: `bit_length` below would fail)
         or not inputs.is_cpu
         or inputs.dtype is not torch.float32
     ):
@@ -797,8 +798,10 @@ def reads_are_free(tensor: torch.Tensor) -> bool:
 
     Shortcuts that depend on values (packing, boolean selection of labelled tokens, early token-id
     checks) are taken only then, so that a forward pass on an accelerator never synchronises with it.
+    Never under `torch.export` or `torch.jit.trace`: there values are symbolic (export cannot branch on
+    them) or the branch taken would be frozen into the graph for every later input.
     """
-    return tensor.device.type == "cpu"
+    return tensor.device.type == "cpu" and not (torch.compiler.is_exporting() or torch.jit.is_tracing())
 
 
 class TokenPacking:
@@ -882,6 +885,9 @@ class PositionTable:
         if isinstance(start, torch.Tensor):
             table = self(0, capacity, device, dtype)
             return table.index_select(0, start + torch.arange(length, device=device))
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+            # Traced, lengths may be symbolic and tensors fake: encode these positions, keep nothing.
+            return self.encode(start + torch.arange(length, device=device), self.d_model, self.layout, dtype)
         table = self.table
         if table is None or table.shape[0] < start + length or table.device != device or table.dtype != dtype:
             size = max(64, 1 << (start + length - 1).bit_length())
