@@ -47,6 +47,20 @@ def test_output_shapes(model, batch):
     assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 3
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_last_hidden_state_is_the_last_of_the_hidden_states(batch, norm_first):
+    """As in transformers' models, pre-LN ones (MBart) included: `hidden_states[-1]` is the stack's
+    output, after the final LayerNorm that pre-LN adds, not the last layer's output before it."""
+    model = tiny_model(norm_first=norm_first)
+    with torch.no_grad():
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        decoder_input_ids = batch["labels"].clamp(min=PAD)
+        out = model.model(**inputs, decoder_input_ids=decoder_input_ids, output_hidden_states=True)
+    assert len(out.encoder_hidden_states) == len(out.decoder_hidden_states) == 3
+    assert torch.equal(out.encoder_hidden_states[-1], out.encoder_last_hidden_state)
+    assert torch.equal(out.decoder_hidden_states[-1], out.last_hidden_state)
+
+
 def test_return_dict_false_gives_tuples_as_transformers_models_do(model, batch):
     """`return_dict=False` (or `config.return_dict = False`) returns the output's `to_tuple()`, as
     MarianMTModel does, from the full model, the base model and the encoder; generation is unchanged."""

@@ -555,6 +555,8 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
                 all_attentions += (weights,)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
+            if output_hidden_states:  # the last entry is the stack's output, as in transformers' pre-LN
+                all_hidden_states = (*all_hidden_states[:-1], padded(hidden_states))
 
         return BaseModelOutput(
             last_hidden_state=padded(hidden_states),
@@ -686,6 +688,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                     all_cross_attentions += (cross_weights,)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
+            if output_hidden_states:  # as the encoder's: the last entry is `last_hidden_state`
+                all_hidden_states = (*all_hidden_states[:-1], padded(hidden_states))
 
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=padded(hidden_states),
