@@ -467,3 +467,20 @@ def test_mismatched_masks_and_empty_inputs_raise(model, batch):
         )
     with pytest.raises(ValueError, match="exactly one of `input_ids`"):
         model(labels=batch["labels"])
+
+
+def test_source_and_target_batches_of_different_sizes_raise(model, batch):
+    """A batch of 1 on either side once broadcast against the other's rows in attention and returned
+    logits for every pairing, where MarianMTModel fails; with a padding mask it was that mask that was
+    reported, as the wrong shape."""
+    source, target = batch["input_ids"], batch["labels"].clamp(min=PAD)
+    encoder_outputs = model.get_encoder()(input_ids=source[:1])
+    for call in (
+        lambda: model(input_ids=source, decoder_input_ids=target[:1]),
+        lambda: model(input_ids=source[:1], decoder_input_ids=target),
+        lambda: model(encoder_outputs=encoder_outputs, decoder_input_ids=target),
+        lambda: model(input_ids=source, attention_mask=batch["attention_mask"], labels=batch["labels"][:1]),
+        lambda: model.model(input_ids=source, decoder_input_ids=target[:1]),
+    ):
+        with pytest.raises(ValueError, match=r"decoder inputs hold \d sequences but the encoder output"):
+            call()

@@ -630,6 +630,14 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             if starting:
                 new_generate_call()
         if checking:
+            # Attention would broadcast a batch of 1 against the other's rows: one source (or target)
+            # silently paired with every row of the other, where the batches were meant to match.
+            if encoder_hidden_states.shape[0] != batch_size:
+                raise ValueError(
+                    f"The decoder inputs hold {batch_size} sequences but the encoder output (`input_ids`, "
+                    f"`inputs_embeds` or `encoder_outputs`) {encoder_hidden_states.shape[0]}: one target "
+                    "per source is needed."
+                )
             check_mask("decoder_attention_mask", attention_mask, batch_size, past_length + length)
             check_mask("attention_mask", encoder_attention_mask, batch_size, encoder_hidden_states.shape[1])
 
