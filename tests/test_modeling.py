@@ -160,6 +160,22 @@ def test_decoder_positions_continue_from_the_cache(model):
     assert_same_up_to_rounding(second.logits, full[:, 4:], TINY_TERMS)
 
 
+def test_the_cache_under_its_former_name_is_used(model):
+    """transformers' models (MarianMTModel) still take `past_key_values=` for `cache=`, with a
+    deprecation warning; here it once went into `**kwargs` unread, and the step was decoded at position
+    0 without the earlier tokens: other logits, no error."""
+    source, target = torch.randint(3, 99, (1, 5)), torch.randint(3, 99, (1, 6))
+    for module, read in ((model, lambda out: out.logits), (model.model, lambda out: out.last_hidden_state)):
+        with torch.no_grad():
+            full = read(module(input_ids=source, decoder_input_ids=target, use_cache=False))
+            first = module(input_ids=source, decoder_input_ids=target[:, :4], use_cache=True)
+            second = module(
+                input_ids=source, decoder_input_ids=target[:, 4:], past_key_values=first.cache, use_cache=True
+            )
+        assert second.cache is first.cache and second.cache.get_seq_length() == 6
+        assert_same_up_to_rounding(read(second), full[:, 4:], TINY_TERMS)
+
+
 # Parity with torch.nn.Transformer layers ----------------------------------------------------------
 
 

@@ -51,6 +51,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .kernels_vanilla_transformer import (
@@ -819,6 +820,9 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         return self.encoder
 
     @can_return_tuple
+    # transformers' models take the cache's former name until 5.40 (with a warning): without this it
+    # would be swallowed by `**kwargs`, and decoding would silently restart from an empty cache.
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1066,6 +1070,8 @@ class VanillaTransformerForConditionalGeneration(
         self.lm_head = value
 
     @can_return_tuple
+    # (as `VanillaTransformerModel.forward`: the cache's former name, not swallowed by `**kwargs`)
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
