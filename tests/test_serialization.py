@@ -167,6 +167,20 @@ def test_gradient_checkpointing_gives_the_same_gradients(batch):
         assert_same_up_to_rounding(checkpointed[name], plain[name], TINY_TERMS, scale, msg=name)
 
 
+def test_gradient_checkpointing_returns_no_cache_in_training(batch):
+    """Checkpointed layers cannot write a cache (the backward replay would write it twice), so a
+    training forward under checkpointing returns none, as MarianMTModel's does, not an empty one that
+    a decoding continued from it would read as position 0. Without gradients it caches as usual."""
+    model = tiny_model().train()
+    model.gradient_checkpointing_enable()
+    inputs = {"input_ids": batch["input_ids"], "decoder_input_ids": batch["labels"].clamp(min=0)}
+    out = model(**inputs, use_cache=True)
+    out.logits.sum().backward()
+    assert out.cache is None
+    with torch.no_grad():
+        assert model(**inputs, use_cache=True).cache.get_seq_length() == inputs["decoder_input_ids"].shape[1]
+
+
 def test_a_model_switched_to_greedy_search_saves_and_keeps_its_beam_settings(tmp_path):
     """The generation config carries the paper's beam settings (length penalty 0.6, early stopping).
     Switched to greedy search (`num_beams = 1`), transformers refused to save it, so `save_pretrained`

@@ -51,6 +51,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
+from transformers.utils import logging as hf_logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
@@ -615,6 +616,13 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         batch_size, length = inputs_embeds.shape[:2]
         if batch_size == 0:
             raise ValueError(EMPTY_BATCH)
+        if use_cache and self.training and torch.is_grad_enabled() and self.layers[0].gradient_checkpointing:
+            # Checkpointed layers drop the cache (their backward replay would write it twice): the empty
+            # cache returned would restart a later decoding at position 0. None, as transformers' models.
+            hf_logging.get_logger(__name__).warning_once(
+                "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
+            )
+            use_cache = False
         if use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         # A decoding starts (in `generate` or a loop of the user's own, a static cache reused after its
