@@ -173,3 +173,20 @@ def test_fine_tuning_a_converted_model_trains_what_fine_tuning_marian_trains():
             optimizer.zero_grad()
     with torch.no_grad():
         assert_same_up_to_rounding(ours(**batch).logits, marian(**batch).logits, 4 * TINY_TERMS)
+
+
+def test_frozen_parameters_stay_frozen():
+    """Parameters frozen in the Marian model (`requires_grad_(False)`, how a fine-tuning script freezes an
+    encoder or the embeddings) came back trainable: fine-tuning the converted model then changed them, and
+    trained another model than fine-tuning Marian does."""
+    for overrides in ({}, VARIANTS["separate-vocabularies"], VARIANTS["untied-gelu"]):
+        marian = marian_model(**overrides)
+        marian.model.encoder.requires_grad_(False)  # the source embeddings too
+        marian.model.decoder.layers[0].fc1.requires_grad_(False)
+        ours = convert_from_marian(marian)
+        expected = {name: p.requires_grad for name, p in marian.named_parameters(remove_duplicate=False)}
+        for name, parameter in ours.named_parameters(remove_duplicate=False):
+            if name != "model.shared.weight":  # Marian's encoder embeddings (the same matrix)
+                assert parameter.requires_grad == expected[name], (overrides, name)
+        assert not ours.model.encoder.embed_tokens.weight.requires_grad
+        assert any(p.requires_grad for p in ours.parameters())

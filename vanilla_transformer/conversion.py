@@ -102,6 +102,15 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
             f"Marian weights do not map onto the model: missing {untied}, extra {result.unexpected_keys}"
         )
     model.tie_weights()
+    # `load_state_dict` keeps the new model's `requires_grad` (True): what the Marian model had frozen
+    # (an encoder or embeddings, as fine-tuning scripts freeze them) would train here. A matrix frozen
+    # under any of Marian's names for it stays frozen ("model.shared.weight" is also listed under the
+    # encoder's name, the matrix Marian's forward reads).
+    marian_parameters = dict(marian_model.named_parameters(remove_duplicate=False))
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        source = marian_parameters.get(name) if name != "model.shared.weight" else None
+        if source is not None and not source.requires_grad:
+            parameter.requires_grad_(False)
     marian_generation = marian_model.generation_config
     model.generation_config = GenerationConfig.from_dict(marian_generation.to_dict())
     # Marian's may say it was derived from the model's configuration, which makes `from_pretrained`
