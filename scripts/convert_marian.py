@@ -88,7 +88,19 @@ try:
             f"{args.model} has no tokenizer files (none of {', '.join(files)}); --no-tokenizer converts "
             "the model alone"
         )
-    marian, loading = MarianMTModel.from_pretrained(args.model, output_loading_info=True)
+    # Weights of other shapes than config.json gives are reported here (transformers' own refusal is a
+    # RuntimeError traceback after its load report), and refused below like missing ones.
+    marian, loading = MarianMTModel.from_pretrained(
+        args.model, output_loading_info=True, ignore_mismatched_sizes=True
+    )
+    mismatched = sorted(loading["mismatched_keys"])
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        parser.error(
+            f"{args.model}: {len(mismatched)} of its weights do not have the shapes its config.json gives "
+            f"(the first: {key}, {tuple(stored)} in the checkpoint, {tuple(expected)} from the config); "
+            "the weights and the configuration are not of one model."
+        )
     # transformers fills weights the checkpoint lacks with random ones and only warns (a saved
     # MarianForCausalLM has model_type "marian" and no encoder); the positions are computed anyway.
     missing = sorted(key for key in loading["missing_keys"] if "embed_positions" not in key)

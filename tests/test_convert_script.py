@@ -184,3 +184,21 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     chrf = next(line for line in checked.stdout.splitlines() if line.startswith("chrF"))
     assert f"{results['chrf'].metric_value:.2f}" == chrf.split()[1]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "vanilla_transformer"
+
+
+def test_convert_script_refuses_weights_that_do_not_fit_the_config(tmp_path):
+    """A checkpoint whose config.json does not describe its weights (another d_model here) ended in a
+    traceback after transformers' load report."""
+    import json
+
+    marian_model().save_pretrained(tmp_path / "marian")
+    config_file = tmp_path / "marian" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["d_model"] = 48
+    config_file.write_text(json.dumps(config))
+    command = [sys.executable, SCRIPT, "--model", str(tmp_path / "marian"), "--output", str(tmp_path / "out")]
+    result = subprocess.run([*command, "--no-tokenizer"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "do not have the shapes its config.json gives" in result.stderr
+    assert "(32,) in the checkpoint, (48,) from the config" in result.stderr
+    assert not (tmp_path / "out").exists()
