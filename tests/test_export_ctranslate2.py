@@ -172,6 +172,7 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     translator = CTranslate2Translator(tmp_path / "ct2")
     translator.tokenizer.decode = lambda ids, **_: "uno\ndos\n"
     assert translator.translate(["short", "short too"]) == ["uno dos", "uno dos"]
+    assert translator.translate(["", "short", " "]) == ["", "uno dos", ""]  # blank: "", as `translate`
     with pytest.raises(ValueError, match=r"sentences\[0\] is a int"):
         CTranslate2Translator(tmp_path / "ct2").translate([3])
     with pytest.raises(ValueError, match="not a folder written by export_ctranslate2"):

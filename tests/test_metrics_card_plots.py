@@ -181,6 +181,9 @@ def generate_one_by_one(model, tokenizer, sentences, **kwargs) -> list[str]:
     outputs = []
     with torch.no_grad():
         for sentence in sentences:
+            if not sentence:  # `translate` keeps a blank sentence blank, without the model
+                outputs.append("")
+                continue
             input_ids = torch.tensor([tokenizer(sentence)["input_ids"]])
             generated = model.generate(input_ids=input_ids, **kwargs)
             outputs.append(tokenizer.decode(generated[0], skip_special_tokens=True).strip())
@@ -220,13 +223,19 @@ def test_translate_sorts_by_length_and_restores_order(tokenizer):
     assert translate(model, tokenizer, SOURCES, batch_size=2) == [s.strip() for s in SOURCES]
     lengths = torch.cat(model.batches).tolist()
     assert lengths == sorted(lengths, reverse=True)
-    assert [len(batch) for batch in model.batches] == [2, 2, 2]
+    assert [len(batch) for batch in model.batches] == [2, 2, 1]  # the blank sentence is not sent
     assert model.training and not model.layer.training
 
 
 def test_translate_edge_cases(tokenizer):
     model = tiny_model(vocab_size=len(tokenizer))
     assert translate(model, tokenizer, []) == []
+    # A blank sentence is "" (the model, given only the end token, wrote its most frequent words); the
+    # others are translated as they would be alone, and an error names the place in the whole list.
+    kwargs = {"num_beams": 1, "max_new_tokens": 5}
+    alone = translate(model, tokenizer, ["Jesus wept ."], **kwargs)
+    assert translate(model, tokenizer, ["", "Jesus wept .", " \t"], **kwargs) == ["", *alone, ""]
+    assert translate(model, tokenizer, ["", "  "]) == ["", ""]
     with pytest.raises(ValueError, match=r"sentences\[1\] is a int"):
         translate(model, tokenizer, ["Jesus wept .", 3])
     with pytest.raises(ValueError, match="single string"):

@@ -410,8 +410,9 @@ class CTranslate2Translator:
         length_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
     ) -> list[str]:
-        """Translations of `sentences`, in order. Sentences of equal token length share batches, so that
-        each keeps the paper's limit of its own length + 50 (CTranslate2 takes one limit per call)."""
+        """Translations of `sentences`, in order (a blank sentence's is ""). Sentences of equal token length
+        share batches, so that each keeps the paper's limit of its own length + 50 (CTranslate2 takes one
+        limit per call)."""
         sentences = checked_sentences(sentences, batch_size)
         check_beam_settings(num_beams, length_penalty)
         if not sentences:
@@ -448,10 +449,11 @@ class CTranslate2Translator:
             if difference not in self.warned:
                 self.warned.add(difference)
                 logger.warning(difference)
+        outputs = {i: "" for i, sentence in enumerate(sentences) if not sentence.strip()}  # as `translate`'s
         by_length: dict[int, list[int]] = {}
         for index, tokens in enumerate(sources):
-            by_length.setdefault(len(tokens), []).append(index)
-        outputs: dict[int, str] = {}
+            if index not in outputs:
+                by_length.setdefault(len(tokens), []).append(index)
         cut: list[int] = []  # sentences whose translation the position table stopped short of the rule
         fixed = settings.get("max_new_tokens")  # absent from earlier exports: the offset rule
         rule = f"source length + {settings['max_length_offset']}" if fixed is None else f"{fixed}-token"

@@ -61,8 +61,8 @@ def translate(
     Sentences are sorted by token length (longest first) so that each batch carries little padding;
     the translations come back in the input order, decoded without special tokens, stripped and on one
     line each (a model trained on text with line breaks may write them: they become spaces, so that a
-    line-by-line output keeps one line per input). A batch that runs out of memory is reported as a
-    `SentenceError` of its longest sentence, with its length.
+    line-by-line output keeps one line per input); a blank sentence translates to "". A batch that
+    runs out of memory is reported as a `SentenceError` of its longest sentence, with its length.
     `generate_kwargs` go to `generate` (the model's generation config applies otherwise: beam 4 and
     source length + 50 for this package's models; that length is the longest source in the batch).
     The model runs in eval mode and under `torch.inference_mode()`; its train/eval state is restored.
@@ -72,8 +72,11 @@ def translate(
         return []
 
     lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
-    order = sorted(range(len(sentences)), key=lambda i: -lengths[i])  # stable: ties keep input order
-    translations: dict[int, str] = {}
+    # A blank sentence is "" without going to the model, which given only the end token would write
+    # whatever it learnt most often.
+    translations = {i: "" for i, sentence in enumerate(sentences) if not sentence.strip()}
+    order = [i for i in range(len(sentences)) if i not in translations]
+    order.sort(key=lambda i: -lengths[i])  # stable: ties keep input order
 
     with evaluation_mode(model), torch.inference_mode():
         for start in range(0, len(order), batch_size):
