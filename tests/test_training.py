@@ -824,6 +824,33 @@ def test_checkpoints_are_flushed_before_they_are_named_and_removed_whole(tmp_pat
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000012"]
 
 
+def test_a_kill_before_an_off_schedule_checkpoint_is_removed_leaves_it_out_of_the_average(
+    tmp_path, monkeypatch
+):
+    """A checkpoint written off the --save_steps schedule (a stop by the time limit or a lower --max_steps)
+    is removed once the next one is named; a kill between the two left it, and a resume with no update
+    left wrote no checkpoint to remove it: it was averaged into the final model, which an uninterrupted
+    run's average never holds."""
+    accelerator = Accelerator()
+    for step, scheduled in ((4, True), (6, False)):
+        save_checkpoint(accelerator, tmp_path, {"step": step, "run_id": "r"}, keep=5, scheduled=scheduled)
+
+    def killed(path: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training_module, "remove_checkpoint", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=5)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004", "step-00000006", "step-00000008"]
+    averaged = training_module.checkpoints_to_average(tmp_path, 3)
+    assert [p.name for p in averaged] == ["step-00000004", "step-00000008"]
+    # The newest is averaged however it was written (a run stopped off the schedule ends with it).
+    monkeypatch.undo()
+    save_checkpoint(accelerator, tmp_path, {"step": 9, "run_id": "r"}, keep=5, scheduled=False)
+    averaged = training_module.checkpoints_to_average(tmp_path, 2)
+    assert [p.name for p in averaged] == ["step-00000008", "step-00000009"]
+
+
 @pytest.mark.parametrize("earlier", [True, False])
 def test_a_full_disk_under_the_safetensors_writer_is_explained(tmp_path, monkeypatch, earlier):
     """safetensors' writer (the model's weights) reports a full disk as a SafetensorError, which is not an

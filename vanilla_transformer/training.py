@@ -725,6 +725,17 @@ def save_checkpoint(
     return final
 
 
+def checkpoints_to_average(output_dir: str | Path, count: int) -> list[Path]:
+    """The last `count` checkpoints of `output_dir`, leaving out any before the newest that was written
+    off the --save_steps schedule (`save_checkpoint`'s `scheduled`): `save_checkpoint` removes those once
+    the next one is named, but a kill between the two leaves one behind, and a resumed run with no update
+    left (or no time) writes no further checkpoint to remove it; averaged in, the model would not be the
+    uninterrupted run's."""
+    checkpoints = list_checkpoints(output_dir)
+    on_schedule = [p for p in checkpoints[:-1] if json_field(p / STATE_FILE, "scheduled") is not False]
+    return (on_schedule + checkpoints[-1:])[-count:]
+
+
 def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) -> Exception:
     """What to raise when writing a checkpoint fails: where the disk is full (torch's writer then says
     only "iostream error", safetensors' "No space left on device"), a clear `InputError` saying so and
@@ -1811,7 +1822,7 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
         "epochs": state["epoch"] + state["batches_in_epoch"] / max(len(run.train_loader), 1),
         "parameter_checksums": checksums,
     }
-    averaged = list_checkpoints(run.output_dir)[-config.average_checkpoints :]
+    averaged = checkpoints_to_average(run.output_dir, config.average_checkpoints)
     problem = [None]  # checked (every file hashed) once, on the main process, for all
     if accelerator.is_main_process:
         try:
