@@ -447,6 +447,15 @@ def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, cor
     )
 
 
+def test_a_time_limit_spent_before_the_first_update_still_trains_one(tmp_path, corpus_files):
+    """A limit below the time the loop takes to start (--max_train_minutes 1e-9) stopped a fresh run before
+    its first update: it published the initial, random weights as the model, with a card and scores."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=8, eval_steps=0, test_samples=1)
+    metrics = train(parse_config([*args, "--max_train_minutes", "1e-9"]))["metrics"]
+    assert metrics["steps"] == 1 and metrics["stopped_by"] == "max_train_minutes"
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000001"]
+
+
 def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files, monkeypatch):
     """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict.
     --unlikelihood_weight reaches the model's configuration and its card, --stutter_rate every

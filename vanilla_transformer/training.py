@@ -1712,7 +1712,9 @@ def train_loop(run: Run) -> bool:
     interval.restore(run, state.pop("log_window", None))
     clock = TrainingClock(accelerator, config, earlier_s=state["train_time_s"])
     elapsed = clock.agreed()
-    stopped = clock.expired(elapsed)
+    # A resumed run may have spent its time already. A fresh one makes at least one update: stopped before
+    # it (a limit below the time to start), it wrote its initial, untrained weights as the model folder.
+    stopped = state["step"] > 0 and clock.expired(elapsed)
     if stopped and accelerator.is_main_process:
         logger.warning(
             f"This run already trained for {state['train_time_s'] / 60:.1f} minutes, its --max_train_minutes "
