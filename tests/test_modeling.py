@@ -483,6 +483,25 @@ def test_mismatched_masks_and_empty_inputs_raise(model, batch):
         )
     with pytest.raises(ValueError, match="exactly one of `input_ids`"):
         model(labels=batch["labels"])
+    # Torch's messages for these named neither tensor: "size of tensor a (9) must match ... (32)" for
+    # one unbatched sequence, "Expected input batch_size (10) to match target batch_size (6)" for labels
+    # one position short of the decoder inputs.
+    one_sequence = r"`input_ids` must be a \(batch, length\) tensor, got shape \(9,\): .*\(`ids\[None\]`\)"
+    with pytest.raises(ValueError, match=one_sequence):
+        model(input_ids=batch["input_ids"][0], labels=batch["labels"])
+    with pytest.raises(
+        ValueError, match=r"`labels` must be a \(batch, length\) tensor, got shape \(2, 7, 1\)\.$"
+    ):
+        model(input_ids=batch["input_ids"], labels=batch["labels"][..., None])
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(batch["labels"])
+    short = r"`labels` has shape \(2, 6\) but `decoder_input_ids` \(2, 7\)"
+    with pytest.raises(ValueError, match=short):
+        model(
+            input_ids=batch["input_ids"], decoder_input_ids=decoder_input_ids, labels=batch["labels"][:, 1:]
+        )
+    embeds = model.get_decoder().embed_tokens(decoder_input_ids)
+    with pytest.raises(ValueError, match=r"but `decoder_inputs_embeds` \(2, 7\)"):
+        model(input_ids=batch["input_ids"], decoder_inputs_embeds=embeds, labels=batch["labels"][:, 1:])
 
 
 def test_source_and_target_batches_of_different_sizes_raise(model, batch):

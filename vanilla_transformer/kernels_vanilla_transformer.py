@@ -1071,6 +1071,11 @@ def check_token_ids(name: str, ids: torch.Tensor | None, vocab_size: int, allow_
 
     On an accelerator the check would make the host wait for the device; there the embedding's own
     device-side assertion reports such ids."""
+    if ids is not None and ids.dim() != 2:  # the shape costs no read: checked on every device
+        raise ValueError(
+            f"`{name}` must be a (batch, length) tensor, got shape {tuple(ids.shape)}"
+            + (": for one sequence, add the batch dimension (`ids[None]`)." if ids.dim() == 1 else ".")
+        )
     if ids is None or ids.numel() == 0 or not reads_are_free(ids):
         return
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):

@@ -1141,6 +1141,13 @@ class VanillaTransformerForConditionalGeneration(
         target_lengths = None
         if labels is not None:
             check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)
+            given = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+            if given is not None and tuple(given.shape[:2]) != tuple(labels.shape):
+                name = "decoder_input_ids" if decoder_input_ids is not None else "decoder_inputs_embeds"
+                raise ValueError(  # one label per decoder position; torch's message named neither
+                    f"`labels` has shape {tuple(labels.shape)} but `{name}` {tuple(given.shape[:2])} "
+                    "(batch, length): each decoder position needs the label of the token it predicts."
+                )
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
