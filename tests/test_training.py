@@ -426,7 +426,7 @@ def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, co
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
 
 
-def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, corpus_files):
+def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, corpus_files, caplog):
     """A run bounded by time stops at an update, checkpoints it, averages, evaluates and writes the folder."""
     args = small_args(tmp_path / "timed", corpus_files, max_steps=10_000, eval_steps=0, test_samples=2)
     result = train(parse_config([*args, "--max_train_minutes", "0.005"]))  # 0.3 s of training
@@ -444,6 +444,16 @@ def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, cor
     longer = train(parse_config([*more, "--resume_from_checkpoint", "latest"]))
     assert (
         longer["metrics"]["steps"] == metrics["steps"] + 2 and longer["metrics"]["stopped_by"] == "max_steps"
+    )
+    # A --max_steps below the checkpoint's update finishes the run as it is, and says so.
+    caplog.clear()
+    fewer = [*args, "--max_steps", "1", "--max_train_minutes", "0", "--resume_from_checkpoint", "latest"]
+    with caplog.at_level("WARNING", logger=training_module.__name__):
+        finished = train(parse_config(fewer))
+    assert finished["metrics"]["steps"] == metrics["steps"] + 2
+    assert (
+        f"checkpoint is at update {metrics['steps'] + 2}, past --max_steps 1: no further update"
+        in caplog.text
     )
 
 

@@ -1720,6 +1720,11 @@ def train_loop(run: Run) -> bool:
             f"This run already trained for {state['train_time_s'] / 60:.1f} minutes, its --max_train_minutes "
             f"({config.max_train_minutes}): no further update. Raise it (0: no limit) to train on."
         )
+    elif state["step"] > config.max_steps and accelerator.is_main_process:
+        logger.warning(  # a way to finish a run now; said, so that a lowered --max_steps is not a surprise
+            f"This run's checkpoint is at update {state['step']}, past --max_steps {config.max_steps}: no "
+            "further update; the model is written from the run's checkpoints as they are."
+        )
     while state["step"] < config.max_steps and not stopped:
         set_epoch(run.train_loader, state["epoch"])
         loader = run.train_loader
