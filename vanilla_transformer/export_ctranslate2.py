@@ -9,18 +9,18 @@ weights and tokenizer directly:
 - post-LN or pre-LN from `norm_first`; the activation; `scale_embedding`; tied or separate output
   projection; the final logits bias of converted Marian models;
 - position encodings written as a table in this model's own layout (interleaved sin/cos, or
-  concatenated) up to `max_length` positions: the exported model translates sources of at most that
-  many tokens and stops every output there (this model itself has no maximum length);
+  concatenated) up to `max_positions` positions: the exported model translates sources of at most
+  that many tokens and stops every output there (this model itself has no maximum length);
 - one vocabulary for source and target, the tokenizer's tokens in id order, and the decoder start and
   end tokens of the model's configuration.
 
-What CTranslate2 cannot represent exactly (separate source and target vocabularies, an activation or a
-layer-norm epsilon it does not have) is refused with the reason. Float32 exports translate token for
-token like `generate()` (tests/test_export_ctranslate2.py); `CTranslate2Translator` applies the same
-decoding rules: beam size, length penalty, each sentence's own source length + 50. CTranslate2 divides
-a beam's log-probability by |Y|^alpha, transformers' form; a model whose generation config asks for the
-paper's ((5 + |Y|) / 6)^alpha (`length_penalty_form="gnmt"`) is exported with the form recorded, and the
-export and `CTranslate2Translator` warn, whenever beams are used, that beam search there may end
+What CTranslate2 cannot represent exactly (separate source and target vocabularies, an activation it
+does not have) is refused with the reason; the layer-norm epsilon is carried. Float32 exports translate
+token for token like `generate()` (tests/test_export_ctranslate2.py); `CTranslate2Translator` applies
+the same decoding rules: beam size, length penalty, each sentence's own source length + 50. CTranslate2
+divides a beam's log-probability by |Y|^alpha, transformers' form; a model whose generation config asks
+for the paper's ((5 + |Y|) / 6)^alpha (`length_penalty_form="gnmt"`) is exported with the form recorded,
+and the export and `CTranslate2Translator` warn, whenever beams are used, that beam search there may end
 differently.
 
 Needs the optional extra: `pip install -e ".[ctranslate2]"`.
