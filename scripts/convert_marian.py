@@ -1,6 +1,6 @@
 """Convert an OPUS-MT / Marian checkpoint (a folder or a Hub id) into a vanilla_transformer model folder.
 
-    python scripts/convert_marian.py --model Helsinki-NLP/opus-mt-en-de --output outputs/opus-mt-en-de \
+    python scripts/convert_marian.py --model Helsinki-NLP/opus-mt-en-de --output outputs/opus-mt-en-de \\
         --test_file newstest2014.tsv --source_lang en --target_lang de
 
 The folder then loads with AutoModelForSeq2SeqLM (trust_remote_code=True where the package is not
