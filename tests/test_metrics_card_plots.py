@@ -424,6 +424,30 @@ def test_template_renders_with_optional_values_missing():
     assert "\n\n\n\n" not in text.split("```python")[0]
 
 
+def test_the_cards_fine_tuning_example_loads_a_hub_dataset_with_its_config_and_translation_pairs(monkeypatch):
+    """A run on `--dataset_name wmt/wmt14 --dataset_config de-en` (rows of `translation` dicts): the card's
+    example must name the config (load_dataset refuses a dataset of several configs without one) and
+    give `preprocess` the language columns it reads."""
+    import datasets
+
+    dataset = DATASET | {"hub_id": "wmt/wmt14", "hub_config": "de-en"}
+    text = str(build_model_card(**card_kwargs(dataset=dataset, target_lang="de")))
+    example = text[text.index("from datasets import load_dataset") : text.index("def preprocess")]
+    rows = {"translation": [{"de": "Hallo.", "en": "Hello."}, {"de": "Ja.", "en": "Yes."}]}
+    calls = []
+
+    def load_dataset(*args):
+        calls.append(args)
+        return datasets.DatasetDict(train=datasets.Dataset.from_dict(rows))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    namespace: dict = {}
+    exec(example, namespace)
+    assert calls == [("wmt/wmt14", "de-en")]
+    assert namespace["dataset"]["train"]["en"] == ["Hello.", "Yes."]
+    assert namespace["dataset"]["train"]["de"] == ["Hallo.", "Ja."]
+
+
 def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_own():
     hub_base = {"finetuned_from": "Helsinki-NLP/opus-mt-en-es", "finetuned_from_hub": True}
     tuned = build_model_card(

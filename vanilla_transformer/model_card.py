@@ -138,6 +138,7 @@ def _template_variables(
         num_parameters=_count_parameters(config),
         dataset_name=dataset.get("name"),
         dataset_hub_id=dataset.get("hub_id"),
+        dataset_hub_config=dataset.get("hub_config"),
         dataset_description=dataset.get("description"),
         dataset_license=dataset.get("license"),
         train_pairs=dataset.get("train_pairs"),

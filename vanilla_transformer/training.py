@@ -2069,6 +2069,7 @@ def write_model_folder(
     }
     if config.dataset_name:
         dataset["hub_id"] = config.dataset_name
+        dataset["hub_config"] = config.dataset_config
     scored = scored_data(config, metrics["split"], run.validation_held_out)
     card_metrics = {
         "split": metrics["split"],
