@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny configuration (vocab 99, d_model 32, 2+2 layers, 4 heads) and inputs; both
-linear-layer kernels; tolerances that follow from dtype and problem size."""
+"""Shared fixtures: a tiny configuration (vocab 99, d_model 32, 2+2 layers, 4 heads) and inputs; each of
+the three linear-layer kernels (torch, oneDNN, packed MKL); tolerances that follow from dtype and problem
+size."""
 
 import math
 
