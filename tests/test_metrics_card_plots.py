@@ -446,6 +446,12 @@ def test_the_cards_fine_tuning_example_loads_a_hub_dataset_with_its_config_and_t
     assert calls == [("wmt/wmt14", "de-en")]
     assert namespace["dataset"]["train"]["en"] == ["Hello.", "Yes."]
     assert namespace["dataset"]["train"]["de"] == ["Hallo.", "Ja."]
+    assert 'return tokenizer(batch["en"], text_target=batch["de"])' in text
+    # Trained with --source_column/--target_column: the example reads those columns, not the languages'.
+    dataset |= {"hub_id": "org/pairs", "hub_config": None, "hub_columns": ["english", "german"]}
+    text = str(build_model_card(**card_kwargs(dataset=dataset, target_lang="de")))
+    assert 'load_dataset("org/pairs")\n' in text
+    assert 'return tokenizer(batch["english"], text_target=batch["german"])' in text
 
 
 def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_own():

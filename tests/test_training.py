@@ -426,6 +426,37 @@ def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, co
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
 
 
+def test_a_hub_dataset_of_translation_pairs_trains_and_its_card_reads_it_back(tmp_path, monkeypatch):
+    """`--dataset_name` with its config, on rows of `translation` pairs under named keys: the run trains
+    and scores on them, and its card's fine-tuning example loads the dataset with that config and reads
+    those keys (it once left out the config and read the language codes)."""
+    import datasets
+
+    corpus = load_default_corpus()
+    splits = {"train": 400, "validation": 40, "test": 16}
+    hub = datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict(
+                {
+                    "translation": [
+                        {"english": r["en"], "spanish": r["es"]} for r in corpus[split].select(range(n))
+                    ]
+                }
+            )
+            for split, n in splits.items()
+        }
+    )
+    calls = set()
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.add(args) or hub)
+    options = {"dataset_name": "org/bible", "dataset_config": "en-es", "source_column": "english"}
+    options |= {"target_column": "spanish", "max_steps": 4, "eval_steps": 0, "test_samples": 2}
+    metrics = train(parse_config(small_args(tmp_path / "run", {}, **options)))["metrics"]
+    assert calls == {("org/bible", "en-es")} and metrics["steps"] == 4 and "test_bleu" in metrics
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert 'dataset = load_dataset("org/bible", "en-es")' in card
+    assert 'return tokenizer(batch["english"], text_target=batch["spanish"])' in card
+
+
 def test_max_train_minutes_stops_cleanly_and_counts_across_resumes(tmp_path, corpus_files, caplog):
     """A run bounded by time stops at an update, checkpoints it, averages, evaluates and writes the folder."""
     args = small_args(tmp_path / "timed", corpus_files, max_steps=10_000, eval_steps=0, test_samples=2)

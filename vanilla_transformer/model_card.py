@@ -139,6 +139,9 @@ def _template_variables(
         dataset_name=dataset.get("name"),
         dataset_hub_id=dataset.get("hub_id"),
         dataset_hub_config=dataset.get("hub_config"),
+        # The text columns the fine-tuning example reads: a Hub dataset's as trained on, else by language.
+        source_column=dataset.get("hub_columns", (source_lang, target_lang))[0],
+        target_column=dataset.get("hub_columns", (source_lang, target_lang))[1],
         dataset_description=dataset.get("description"),
         dataset_license=dataset.get("license"),
         train_pairs=dataset.get("train_pairs"),

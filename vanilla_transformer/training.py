@@ -2070,6 +2070,10 @@ def write_model_folder(
     if config.dataset_name:
         dataset["hub_id"] = config.dataset_name
         dataset["hub_config"] = config.dataset_config
+        dataset["hub_columns"] = [
+            config.source_column or config.source_lang,
+            config.target_column or config.target_lang,
+        ]
     scored = scored_data(config, metrics["split"], run.validation_held_out)
     card_metrics = {
         "split": metrics["split"],
