@@ -7,6 +7,7 @@ from vanilla_transformer.machine import (
     ISA_FLAGS,
     cpu_flags,
     cpu_model,
+    deepspeed_refused,
     describe_gpu,
     describe_machine,
     format_gpu,
@@ -109,3 +110,13 @@ def test_a_cpu_launch_of_several_processes_that_started_one_is_named():
     assert one_process_of_several(launch | {"WORLD_SIZE": "2"}) is None  # torchrun's processes
     assert one_process_of_several(launch | {"PMI_SIZE": "2"}) is None  # mpirun's (--mpirun_hostfile)
     assert one_process_of_several(launch | {"ACCELERATE_USE_CPU": "False"}) is None
+
+
+def test_deepspeed_is_refused_with_what_to_launch_instead():
+    """Under `accelerate launch --use_deepspeed`, train.py stopped inside Accelerate's `prepare` on GPUs
+    (batches of no fixed sentence count) and silently ran DDP on CPUs."""
+    message = deepspeed_refused({"ACCELERATE_USE_DEEPSPEED": "true"})
+    assert message and message.startswith("scripts/train.py does not run under DeepSpeed")
+    assert "configs/accelerate/fsdp.yaml" in message and "--multi_gpu" in message
+    assert deepspeed_refused({"ACCELERATE_USE_DEEPSPEED": "false"}) is None
+    assert deepspeed_refused({}) is None

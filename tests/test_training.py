@@ -426,6 +426,13 @@ def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, co
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
 
 
+def test_a_deepspeed_launch_is_refused_before_any_work(tmp_path, corpus_files, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` sets
+    with pytest.raises(InputError, match="does not run under DeepSpeed"):
+        train(parse_config(small_args(tmp_path / "run", corpus_files)))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_hub_dataset_of_translation_pairs_trains_and_its_card_reads_it_back(tmp_path, monkeypatch):
     """`--dataset_name` with its config, on rows of `translation` pairs under named keys: the run trains
     and scores on them, and its card's fine-tuning example loads the dataset with that config and reads

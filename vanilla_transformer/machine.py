@@ -172,6 +172,31 @@ def processes_without_a_gpu(environ: Mapping[str, str] | None = None, gpus: int 
     )
 
 
+def deepspeed_refused(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why scripts/train.py cannot run this launch, if it asks for DeepSpeed; else None.
+
+    `accelerate launch --use_deepspeed` (or a config with `distributed_type: DEEPSPEED`) sets
+    `ACCELERATE_USE_DEEPSPEED`. The training loop is built on what DDP and FSDP give it: batches of a
+    token budget (DeepSpeed needs a fixed number of sentences per batch), whole weights in each checkpoint
+    (averaged at the end, and resumed exactly) and its own gradient accumulation. Under DeepSpeed,
+    Accelerate stopped it at `prepare` with a message about batch sizes on GPUs, and on CPUs ignored the
+    request and ran DDP."""
+    environ = os.environ if environ is None else environ
+    try:
+        asked = bool(str_to_bool(environ.get("ACCELERATE_USE_DEEPSPEED", "false").strip()))
+    except ValueError:
+        asked = False
+    if not asked:
+        return None
+    return (
+        "scripts/train.py does not run under DeepSpeed: its batches hold a number of tokens, not of "
+        "sentences, and its checkpoints whole weights, which it averages and resumes from. Shard with FSDP "
+        "instead (accelerate launch --config_file configs/accelerate/fsdp.yaml; its "
+        "fsdp_reshard_after_forward true shards as ZeRO-3 does, false as ZeRO-2), or replicate with DDP "
+        "(accelerate launch --multi_gpu); scripts/finetune.py (transformers' Trainer) takes DeepSpeed."
+    )
+
+
 def distributed_accelerator() -> bool:
     """Whether processes here run on an accelerator that Accelerate (and Trainer) distribute over: a
     CUDA GPU, or another one torch knows (XPU, NPU, HPU, ...), but not Apple's MPS, which has no
@@ -209,6 +234,7 @@ def one_process_of_several(environ: Mapping[str, str] | None = None) -> str | No
 __all__ = [
     "cpu_flags",
     "cpu_model",
+    "deepspeed_refused",
     "describe_gpu",
     "describe_machine",
     "distributed_accelerator",

@@ -53,6 +53,7 @@ from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .evaluation import TOKENIZER_FILES, looks_local
 from .hub import check_repo_id, incidental, other_files, push_model_folder, resolve_token
 from .machine import (
+    deepspeed_refused,
     describe_gpu,
     describe_machine,
     distributed_accelerator,
@@ -1127,7 +1128,7 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
                 f"--push_to_hub: {output_dir} holds files that are not a model folder's "
                 f"({', '.join(others[:10])}), which the upload at the end would refuse; move them out first."
             )
-    problem = processes_without_a_gpu()
+    problem = processes_without_a_gpu() or deepspeed_refused()
     if problem:
         raise InputError(problem)
     accelerator = Accelerator(
