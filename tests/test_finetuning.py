@@ -524,3 +524,37 @@ def test_several_processes_run_on_cpus_only_without_an_accelerator(
     with pytest.raises(Stop):
         build_trainer(small_config(model_dir, data, tmp_path / "tuned"))
     assert arguments.get("use_cpu", False) is on_cpus
+
+
+@pytest.mark.parametrize("kind", ["ours", "marian"])
+def test_accumulated_loss_is_the_mean_over_the_whole_update(start, marian_start, tmp_path, kind):
+    """With --gradient_accumulation_steps 2 and no label smoothing, a MarianMTModel's loss was its
+    micro-batches' means added up: the model swallows Trainer's `num_items_in_batch` and averages per
+    batch, and Trainer, seeing a model that takes loss keywords, no longer divided by the accumulation
+    steps (the logged loss and the gradient were twice those of one large batch)."""
+    model_dir, data = start
+    model = model_dir if kind == "ours" else marian_start
+    config = small_config(
+        model, data, tmp_path / "out", max_steps=1, label_smoothing_factor=0.0, gradient_accumulation_steps=2
+    )
+    trainer = build_trainer(config)
+    micro = []
+    for rows in ([0, 1], [2, 3]):
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in rows])
+        batch.pop("source_length")
+        micro.append({name: values.to(trainer.model.device) for name, values in batch.items()})
+    items = sum(int((batch["labels"] != -100).sum()) for batch in micro)
+    trainer.model.eval()
+    trainer.model.train = lambda mode=True: trainer.model  # no dropout: the sums below see one function
+    trainer.current_gradient_accumulation_steps = 2  # as the training loop sets it for an update
+    reported = sum(trainer.training_step(trainer.model, dict(b), torch.tensor(items)) for b in micro)
+    with torch.no_grad():
+        total = 0.0
+        for batch in micro:
+            logits = trainer.model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                decoder_input_ids=batch["decoder_input_ids"],
+            ).logits.flatten(0, 1)
+            total += torch.nn.functional.cross_entropy(logits, batch["labels"].flatten(), reduction="sum")
+    torch.testing.assert_close(reported, total / items, rtol=1e-5, atol=1e-6)

@@ -28,7 +28,7 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 from transformers.trainer_callback import TrainerState
-from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler
 from transformers.trainer_utils import has_length
 
 from .cli import InputError, json_field
@@ -361,7 +361,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         seed=config.seed,
         **argument_overrides,
     )
-    return FinetuneTrainer(
+    trainer = FinetuneTrainer(
         model=model,
         args=arguments,
         train_dataset=tokenized["train"].select_columns([*columns, "source_length"]),
@@ -375,6 +375,14 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
             target_lang=config.target_lang,
         ),
     )
+    if not own_loss and trainer.label_smoother is None:
+        # --label_smoothing_factor 0: another model (MarianMTModel) averages its loss over its own
+        # micro-batch and ignores Trainer's `num_items_in_batch`, while Trainer, since its forward takes
+        # loss keywords, no longer divides by the accumulation steps: with gradient accumulation the loss
+        # and gradient were that many times one large batch's. Trainer's smoother at 0 is plain cross
+        # entropy over the whole update's tokens.
+        trainer.label_smoother = LabelSmoother(epsilon=0.0)
+    return trainer
 
 
 def finetune(config: FinetuneConfig) -> dict[str, float]:
