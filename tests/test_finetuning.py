@@ -558,3 +558,28 @@ def test_accumulated_loss_is_the_mean_over_the_whole_update(start, marian_start,
             ).logits.flatten(0, 1)
             total += torch.nn.functional.cross_entropy(logits, batch["labels"].flatten(), reduction="sum")
     torch.testing.assert_close(reported, total / items, rtol=1e-5, atol=1e-6)
+
+
+def test_short_references_are_scored_as_written(start, tmp_path, monkeypatch):
+    """Seq2SeqTrainer pads the labels of a batch shorter than the generation config's `max_length` (20
+    once its defaults are filled in) with the pad id, not -100: with short validation sentences
+    `BleuMetric` no longer recognised its references and scored against the labels decoded, where the
+    snowman, outside the vocabulary, is gone."""
+    from vanilla_transformer import finetuning
+
+    model_dir, data = start
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("en\tes\nYes.\tSí.\nHello snowman.\tHola ☃.\nI don't know.\tNo lo sé.\n", encoding="utf-8")
+    config = small_config(model_dir, data, tmp_path / "out", validation_file=str(dev), num_beams=1)
+    trainer = build_trainer(config)
+    assert max(map(len, trainer.eval_dataset["labels"])) < 20
+    scored = []
+    score = finetuning.score_translations
+
+    def recorded(hypotheses, references, **kwargs):
+        scored.append(list(references))
+        return score(hypotheses, references, **kwargs)
+
+    monkeypatch.setattr(finetuning, "score_translations", recorded)
+    trainer.evaluate()
+    assert scored == [["Sí.", "Hola ☃.", "No lo sé."]]

@@ -229,7 +229,10 @@ class BleuMetric:
         # Padding of generated sequences and of labels is -100 after gathering: decode it as pad.
         predictions = np.where(predictions != -100, predictions, tokenizer.pad_token_id)
         hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
-        rows = [row[row != -100].tolist() for row in labels]
+        # Seq2SeqTrainer pads the labels of a batch shorter than the generation config's `max_length` (20
+        # once its defaults are filled in) with the pad id, not -100; no label is the pad token itself.
+        padding = np.isin(labels, [-100, tokenizer.pad_token_id])
+        rows = [row[~pad].tolist() for row, pad in zip(labels, padding, strict=True)]
         if references is not None and rows == list(references["labels"]):
             texts = [t.strip() for t in references["target"]]
         else:
