@@ -583,3 +583,17 @@ def test_short_references_are_scored_as_written(start, tmp_path, monkeypatch):
     monkeypatch.setattr(finetuning, "score_translations", recorded)
     trainer.evaluate()
     assert scored == [["Sí.", "Hola ☃.", "No lo sé."]]
+
+
+def test_a_resume_with_another_learning_rate_is_refused(tmp_path):
+    """Trainer restores the checkpoint's scheduler, whose base rate is the one it was trained with: a
+    resume with another --learning_rate kept training at the old rate (1e-3, resumed with 5e-5), while
+    the model card stated the new one."""
+    checkpoint = tmp_path / "tuned" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 4}')
+    torch.save({"base_lrs": [1e-3, 1e-3], "last_epoch": 4}, checkpoint / "scheduler.pt")
+    options = {"model": "m", "train_file": "t", "output_dir": str(tmp_path / "tuned")}
+    with pytest.raises(ValueError, match=r"trained with --learning_rate 0\.001, not 5e-05"):
+        FinetuneConfig(**options, learning_rate=5e-5, resume_from_checkpoint="latest")
+    FinetuneConfig(**options, learning_rate=1e-3, resume_from_checkpoint="latest")

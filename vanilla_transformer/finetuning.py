@@ -149,6 +149,15 @@ class FinetuneConfig:
                     f"--resume_from_checkpoint {checkpoint} is at step {step}, past --max_steps "
                     f"{self.max_steps}: resume with the --max_steps it was trained with (or a larger one)."
                 )
+            # The scheduler's state, restored on resume, holds the learning rate the checkpoint's run
+            # started with: Trainer would keep that one and the card would state this one.
+            trained_lr = checkpoint_learning_rate(checkpoint)
+            if trained_lr is not None and not math.isclose(trained_lr, self.learning_rate, rel_tol=1e-6):
+                raise ValueError(
+                    f"--resume_from_checkpoint {checkpoint} was trained with --learning_rate {trained_lr:g}, "
+                    f"not {self.learning_rate:g}: a resumed schedule keeps its learning rate; resume with "
+                    "the flags it was trained with."
+                )
             if earlier and not own:
                 raise ValueError(
                     f"--output_dir {self.output_dir} holds the checkpoints of another fine-tune "
@@ -189,6 +198,16 @@ def checkpoint_step(checkpoint: Path) -> int | None:
     that file after everything else); None where it has none (unfinished, or not Trainer's)."""
     step = json_field(checkpoint / "trainer_state.json", "global_step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def checkpoint_learning_rate(checkpoint: Path) -> float | None:
+    """The peak learning rate a fine-tune's checkpoint was trained with (its scheduler's base rate), or
+    None where its scheduler.pt is missing or unreadable."""
+    try:
+        state = torch.load(checkpoint / "scheduler.pt", map_location="cpu", weights_only=True)
+        return float(state["base_lrs"][0])
+    except Exception:  # no file, or not a LambdaLR state: Trainer's own loading says what is wrong
+        return None
 
 
 def complete_checkpoints(output: Path) -> list[Path]:
