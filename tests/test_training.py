@@ -504,6 +504,16 @@ def test_a_time_limit_spent_before_the_first_update_still_trains_one(tmp_path, c
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000001"]
 
 
+def test_the_update_past_a_spent_time_limit_has_a_learning_rate_under_a_cooldown(tmp_path, corpus_files):
+    """That one update was made at the clock's progress, past the whole budget, where --lr_cooldown scales
+    the rate to 0: an update in name only, and the model written was still the initial weights."""
+    args = small_args(tmp_path / "run", corpus_files, max_steps=8, eval_steps=0, test_samples=1)
+    result = train(parse_config([*args, "--max_train_minutes", "1e-9", "--lr_cooldown", "0.5"]))
+    assert result["metrics"]["steps"] == 1
+    rates = [record["lr"] for record in result["history"] if "lr" in record]
+    assert len(rates) == 1 and rates[0] > 0  # warm-up's first rate, scaled by no cooldown yet
+
+
 def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files, monkeypatch):
     """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict.
     --unlikelihood_weight reaches the model's configuration and its card, --stutter_rate every

@@ -1715,7 +1715,8 @@ def train_loop(run: Run) -> bool:
     elapsed = clock.agreed()
     # A resumed run may have spent its time already. A fresh one makes at least one update: stopped before
     # it (a limit below the time to start), it wrote its initial, untrained weights as the model folder.
-    stopped = state["step"] > 0 and clock.expired(elapsed)
+    spent = clock.expired(elapsed)
+    stopped = state["step"] > 0 and spent
     if stopped and accelerator.is_main_process:
         logger.warning(
             f"This run already trained for {state['train_time_s'] / 60:.1f} minutes, its --max_train_minutes "
@@ -1733,7 +1734,9 @@ def train_loop(run: Run) -> bool:
             loader = accelerator.skip_first_batches(run.train_loader, state["batches_in_epoch"])
         for window in windows(loader, config.gradient_accumulation_steps):
             step = state["step"] + 1
-            progress_now = clock.progress(state["step"], elapsed)
+            # That one update of a fresh run past its limit counts from the start of the budget: at the
+            # clock's progress (past 1) --lr_cooldown gave it a learning rate of 0, the initial weights.
+            progress_now = 0.0 if step == 1 and spent else clock.progress(state["step"], elapsed)
             lr = run.peak_lr * lr_factor(
                 config.lr_schedule,
                 step,
