@@ -124,7 +124,18 @@ class FinetuneConfig:
         # (in the final evaluation or save): that is replaced.
         own = checkpoint is not None and checkpoint.resolve().parent == output.resolve()
         if not own and ((output / "config.json").exists() or (output / "model.safetensors").exists()):
-            raise ValueError(f"--output_dir {self.output_dir} already holds a model; name a new folder.")
+            # A fine-tune killed while saving its model leaves a config beside its checkpoints: say how to
+            # finish it (the model is then written again from its last checkpoint).
+            resumable = checkpoint is None and complete_checkpoints(output)
+            finish = (
+                f" (or finish the fine-tune whose checkpoints it holds, {resumable[0].name} the last: "
+                "--resume_from_checkpoint latest, with its flags)"
+                if resumable
+                else ""
+            )
+            raise ValueError(
+                f"--output_dir {self.output_dir} already holds a model; name a new folder{finish}."
+            )
         if not own and (output / "README.md").exists():  # the fine-tuned model's card is written there
             raise ValueError(f"--output_dir {self.output_dir} holds a README.md; name a new folder.")
         # Seq2SeqTrainer keeps its last two checkpoints in --output_dir: a new fine-tune there would
