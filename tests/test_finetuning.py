@@ -333,6 +333,18 @@ def test_an_interrupted_finetune_is_resumed_not_deleted(start, tmp_path, caplog,
         small_config(start_dir, data, output, max_steps=5, resume_from_checkpoint="latest", **options)
     with pytest.raises(ValueError, match="holds no checkpoint-N folder"):
         small_config(start_dir, data, tmp_path / "new", resume_from_checkpoint="latest", **options)
+    # Resumed with flags that shape what it trains changed: Trainer kept the checkpoint's optimizer, schedule
+    # and data order, and the card stated the new flags. Those of evaluation and length may change.
+    recorded = json.loads((output / "checkpoint-6" / "finetune_flags.json").read_text())
+    assert recorded["model"] == str(start_dir.resolve()) and recorded["label_smoothing_factor"] == 0.1
+    changed = r"other flags \(--label_smoothing_factor 0\.1 -> 0\.0; --seed 0 -> 3\): a resumed fine-tune"
+    with pytest.raises(ValueError, match=changed):
+        other = {"label_smoothing_factor": 0.0, "seed": 3}
+        small_config(
+            start_dir, data, output, max_steps=6, resume_from_checkpoint="latest", **options, **other
+        )
+    evaluation = options | {"eval_steps": 2, "num_beams": 2, "max_eval_samples": 2}
+    small_config(start_dir, data, output, max_steps=8, resume_from_checkpoint="latest", **evaluation)
 
     # Stopped in the final save: resumed with the same flags, it is finished, without another update.
     finetune(small_config(start_dir, data, output, max_steps=6, resume_from_checkpoint="latest", **options))

@@ -8,6 +8,7 @@ accumulation, and evaluation by beam search (`predict_with_generate`) scored wit
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -27,11 +28,11 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
 )
-from transformers.trainer_callback import TrainerState
+from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
 from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler
 from transformers.trainer_utils import has_length
 
-from .cli import InputError, json_field
+from .cli import InputError, json_field, replaced_when_complete
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .evaluation import load_model_folder
 from .machine import (
@@ -160,8 +161,16 @@ class FinetuneConfig:
                     f"--resume_from_checkpoint {checkpoint} is at step {step}, past --max_steps "
                     f"{self.max_steps}: resume with the --max_steps it was trained with (or a larger one)."
                 )
-            # The scheduler's state, restored on resume, holds the learning rate the checkpoint's run
-            # started with: Trainer would keep that one and the card would state this one.
+            changed = changed_flags(checkpoint, self)
+            if changed:
+                raise ValueError(
+                    f"--resume_from_checkpoint {checkpoint} was trained with other flags "
+                    f"({'; '.join(changed)}): a resumed fine-tune keeps its optimizer, schedule and data "
+                    "order; resume with the flags it was trained with, or start a new fine-tune."
+                )
+            # (Checkpoints that record no flags.) The scheduler's state, restored on resume, holds the
+            # learning rate the checkpoint's run started with: Trainer would keep that one and the card
+            # would state this one.
             trained_lr = checkpoint_learning_rate(checkpoint)
             if trained_lr is not None and not math.isclose(trained_lr, self.learning_rate, rel_tol=1e-6):
                 raise ValueError(
@@ -219,6 +228,70 @@ def checkpoint_learning_rate(checkpoint: Path) -> float | None:
         return float(state["base_lrs"][0])
     except Exception:  # no file, or not a LambdaLR state: Trainer's own loading says what is wrong
         return None
+
+
+# A fine-tune's checkpoints record the flags that shape what it trains (`FlagsRecorder`), so that a
+# resume with other ones is refused: Trainer restores the optimizer, the schedule (with its learning rate)
+# and the data order, and would train on as before while the card stated the new flags.
+FLAGS_FILE = "finetune_flags.json"
+RESUME_FLAGS = (
+    "model",
+    "train_file",
+    "validation_file",
+    "source_lang",
+    "target_lang",
+    "source_column",
+    "target_column",
+    "max_length",
+    "learning_rate",
+    "warmup_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "label_smoothing_factor",
+    "unlikelihood_weight",
+    "validation_size",
+    "seed",
+)
+PATH_FLAGS = ("model", "train_file", "validation_file")
+
+
+def resume_flags(config: FinetuneConfig) -> dict[str, Any]:
+    """The flags a resumed fine-tune must keep, local paths made absolute (a resume may run elsewhere)."""
+    flags = {name: getattr(config, name) for name in RESUME_FLAGS}
+    for name in PATH_FLAGS:
+        if flags[name] is not None and Path(flags[name]).exists():
+            flags[name] = str(Path(flags[name]).resolve())
+    return flags
+
+
+class FlagsRecorder(TrainerCallback):
+    """Writes `resume_flags` into each checkpoint Trainer saves (the main process's)."""
+
+    def __init__(self, flags: dict[str, Any]):
+        self.flags = flags
+
+    def on_save(
+        self, args: Seq2SeqTrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            with replaced_when_complete(folder / FLAGS_FILE) as stream:
+                json.dump(self.flags, stream, indent=2)
+        return control
+
+
+def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
+    """The recorded flags of `checkpoint` that `config` gives other values ("--name old -> new")."""
+    try:
+        recorded = json.loads((checkpoint / FLAGS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # a checkpoint written before flags were recorded: not checked here
+        return []
+    now = resume_flags(config)
+    return [
+        f"--{name} {recorded[name]} -> {now[name]}"
+        for name in RESUME_FLAGS
+        if name in recorded and recorded[name] != now[name]
+    ]
 
 
 def complete_checkpoints(output: Path) -> list[Path]:
@@ -407,6 +480,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
             len(tokenized["validation"]),
             target_lang=config.target_lang,
         ),
+        callbacks=[FlagsRecorder(resume_flags(config))],
     )
     if not own_loss and trainer.label_smoother is None:
         # --label_smoothing_factor 0: another model (MarianMTModel) averages its loss over its own
