@@ -227,23 +227,21 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     assert whole["metrics"]["parameter_checksums"] == parts["metrics"]["parameter_checksums"]
 
 
+def average(model: Path, output: Path, *paths: str) -> subprocess.CompletedProcess:
+    """scripts/average_checkpoints.py on `paths` with `--model model`, into `output`."""
+    command = [sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), "--model", str(model)]
+    command += ["--checkpoints", *paths, "--output", str(output)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
 def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path):
     """scripts/average_checkpoints.py on the run's three checkpoints writes the weights the run itself
-    averaged into its folder, in a folder that loads; it refuses what it cannot average soundly."""
+    averaged into its folder, in a folder that loads; which checkpoints cannot be averaged soundly (the
+    script's refusals of them are the slow test below)."""
     output_dir, _ = trained
     checkpoints = [str(p) for p in list_checkpoints(output_dir)]
 
-    def average(output: Path, *paths: str) -> subprocess.CompletedProcess:
-        command = [
-            sys.executable,
-            str(ROOT / "scripts" / "average_checkpoints.py"),
-            "--model",
-            str(output_dir),
-        ]
-        command += ["--checkpoints", *paths, "--output", str(output)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-
-    result = average(tmp_path / "averaged", *checkpoints)
+    result = average(output_dir, tmp_path / "averaged", *checkpoints)
     assert result.returncode == 0, result.stderr
     written = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "averaged").state_dict()
     run_model = AutoModelForSeq2SeqLM.from_pretrained(output_dir).state_dict()
@@ -264,30 +262,12 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     assert "(its first 8 of 16 sentence pairs) of test.tsv" in text
     assert "of test.tsv" in " ".join((output_dir / "README.md").read_text().split())
     assert "**Optimiser**" in text and "training steps | 24 |" in text
-    earlier = average(tmp_path / "earlier", *checkpoints[:2])  # a span ending before the run did
+    earlier = average(output_dir, tmp_path / "earlier", *checkpoints[:2])  # a span ending before the run did
     assert earlier.returncode == 0, earlier.stderr[-2000:]
     text = " ".join((tmp_path / "earlier" / "README.md").read_text().split())
     assert f"training steps | {steps.split(', ')[1]} |" in text and "training time" not in text
-    bare = average(tmp_path / "bare", *checkpoints, "--no-card")
+    bare = average(output_dir, tmp_path / "bare", *checkpoints, "--no-card")
     assert bare.returncode == 0 and not (tmp_path / "bare" / "README.md").exists()
-
-    refused = average(tmp_path / "other", checkpoints[0], str(output_dir / "logs"))
-    assert refused.returncode == 2 and "logs cannot be averaged: " in refused.stderr
-    assert not (tmp_path / "other").exists()
-    refused = average(tmp_path / "averaged", *checkpoints)
-    assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
-    refused = average(tmp_path / "twice", checkpoints[0], checkpoints[0] + "/")
-    assert refused.returncode == 2 and "names a folder twice" in refused.stderr
-    no_tokenizer = tmp_path / "no-tokenizer"  # once "Couldn't instantiate the backend tokenizer from one of:"
-    no_tokenizer.mkdir()
-    shutil.copy(output_dir / "config.json", no_tokenizer)
-    command = [sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), "--model", str(no_tokenizer)]
-    command += ["--checkpoints", checkpoints[0], "--output", str(tmp_path / "none")]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert refused.returncode == 2 and f"{no_tokenizer} has no tokenizer" in refused.stderr
-    command[command.index(str(no_tokenizer))] = no_tokenizer.name  # a bare name, as a Hub id has
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
-    assert refused.returncode == 2 and "no-tokenizer has no tokenizer" in refused.stderr
 
     # Another run's checkpoint (its own run id), or one trained with another vocabulary: both were once
     # averaged in without a word, into a model that translated nothing.
@@ -299,9 +279,6 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     state = json.loads((other_run / STATE_FILE).read_text())
     (other_run / STATE_FILE).write_text(json.dumps({**state, "run_id": "f" * 32}))
     write_manifest(other_run)
-    refused = average(tmp_path / "mixed", checkpoints[0], str(other_run))
-    assert refused.returncode == 2 and "come from different training runs" in refused.stderr
-    assert not (tmp_path / "mixed").exists()
     assert "not of" in foreign_checkpoints(output_dir, [other_run])[0]
     vocabulary = other_run / "tokenizer" / "tokenizer.json"
     tokenizer = json.loads(vocabulary.read_text())
@@ -327,12 +304,48 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path)
     shutil.copytree(checkpoints[0], trainer_checkpoint, ignore=shutil.ignore_patterns(MANIFEST_FILE))
     (trainer_checkpoint / "training_args.bin").write_bytes(b"\0")
     assert "is a Seq2SeqTrainer checkpoint" in checkpoint_problems(trainer_checkpoint)[0]
+
+
+@pytest.mark.slow  # seven script runs (about 35 s): the refusals, each before anything is written
+def test_average_checkpoints_script_refuses_what_it_cannot_average(trained, tmp_path):
+    """Not checkpoints, a folder named twice, an output that is not empty, a --model without a tokenizer
+    (by path and as a bare name), checkpoints of two runs, damaged weights: each a one-line refusal."""
+    output_dir, _ = trained
+    checkpoints = [str(p) for p in list_checkpoints(output_dir)]
+    refused = average(output_dir, tmp_path / "other", checkpoints[0], str(output_dir / "logs"))
+    assert refused.returncode == 2 and "logs cannot be averaged: " in refused.stderr
+    assert not (tmp_path / "other").exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine\n")
+    refused = average(output_dir, tmp_path / "taken", *checkpoints)
+    assert refused.returncode == 2 and "is not an empty folder" in refused.stderr
+    refused = average(output_dir, tmp_path / "twice", checkpoints[0], checkpoints[0] + "/")
+    assert refused.returncode == 2 and "names a folder twice" in refused.stderr
+    no_tokenizer = tmp_path / "no-tokenizer"  # once "Couldn't instantiate the backend tokenizer from one of:"
+    no_tokenizer.mkdir()
+    shutil.copy(output_dir / "config.json", no_tokenizer)
+    command = [sys.executable, str(ROOT / "scripts" / "average_checkpoints.py"), "--model", str(no_tokenizer)]
+    command += ["--checkpoints", checkpoints[0], "--output", str(tmp_path / "none")]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert refused.returncode == 2 and f"{no_tokenizer} has no tokenizer" in refused.stderr
+    command[command.index(str(no_tokenizer))] = no_tokenizer.name  # a bare name, as a Hub id has
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+    assert refused.returncode == 2 and "no-tokenizer has no tokenizer" in refused.stderr
+
+    other_run = tmp_path / "other-run" / "step-00000024"
+    shutil.copytree(checkpoints[-1], other_run)
+    state = json.loads((other_run / STATE_FILE).read_text())
+    (other_run / STATE_FILE).write_text(json.dumps({**state, "run_id": "f" * 32}))
+    write_manifest(other_run)
+    refused = average(output_dir, tmp_path / "mixed", checkpoints[0], str(other_run))
+    assert refused.returncode == 2 and "come from different training runs" in refused.stderr
+    assert not (tmp_path / "mixed").exists()
     # Damaged weights in a checkpoint without a manifest (an older one): one line, not a traceback.
     damaged = tmp_path / "older" / "step-00000024"
     shutil.copytree(checkpoints[-1], damaged, ignore=shutil.ignore_patterns(MANIFEST_FILE))
     with (damaged / "model.safetensors").open("r+b") as weights:
         weights.truncate(3000)
-    refused = average(tmp_path / "from-damaged", str(damaged))
+    refused = average(output_dir, tmp_path / "from-damaged", str(damaged))
     assert refused.returncode == 2 and "model.safetensors is not readable" in refused.stderr
     assert "Traceback" not in refused.stderr
 
