@@ -181,7 +181,7 @@ def generate_one_by_one(model, tokenizer, sentences, **kwargs) -> list[str]:
     outputs = []
     with torch.no_grad():
         for sentence in sentences:
-            if not sentence:  # `translate` keeps a blank sentence blank, without the model
+            if not sentence.strip():  # `translate` keeps a blank sentence blank, without the model
                 outputs.append("")
                 continue
             input_ids = torch.tensor([tokenizer(sentence)["input_ids"]])
