@@ -612,3 +612,24 @@ def test_a_resume_with_another_learning_rate_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"trained with --learning_rate 0\.001, not 5e-05"):
         FinetuneConfig(**options, learning_rate=5e-5, resume_from_checkpoint="latest")
     FinetuneConfig(**options, learning_rate=1e-3, resume_from_checkpoint="latest")
+
+
+def test_a_checkpoint_records_its_flags_before_it_counts_as_whole(start, tmp_path, monkeypatch):
+    """A checkpoint is whole once Trainer wrote its trainer_state.json (`complete_checkpoints`); its
+    finetune_flags.json was written after that, in `on_save`, past the old checkpoints' deletion: a fine-tune
+    killed in between left a whole checkpoint without flags, and a resume with other flags went unchecked."""
+    from transformers.trainer_callback import TrainerState
+
+    start_dir, data = start
+    output = tmp_path / "tuned"
+    saving, flags_at_state = TrainerState.save_to_json, {}
+
+    def save_to_json(self, json_path):
+        folder = Path(json_path).parent
+        flags_at_state[folder.name] = (folder / "finetune_flags.json").is_file()
+        return saving(self, json_path)
+
+    monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
+    options = {"eval_steps": 1, "max_eval_samples": 2, "num_beams": 1, "per_device_train_batch_size": 16}
+    finetune(small_config(start_dir, data, output, max_steps=2, **options))
+    assert flags_at_state == {"checkpoint-1": True, "checkpoint-2": True}

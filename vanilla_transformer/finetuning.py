@@ -28,7 +28,7 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
 )
-from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import TrainerCallback, TrainerState
 from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler
 from transformers.trainer_utils import has_length
 
@@ -265,19 +265,17 @@ def resume_flags(config: FinetuneConfig) -> dict[str, Any]:
 
 
 class FlagsRecorder(TrainerCallback):
-    """Writes `resume_flags` into each checkpoint Trainer saves (the main process's)."""
+    """Holds `resume_flags`, which `FinetuneTrainer` writes into each checkpoint it saves (the main
+    process's), with its weights: before its trainer_state.json, which makes it whole
+    (`complete_checkpoints`). Written in `on_save`, after that file and the old checkpoints' deletion, a
+    kill in between left a whole checkpoint that recorded no flags, and a resume with others went on."""
 
     def __init__(self, flags: dict[str, Any]):
         self.flags = flags
 
-    def on_save(
-        self, args: Seq2SeqTrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> TrainerControl:
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if state.is_world_process_zero and folder.is_dir():
-            with replaced_when_complete(folder / FLAGS_FILE) as stream:
-                json.dump(self.flags, stream, indent=2)
-        return control
+    def record(self, folder: Path) -> None:
+        with replaced_when_complete(folder / FLAGS_FILE) as stream:
+            json.dump(self.flags, stream, indent=2)
 
 
 def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
@@ -378,6 +376,21 @@ class FinetuneTrainer(Seq2SeqTrainer):
         return EpochSeededLengthGroupedSampler(
             sampler.batch_size, sampler.lengths, seed, lambda: math.floor((self.state.epoch or 0) + 1e-9)
         )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        # A checkpoint's weights (`_save_checkpoint` saves them first): its flags go with them.
+        folder = Path(output_dir) if output_dir is not None else None
+        if (
+            _internal_call
+            and folder is not None
+            and folder.name == f"checkpoint-{self.state.global_step}"
+            and self.is_world_process_zero()
+            and folder.is_dir()
+        ):
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, FlagsRecorder):
+                    callback.record(folder)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler | None:
         # transformers 5 also groups evaluation batches by length where training does
