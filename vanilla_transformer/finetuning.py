@@ -28,7 +28,7 @@ from transformers import (
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
 )
-from transformers.trainer_callback import TrainerCallback, TrainerState
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_pt_utils import LabelSmoother, LengthGroupedSampler
 from transformers.trainer_utils import has_length
 
@@ -230,7 +230,7 @@ def checkpoint_learning_rate(checkpoint: Path) -> float | None:
         return None
 
 
-# A fine-tune's checkpoints record the flags that shape what it trains (`FlagsRecorder`), so that a
+# A fine-tune's checkpoints record the flags that shape what it trains (`FinetuneTrainer`), so that a
 # resume with other ones is refused: Trainer restores the optimizer, the schedule (with its learning rate)
 # and the data order, and would train on as before while the card stated the new flags.
 FLAGS_FILE = "finetune_flags.json"
@@ -262,20 +262,6 @@ def resume_flags(config: FinetuneConfig) -> dict[str, Any]:
         if flags[name] is not None and Path(flags[name]).exists():
             flags[name] = str(Path(flags[name]).resolve())
     return flags
-
-
-class FlagsRecorder(TrainerCallback):
-    """Holds `resume_flags`, which `FinetuneTrainer` writes into each checkpoint it saves (the main
-    process's), with its weights: before its trainer_state.json, which makes it whole
-    (`complete_checkpoints`). Written in `on_save`, after that file and the old checkpoints' deletion, a
-    kill in between left a whole checkpoint that recorded no flags, and a resume with others went on."""
-
-    def __init__(self, flags: dict[str, Any]):
-        self.flags = flags
-
-    def record(self, folder: Path) -> None:
-        with replaced_when_complete(folder / FLAGS_FILE) as stream:
-            json.dump(self.flags, stream, indent=2)
 
 
 def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
@@ -377,20 +363,27 @@ class FinetuneTrainer(Seq2SeqTrainer):
             sampler.batch_size, sampler.lengths, seed, lambda: math.floor((self.state.epoch or 0) + 1e-9)
         )
 
+    def __init__(self, *args: Any, flags: dict[str, Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.flags = flags  # `resume_flags`, written into each checkpoint
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        # A checkpoint's weights (`_save_checkpoint` saves them first): its flags go with them.
+        # A checkpoint's weights (`_save_checkpoint` saves them first): its flags go with them, before its
+        # trainer_state.json makes it whole (`complete_checkpoints`). Written after that (Trainer's
+        # `on_save`, which also follows the old checkpoints' deletion), a kill in between left a whole
+        # checkpoint that recorded no flags, and a resume with others went unchecked.
         folder = Path(output_dir) if output_dir is not None else None
         if (
-            _internal_call
+            self.flags is not None
+            and _internal_call
             and folder is not None
             and folder.name == f"checkpoint-{self.state.global_step}"
             and self.is_world_process_zero()
             and folder.is_dir()
         ):
-            for callback in self.callback_handler.callbacks:
-                if isinstance(callback, FlagsRecorder):
-                    callback.record(folder)
+            with replaced_when_complete(folder / FLAGS_FILE) as stream:
+                json.dump(self.flags, stream, indent=2)
 
     def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler | None:
         # transformers 5 also groups evaluation batches by length where training does
@@ -493,7 +486,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
             len(tokenized["validation"]),
             target_lang=config.target_lang,
         ),
-        callbacks=[FlagsRecorder(resume_flags(config))],
+        flags=resume_flags(config),
     )
     if not own_loss and trainer.label_smoother is None:
         # --label_smoothing_factor 0: another model (MarianMTModel) averages its loss over its own
