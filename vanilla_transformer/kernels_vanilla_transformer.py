@@ -456,7 +456,7 @@ _is_transformed = getattr(getattr(torch._C, "_functorch", None), "is_functorch_w
 
 def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Plain float32 tensors (a contiguous bias), no derivatives of any kind to carry (reverse mode,
-    forward mode, torch.func), no autocast, not traced. inputs: CPU float32 already, not compiling."""
+    forward mode, torch.func), no autocast. inputs: CPU float32 already, not compiling nor traced."""
     plain = (torch.Tensor, nn.Parameter)
     return (
         weight.dtype is torch.float32
@@ -472,7 +472,6 @@ def _eligible(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             _is_transformed(inputs) or _is_transformed(weight) or (bias is not None and _is_transformed(bias))
         )
         and not torch.is_autocast_enabled("cpu")
-        and not torch.jit.is_tracing()
     )
 
 
