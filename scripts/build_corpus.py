@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("reading the SWORD modules needs pysword: pip install pysword")
     if args.sword_dir is not None and not (args.sword_dir / "mods.d").is_dir():
         parser.error(f"--sword-dir {args.sword_dir} is not an unpacked usr/share/sword (no mods.d folder)")
+    # The output too, before the download and the build: a folder there once failed only at the write.
+    if args.output.is_dir():
+        parser.error(f"--output {args.output} is a folder; name the file to write")
+    existing = next(p for p in args.output.absolute().parents if p.exists())
+    if not existing.is_dir():
+        parser.error(f"--output {args.output}: {existing} is a file, not a folder")
 
     with tempfile.TemporaryDirectory() as tmp:
         sword_dir = args.sword_dir or fetch_sword_dir(Path(tmp))

@@ -211,6 +211,36 @@ def test_build_corpus_script_refuses_what_would_fail_or_empty_the_corpus_before_
     assert not output.exists()
 
 
+def load_build_corpus_script(monkeypatch, tmp_path):
+    """scripts/build_corpus.py as a module, with pysword taken as installed and no download allowed, and an
+    unpacked SWORD folder for --sword-dir."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "build_corpus.py"
+    spec = importlib.util.spec_from_file_location("build_corpus_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "fetch_sword_dir", lambda _: pytest.fail("downloaded"))
+    monkeypatch.setattr(script, "pysword_missing", lambda: False)
+    sword = tmp_path / "sword"
+    (sword / "mods.d").mkdir(parents=True)
+    return script, sword
+
+
+def test_build_corpus_script_refuses_an_output_it_cannot_write_before_the_build(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """A folder as --output, or a file on its way, once failed with a traceback after the whole build."""
+    script, sword = load_build_corpus_script(monkeypatch, tmp_path)
+    monkeypatch.setattr(script, "build_corpus", lambda *_, **__: pytest.fail("built"))
+    (tmp_path / "a-file").write_text("")
+    for output, message in (
+        (tmp_path, "is a folder; name the file to write"),
+        (tmp_path / "a-file" / "corpus.jsonl.gz", "a-file is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            script.main(["--sword-dir", str(sword), "--output", str(output)])
+        assert message in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def shipped() -> list[dict[str, str]]:
     return read_corpus()
