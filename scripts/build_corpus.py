@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: no pairs left for {', '.join(empty)}; {args.output} not written")
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    write_corpus(build.records, args.output)
+    try:
+        write_corpus(build.records, args.output)
+    except OSError as error:  # a full disk: the file there is left as it was
+        sys.exit(f"error: writing {args.output} failed ({error}); the file there is unchanged")
     print(f"aligned verse pairs: {build.aligned_pairs} (dropped {build.empty_dropped} with an empty side)")
     print(f"shifted chapters ({len(build.shifted_chapters)}): {' '.join(build.shifted_chapters)}")
     print(

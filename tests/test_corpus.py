@@ -174,6 +174,32 @@ def test_write_corpus_is_deterministic(tmp_path) -> None:
     assert read_corpus(tmp_path / "a.jsonl.gz") == records
 
 
+def test_a_failed_write_leaves_the_corpus_that_was_there(tmp_path, monkeypatch) -> None:
+    """The file was written in place: a full disk part way left a truncated gzip where the shipped corpus
+    had been."""
+    output = tmp_path / "corpus.jsonl.gz"
+    records = [{"id": "Gen.1.1", "split": "train", "en": "In the beginning", "es": "En el principio"}]
+    write_corpus(records, output)
+    before = output.read_bytes()
+    written = Path.write_bytes
+
+    def full_disk(self: Path, data: bytes) -> int:
+        written(self, data[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_corpus(records * 2, output)
+    assert output.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [output.name]
+
+    script, sword = load_build_corpus_script(monkeypatch, tmp_path)
+    build = corpus.CorpusBuild(records * 2, [], [], 0, 0, 0, 0, 0, 0, dict.fromkeys(corpus.SPLITS, 1))
+    monkeypatch.setattr(script, "build_corpus", lambda *_, **__: build)
+    with pytest.raises(SystemExit, match=r"No space left on device.*the file there is unchanged"):
+        script.main(["--sword-dir", str(sword), "--output", str(output)])
+    assert output.read_bytes() == before
+
+
 # --- the shipped file ---------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import html
 import io
 import json
 import math
+import os
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -404,9 +405,18 @@ def build_corpus(sword_dir: str | Path, *, max_words: int = MAX_WORDS) -> Corpus
 
 
 def write_corpus(records: Iterable[Mapping[str, str]], path: str | Path) -> None:
-    """Write records as gzipped JSON lines, byte-for-byte reproducibly (gzip mtime 0, no file name)."""
+    """Write records as gzipped JSON lines, byte-for-byte reproducibly (gzip mtime 0, no file name).
+
+    Written beside `path` and renamed: a write that fails (a full disk) or is killed leaves the file
+    that was there (by default the shipped corpus), not a truncated one."""
     lines = "".join(json.dumps(dict(record), ensure_ascii=False) + "\n" for record in records)
     buffer = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, compresslevel=9, mtime=0) as handle:
         handle.write(lines.encode("utf-8"))
-    Path(path).write_bytes(buffer.getvalue())
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_bytes(buffer.getvalue())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
