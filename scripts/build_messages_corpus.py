@@ -10,8 +10,8 @@ sides, with a side longer than `--max-words` words, or identical on both sides a
 go to validation or test (chosen by a hash of the catalog's name), so near-duplicate messages of one
 program never straddle the split; held-out messages also seen in training, up to case, spaces and
 punctuation (messages shared by several programs), are dropped. Writes
-`train.jsonl`, `validation.jsonl`, `test.jsonl` with fields `en` and the language code. Needs
-`pip install polib`.
+`train.jsonl`, `validation.jsonl`, `test.jsonl` with fields `en` and the language code into a new (or
+empty) folder, which appears once all three are complete. Needs `pip install polib`.
 
     python scripts/build_messages_corpus.py --output-dir data/messages-en-de
     python scripts/build_messages_corpus.py --locale-dir /usr/share/locale --output-dir /tmp/messages
@@ -29,6 +29,8 @@ import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from vanilla_transformer.publishing import check_new_folder, publish_folder
 
 # Debian packages that ship German catalogs of command-line tools and libraries.
 PACKAGES = (
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--locale-dir", type=Path, help="a locale folder (default: apt-get download)")
     parser.add_argument("--language", default="de", help="target language code (default de)")
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--output-dir", type=Path, required=True, help="a new (or empty) folder")
     parser.add_argument("--max-words", type=int, default=30, help="longest side kept, in words (default 30)")
     args = parser.parse_args(argv)
     if args.max_words <= 0:
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--language is the target language; English is the source side")
     if args.output_dir.exists() and not args.output_dir.is_dir():
         parser.error(f"--output-dir {args.output_dir} is a file")
+    try:  # an earlier corpus, or someone's own train.jsonl, was overwritten without a word
+        check_new_folder(args.output_dir)
+    except ValueError as error:
+        parser.error(f"--output-dir {error}")
 
     with tempfile.TemporaryDirectory() as tmp:
         locale_dir = args.locale_dir or fetch_locale_dir(Path(tmp))
@@ -156,9 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     empty = [split for split, pairs in splits.items() if not pairs]
     if empty:  # too few catalogs: whole catalogs go to validation and test
         print(f"warning: {len(catalogs)} catalogs left no pairs for {', '.join(empty)}", file=sys.stderr)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with publish_folder(args.output_dir) as staging:  # all three files, or none: an interrupted run
+            for split, pairs in splits.items():
+                write_jsonl(pairs, staging / f"{split}.jsonl", args.language)
+    except OSError as error:  # a full disk
+        sys.exit(f"error: writing {args.output_dir} failed ({error}); nothing was written there")
     for split, pairs in splits.items():
-        write_jsonl(pairs, args.output_dir / f"{split}.jsonl", args.language)
         print(f"{split}: {len(pairs)} pairs")
     print(f"from {len(catalogs)} catalogs -> {args.output_dir}")
     return 0

@@ -208,6 +208,31 @@ def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_d
         builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output), "--language", "en"])
 
 
+def test_messages_corpus_writes_a_new_folder_whole_or_not_at_all(locale_dir, tmp_path, monkeypatch, capsys):
+    """The three files were written one by one into --output-dir, whatever it held: someone's own
+    train.jsonl was overwritten without a word, and a run that failed part way left a mix of new and old
+    files."""
+    builder = load_script("build_messages_corpus")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.jsonl").write_text('{"en": "my own", "de": "mein eigenes"}\n')
+    with pytest.raises(SystemExit):
+        builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(mine)])
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert (mine / "train.jsonl").read_text() == '{"en": "my own", "de": "mein eigenes"}\n'
+
+    def fail_on_test(pairs, path, language):
+        if path.name == "test.jsonl":
+            raise OSError(28, "No space left on device")
+        path.write_text("")
+
+    monkeypatch.setattr(builder, "write_jsonl", fail_on_test)
+    output = tmp_path / "corpus"
+    with pytest.raises(SystemExit, match="No space left on device"):
+        builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output)])
+    assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["locale", "mine"]
+
+
 def test_held_out_messages_close_to_training_ones_are_dropped(monkeypatch):
     """Messages shared by several programs differ in case or quoting; compared exactly, 68 of them once
     sat in both the training and the test split of the built corpus."""
