@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,10 +73,15 @@ def catalog_split(name: str) -> str:
 
 
 def catalog_pairs(path: Path, max_words: int) -> Iterator[tuple[str, str]]:
-    """The usable (English, translation) pairs of one `.mo` catalog."""
+    """The usable (English, translation) pairs of one `.mo` catalog; a ValueError names a file that is not
+    one (polib's own errors said neither which file nor, for a short one, what was wrong)."""
     import polib
 
-    for entry in polib.mofile(str(path)):
+    try:
+        catalog = polib.mofile(str(path))
+    except (OSError, ValueError, LookupError, struct.error) as error:  # not .mo, cut short, bad charset
+        raise ValueError(f"{path} is not a readable .mo catalog ({error})") from None
+    for entry in catalog:
         if entry.obsolete or entry.msgid_plural or "fuzzy" in entry.flags or not entry.msgstr:
             continue
         source, target = normalise(entry.msgid), normalise(entry.msgstr)
@@ -157,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         catalogs = list((locale_dir / args.language / "LC_MESSAGES").glob("*.mo"))
         if not catalogs:
             parser.error(f"no catalogs in {locale_dir / args.language / 'LC_MESSAGES'}")
-        splits = build(catalogs, args.max_words)
+        try:
+            splits = build(catalogs, args.max_words)
+        except ValueError as error:
+            parser.error(str(error))
 
     empty = [split for split, pairs in splits.items() if not pairs]
     if empty:  # too few catalogs: whole catalogs go to validation and test

@@ -233,6 +233,19 @@ def test_messages_corpus_writes_a_new_folder_whole_or_not_at_all(locale_dir, tmp
     assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["locale", "mine"]
 
 
+@pytest.mark.parametrize("content", [b"not a catalog", b"\xde\x12\x04\x95"], ids=["not-mo", "cut-short"])
+def test_a_catalog_that_is_not_one_is_named(locale_dir, tmp_path, capsys, content):
+    """polib's errors went up as a traceback naming no file ("unpack requires a buffer of 8 bytes")."""
+    builder = load_script("build_messages_corpus")
+    broken = locale_dir / "de" / "LC_MESSAGES" / "broken.mo"
+    broken.write_bytes(content)
+    output = tmp_path / "corpus"
+    with pytest.raises(SystemExit):
+        builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output)])
+    assert f"{broken} is not a readable .mo catalog" in capsys.readouterr().err
+    assert not output.exists()
+
+
 def test_held_out_messages_close_to_training_ones_are_dropped(monkeypatch):
     """Messages shared by several programs differ in case or quoting; compared exactly, 68 of them once
     sat in both the training and the test split of the built corpus."""
