@@ -78,7 +78,9 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     command += [*data_flags(args), "--max_train_minutes", str(args.minutes), "--report_to", "none"]
     command += shlex.split(args.ours_args)
     started = time.perf_counter()
-    subprocess.run(command, check=True)
+    status = subprocess.run(command, check=False).returncode
+    if status:  # train.py has said why (bad data, a full disk, Ctrl-C)
+        sys.exit(status)
     wall = time.perf_counter() - started
     metrics = json.loads((output / "metrics.json").read_text())["metrics"]
     return {
@@ -105,6 +107,7 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
 
     from tools.benchmark import marian_like
     from vanilla_transformer import VanillaTransformerConfig
+    from vanilla_transformer.cli import InputError
     from vanilla_transformer.metrics import repetition_rate, score_translations
     from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
     from vanilla_transformer.tokenization import train_bpe_tokenizer
@@ -125,16 +128,19 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
                 control.should_training_stop = True
 
     torch.manual_seed(0)
-    data, _ = load_parallel_data(
-        train_file=args.train_file,
-        validation_file=args.validation_file,
-        test_file=args.test_file,
-        source_lang=args.source_lang,
-        target_lang=args.target_lang,
-    )
-    train = data["train"]
-    tokenizer = train_bpe_tokenizer(list(train["source"]) + list(train["target"]), args.marian_vocab_size)
-    tokenized = tokenize_parallel_data(data, tokenizer, 128)
+    try:  # the data files: missing, unreadable, without the columns (as train.py says for the other side)
+        data, _ = load_parallel_data(
+            train_file=args.train_file,
+            validation_file=args.validation_file,
+            test_file=args.test_file,
+            source_lang=args.source_lang,
+            target_lang=args.target_lang,
+        )
+        train = data["train"]
+        tokenizer = train_bpe_tokenizer(list(train["source"]) + list(train["target"]), args.marian_vocab_size)
+        tokenized = tokenize_parallel_data(data, tokenizer, 128)
+    except (InputError, OSError) as error:
+        sys.exit(f"error: {error}")
     columns = ["input_ids", "attention_mask", "labels"]
     train_set = tokenized["train"].select_columns(columns)
     shape = VanillaTransformerConfig.from_preset(
@@ -216,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for side in ("ours", "marian"):  # one after the other, each alone in its own process
         command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--only", side]
-        subprocess.run(command, check=True, env=os.environ.copy())
+        status = subprocess.run(command, check=False, env=os.environ.copy()).returncode
+        if status:  # that side has said why; a traceback here would only repeat its command line
+            sys.exit(f"error: the {side} run failed (exit status {status}): nothing compared")
         results[side] = json.loads((args.output_dir / f"{side}.json").read_text())
     (args.output_dir / "comparison.json").write_text(json.dumps(results, indent=2))
     print(format_table(results))

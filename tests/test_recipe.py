@@ -273,6 +273,24 @@ def test_compare_recipes_validates_its_flags_and_formats_the_table():
     assert "BLEU ours / marian: 1.30x" in table
 
 
+def test_compare_recipes_ends_a_failed_side_with_its_error_not_tracebacks(tmp_path):
+    """A bad data file: train.py said so, then each of the two compare_recipes processes above it added a
+    CalledProcessError traceback; the Marian side alone (--only marian) ended in load_parallel_data's."""
+    missing = str(tmp_path / "missing.tsv")
+    command = [sys.executable, str(ROOT / "scripts/compare_recipes.py"), "--output_dir", str(tmp_path / "c")]
+    command += ["--train_file", missing, "--minutes", "0.01"]
+    for only, said in (
+        ((), [f"--train_file {missing} is not a file", "the ours run failed"]),
+        (
+            ("--only", "marian"),
+            [f"train file {missing} does not exist"],
+        ),
+    ):
+        result = subprocess.run([*command, *only], capture_output=True, text=True, timeout=300, check=False)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert all(message in result.stderr for message in said), result.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_compare_recipes_runs_both_sides(tmp_path, corpus_files):  # noqa: F811
     output = tmp_path / "compare"
