@@ -37,6 +37,18 @@ MARIAN = {
 }
 
 
+# The scripts/train.py flags that run_ours passes itself, from this script's own flags.
+OWN_TRAIN_FLAGS = (
+    "--output_dir",
+    "--train_file",
+    "--validation_file",
+    "--test_file",
+    "--source_lang",
+    "--target_lang",
+    "--max_train_minutes",
+)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from vanilla_transformer.cli import DefaultsOnce
 
@@ -51,7 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--marian_vocab_size", type=int, default=8000, help="BPE vocabulary of the MarianMTModel side"
     )
-    parser.add_argument("--ours_args", default="", help="extra scripts/train.py flags, one string")
+    parser.add_argument(
+        "--ours_args",
+        default="",
+        help="extra scripts/train.py flags, one string (not those this script sets: the data files and "
+        "languages, --output_dir, --max_train_minutes)",
+    )
     parser.add_argument("--only", choices=("ours", "marian"), help="run one side (in this process)")
     args = parser.parse_args(argv)
     if not args.minutes > 0:
@@ -60,6 +77,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--marian_vocab_size must exceed the 4 special tokens, got {args.marian_vocab_size}")
     if bool(args.validation_file) != bool(args.test_file) or (args.validation_file and not args.train_file):
         parser.error("pass --train_file, --validation_file and --test_file together, or none of them")
+    try:  # unbalanced quotes once ended in shlex's traceback, in the process running the ours side
+        ours_args = shlex.split(args.ours_args)
+    except ValueError as error:
+        parser.error(f"--ours_args {args.ours_args!r}: {error}")
+    # train.py takes the last of a repeated flag (and an abbreviation of one): these would have trained
+    # ours on other data or for other minutes than the Marian side, or written it where it is not read.
+    names = [token.split("=")[0] for token in ours_args if token.startswith("--") and len(token) > 2]
+    taken = sorted({flag for flag in OWN_TRAIN_FLAGS for name in names if flag.startswith(name)})
+    if taken:
+        parser.error(
+            f"--ours_args sets {', '.join(taken)}, which this script sets for train.py itself, alike for "
+            "both sides: use its own flags (--train_file, ..., --minutes, --output_dir)"
+        )
     return args
 
 

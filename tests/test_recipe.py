@@ -273,6 +273,23 @@ def test_compare_recipes_validates_its_flags_and_formats_the_table():
     assert "BLEU ours / marian: 1.30x" in table
 
 
+def test_compare_recipes_refuses_ours_args_it_cannot_pass_on(capsys):
+    """Unbalanced quotes ended in shlex's traceback; --output_dir trained ours where its metrics.json was
+    not read (a FileNotFoundError after the training), --max_train_minutes (or its abbreviation) or a
+    data flag made the comparison unequal without a word."""
+    compare = load_script("compare_recipes")
+    assert compare.parse_args(["--output_dir", "x", "--ours_args", "--vocab_size 400 --seed=3"]).ours_args
+    for ours_args, message in (
+        ("--lr_scale '2", "No closing quotation"),
+        ("--output_dir=elsewhere", "sets --output_dir,"),
+        ("--max_train 60", "sets --max_train_minutes,"),
+        ("--seed 1 --train_file other.tsv --target_lang de", "sets --target_lang, --train_file,"),
+    ):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--output_dir", "x", f"--ours_args={ours_args}"])
+        assert message in capsys.readouterr().err
+
+
 def test_compare_recipes_ends_a_failed_side_with_its_error_not_tracebacks(tmp_path):
     """A bad data file: train.py said so, then each of the two compare_recipes processes above it added a
     CalledProcessError traceback; the Marian side alone (--only marian) ended in load_parallel_data's."""
