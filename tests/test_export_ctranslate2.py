@@ -380,3 +380,31 @@ def test_translating_with_beams_names_the_papers_length_penalty_form(tmp_path, c
     with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
         translator.translate(["Jesus wept."], num_beams=4)
     assert "paper's length penalty ((5 + |Y|) / 6)^alpha" in caplog.text
+
+
+def test_a_model_of_another_kind_is_refused_with_what_exports_it(tmp_path):
+    """A MarianMTModel folder (finetune.py writes them) loads as a seq2seq model, and the export then failed
+    with an AttributeError on the first field of this package's configuration it read."""
+    from transformers import MarianConfig, MarianMTModel
+
+    tokenizer = train_bpe_tokenizer(["a small text", "un texto pequeño"] * 8, 40)
+    config = MarianConfig(
+        vocab_size=len(tokenizer),
+        d_model=8,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+    )
+    MarianMTModel(config).save_pretrained(tmp_path / "marian")
+    tokenizer.save_pretrained(tmp_path / "marian")
+    with pytest.raises(
+        ValueError, match=r"holds a 'marian' model, not this package's.*ct2-transformers-converter"
+    ):
+        export_ctranslate2(tmp_path / "marian", tmp_path / "ct2")
+    assert not (tmp_path / "ct2").exists()

@@ -240,6 +240,12 @@ def export_ctranslate2(
     if isinstance(width, int) and width > 0:
         check_position_table(max_positions, width)
     model, tokenizer = load_model_folder(str(model_dir), "cpu")
+    if model.config.model_type != "vanilla_transformer":  # read as one, it failed with an AttributeError
+        raise ValueError(
+            f"{model_dir} holds a {model.config.model_type!r} model, not this package's: this export reads "
+            "this package's configuration and weights. CTranslate2's own converters "
+            "(ct2-transformers-converter) export MarianMTModel and other transformers models."
+        )
     model = model.float()
     check_position_table(max_positions, model.config.d_model)
     spec = ctranslate2_spec(model, tokenizer, max_positions)
