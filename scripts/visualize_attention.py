@@ -4,8 +4,9 @@ python scripts/visualize_attention.py --model outputs/tiny-en-es --source "The a
 python scripts/visualize_attention.py --model DIR --source "..." --target "..." --output_dir pictures
 
 Writes encoder_self_attention.png, decoder_self_attention.png, cross_attention.png (a grid of layers x
-heads plus the mean over heads) and positional_encoding.png. Without --target, the model's own
-translation (beam search, its generation config) is used. Logic in vanilla_transformer.visualization.
+heads plus the mean over heads) and, for this package's models, positional_encoding.png (another model,
+a MarianMTModel say, gets the attention maps alone). Without --target, the model's own translation (beam
+search, its generation config) is used. Logic in vanilla_transformer.visualization.
 """
 
 import argparse
@@ -53,16 +54,25 @@ except (OSError, ValueError) as error:
 
 try:
     paths = plot_attention_maps(maps, args.output_dir)
-    paths["positional_encoding"] = f"{args.output_dir}/positional_encoding.png"
-    plot_positional_encoding(
-        paths["positional_encoding"],
-        d_model=model.config.d_model,
-        length=args.positions,
-        layout=model.config.position_encoding_layout,
-    )
+    # Another model's configuration has no encoding layout: read as one, it ended in an AttributeError.
+    own_model = model.config.model_type == "vanilla_transformer"
+    if own_model:
+        paths["positional_encoding"] = f"{args.output_dir}/positional_encoding.png"
+        plot_positional_encoding(
+            paths["positional_encoding"],
+            d_model=model.config.d_model,
+            length=args.positions,
+            layout=model.config.position_encoding_layout,
+        )
 except OSError as error:  # a full disk, a folder made read-only meanwhile
     sys.exit(f"error: --output_dir {args.output_dir}: {error}")
 print("source:", " ".join(maps.source_tokens))
 print("target:", " ".join(maps.target_tokens))
 for path in paths.values():
     print("wrote", path)
+if not own_model:
+    print(
+        f"positional_encoding.png not drawn: it shows this package's position encoding, and this is a "
+        f"{model.config.model_type!r} model",
+        file=sys.stderr,
+    )

@@ -190,6 +190,49 @@ def test_script_writes_the_four_pictures(model, tokenizer, tmp_path):
     assert missing.returncode == 2 and "No model folder" in missing.stderr
 
 
+def test_script_draws_another_models_attention_and_says_why_not_its_encoding(tokenizer, tmp_path):
+    """A MarianMTModel folder (finetune.py writes them) got its attention maps, then an AttributeError: its
+    configuration has no position_encoding_layout."""
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=len(tokenizer),
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.bos_token_id,
+    )
+    MarianMTModel(config).save_pretrained(tmp_path / "marian")
+    tokenizer.save_pretrained(tmp_path / "marian")
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "visualize_attention.py"),
+        "--model",
+        str(tmp_path / "marian"),
+    ]
+    command += [
+        "--source",
+        SOURCE,
+        "--target",
+        TARGET,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "positional_encoding.png not drawn" in result.stderr and "'marian' model" in result.stderr
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["cross_attention.png", "decoder_self_attention.png", "encoder_self_attention.png"]
+
+
 def test_script_refuses_an_output_dir_that_is_a_file_before_loading(tmp_path):
     """It once loaded and ran the model, then failed with a traceback when making the folder."""
     afile = tmp_path / "afile"
