@@ -290,6 +290,7 @@ def test_compare_recipes_refuses_ours_args_it_cannot_pass_on(capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # three processes, each importing transformers: about 26 s
 def test_compare_recipes_ends_a_failed_side_with_its_error_not_tracebacks(tmp_path):
     """A bad data file: train.py said so, then each of the two compare_recipes processes above it added a
     CalledProcessError traceback; the Marian side alone (--only marian) ended in load_parallel_data's."""
