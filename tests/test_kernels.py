@@ -292,6 +292,22 @@ def test_weight_copies_register_one_finalizer_per_tensor_and_drop_idempotently()
     assert len(copies) == 0 and not copies._watched
 
 
+def test_kept_copies_see_edits_through_data_under_autocast():
+    """A decoding inside `torch.autocast("cpu", dtype=torch.bfloat16)` checked its kept copies (the
+    stacked Q/K/V) with checksum products autocast to bfloat16: a 5% edit of every element through
+    `.data` (no version bump) went unseen in about one case of 25, and the next decoding used the old
+    weights."""
+    copies = kernels.WeightCopies()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 64, generator=generator) * 0.125
+    for _ in range(100):
+        kernels.new_generate_call()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            copy = copies.get((weight,), weight.clone)
+        assert torch.equal(copy, weight)
+        weight.data += torch.randn(64, 64, generator=generator) * 0.125 * 0.05
+
+
 def test_joint_projection_equals_the_separate_layers():
     """Q, K and V of a decoding step from one product with the matrices stacked: the same as three
     products, following in-place weight changes; not used with gradients, hooks or mixed biases, nor
