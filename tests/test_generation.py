@@ -582,6 +582,24 @@ def test_layer_steps_only_for_sdpa(source, monkeypatch):
     assert (len(decoder_steps), len(layer_steps)) == (4, 0)
 
 
+def test_cached_steps_pass_on_the_encoder_outputs_given(source):
+    """A forward passes on the hidden states of the `encoder_outputs` it is given. Cached steps of one
+    token (the decoding-step path) returned the encoder's last states only: from the second step of a
+    hand-written loop on, `encoder_hidden_states` was None and a `return_dict=False` tuple one shorter."""
+    model = tiny_model("sdpa")
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=source, output_hidden_states=True)
+        for given in (encoder_outputs, encoder_outputs.to_tuple()):
+            tokens = torch.full((source.shape[0], 1), model.config.decoder_start_token_id)
+            cache, lengths = None, []
+            for _ in range(3):
+                out = model(encoder_outputs=given, decoder_input_ids=tokens, cache=cache, use_cache=True)
+                assert out.encoder_hidden_states is encoder_outputs.hidden_states
+                lengths.append(len(out.to_tuple()))
+                cache, tokens = out.cache, out.logits.argmax(-1)
+            assert lengths == [4, 4, 4]
+
+
 def test_hooks_on_decoder_modules_run_at_every_step(source):
     """A hook on a layer (whose module call `decoding_step` skips) sends every step through the modules;
     hooks on an attention, a linear layer or a layer norm (which a layer's `decoding_step` does not call),

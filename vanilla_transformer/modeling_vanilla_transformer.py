@@ -1229,7 +1229,9 @@ class VanillaTransformerForConditionalGeneration(
             or not unwrapped(self.model.decoder, VanillaTransformerDecoder)
         ):
             return None
-        encoder_hidden_states = encoder_outputs[0]
+        if not isinstance(encoder_outputs, BaseModelOutput):  # as `VanillaTransformerModel.forward` reads it
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        encoder_hidden_states = encoder_outputs.last_hidden_state
         with kept_copies():
             hidden_states = self.model.decoder.decoding_step(
                 decoder_input_ids, encoder_hidden_states, attention_mask, cache
@@ -1237,7 +1239,14 @@ class VanillaTransformerForConditionalGeneration(
             if hidden_states is None:
                 return None
             logits = self.project(hidden_states)
-        return Seq2SeqLMOutput(logits=logits, cache=cache, encoder_last_hidden_state=encoder_hidden_states)
+        # The encoder's outputs given are passed on, as `forward` passes them on.
+        return Seq2SeqLMOutput(
+            logits=logits,
+            cache=cache,
+            encoder_last_hidden_state=encoder_hidden_states,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
 
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The pre-softmax linear transformation (Section 3.4): (..., D) -> (..., V) logits."""
