@@ -308,6 +308,19 @@ def test_kept_copies_see_edits_through_data_under_autocast():
         weight.data += torch.randn(64, 64, generator=generator) * 0.125 * 0.05
 
 
+def test_weight_checksums_ignore_the_default_device(monkeypatch):
+    """The checksum's fixed vectors were drawn with a CPU generator on the default device: under
+    `torch.set_default_device("cuda")` the draw is refused, and the first decoding step of a model on
+    the GPU (its stacked Q/K/V are checked) raised. The default-device context is emulated with the
+    meta device, whose draw could not be read back either."""
+    monkeypatch.setattr(kernels, "_PROBES", {})
+    weight = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        inside = kernels.value_checksum((weight,))
+    monkeypatch.setattr(kernels, "_PROBES", {})
+    assert inside == kernels.value_checksum((weight,))
+
+
 def test_joint_projection_equals_the_separate_layers():
     """Q, K and V of a decoding step from one product with the matrices stacked: the same as three
     products, following in-place weight changes; not used with gradients, hooks or mixed biases, nor

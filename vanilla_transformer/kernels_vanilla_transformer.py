@@ -204,7 +204,9 @@ def _probe(size: int, like: torch.Tensor) -> torch.Tensor:
     key = (size, like.device, like.dtype)
     if key not in _PROBES:
         generator = torch.Generator().manual_seed(size)
-        _PROBES[key] = (torch.rand(size, generator=generator) + 0.5).to(like.device, like.dtype)
+        # On the CPU, as its generator: not on a default device (`torch.set_default_device("cuda")`), where
+        # a CPU generator is refused
+        _PROBES[key] = (torch.rand(size, generator=generator, device="cpu") + 0.5).to(like.device, like.dtype)
     return _PROBES[key]
 
 
