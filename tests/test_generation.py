@@ -837,6 +837,44 @@ def test_a_reused_static_cache_follows_weights_written_through_data(source):
     assert_same_up_to_rounding(decode(model), decode(other), TINY_TERMS)
 
 
+def test_a_reused_static_cache_follows_weights_written_through_data_on_an_accelerator(
+    source, monkeypatch, each_linear_kernel
+):
+    """On an accelerator (emulated: no host reads of tensor values, torch's kernels) the decoder cannot
+    tell a reused static cache's first step, so no check of the kept copies starts the decoding; the
+    stacked Q/K/V copy was used all the same, and after a `.data` write (or a fused optimiser step) a
+    hand-written loop decoded with the old weights. There the products stay separate."""
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache
+
+    from vanilla_transformer import modeling_vanilla_transformer as modeling
+
+    if each_linear_kernel != "torch":
+        pytest.skip("on an accelerator only torch's kernels run")
+    monkeypatch.setattr(modeling, "reads_are_free", lambda tensor: False)
+    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
+    cache = EncoderDecoderCache(
+        StaticCache(config=model.config, max_cache_len=16), StaticCache(config=model.config, max_cache_len=16)
+    )
+    start = torch.full((source.shape[0], 1), model.config.decoder_start_token_id)
+
+    def decode(decoder):
+        cache.reset()
+        with torch.no_grad():
+            encoder_outputs, tokens, steps = decoder.get_encoder()(input_ids=source), start, []
+            for _ in range(5):
+                logits = decoder(
+                    encoder_outputs=encoder_outputs, decoder_input_ids=tokens, cache=cache
+                ).logits
+                tokens, steps = logits[:, -1:].argmax(-1), [*steps, logits[:, -1]]
+        return torch.stack(steps, 1)
+
+    decode(model)
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            mine.data.copy_(theirs)
+    assert_same_up_to_rounding(decode(model), decode(other), TINY_TERMS)
+
+
 def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """A hand-written decoding loop: one cached forward per target token, as users write beside
     `generate()`."""

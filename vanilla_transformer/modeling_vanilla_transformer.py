@@ -182,8 +182,16 @@ class VanillaTransformerAttention(nn.Module):
         is_cross_attention = key_value_states is not None
         packing = kwargs.get("packing")
         # A decoding step's self-attention: Q, K and V from one product with the three matrices stacked.
+        # That stacked copy is checked against the weights once per decoding, whose start the decoder
+        # cannot tell for a static cache where it does not read the cache's length (an accelerator):
+        # there the products stay separate.
         joint = None
-        if cache is not None and not is_cross_attention and packing is None:
+        if (
+            cache is not None
+            and not is_cross_attention
+            and packing is None
+            and (not cache.is_compileable or reads_are_free(hidden_states))
+        ):
             joint = joint_projection(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
         projected = self.q_proj(hidden_states) if joint is None else joint[0]
         query = split_heads(projected, self.head_dim, packing)  # (B, H, T, Dh)
