@@ -519,6 +519,20 @@ def test_matmul_attention_gives_zeros_where_no_key_is_kept():
     assert query.grad.isfinite().all() and torch.equal(query.grad[1], torch.zeros_like(query.grad[1]))
 
 
+def test_matmul_attention_gives_zeros_where_a_float_mask_blocks_every_key():
+    """A float mask of -inf at every key of a row (a 4-D mask written by hand): SDPA gives zeros there,
+    the products gave NaN; rows with some key left are as before."""
+    query, key, value = single_query()
+    mask = torch.zeros(3, 1, 1, 5)
+    mask[1] = float("-inf")
+    mask[2, ..., 2:] = float("-inf")
+    got = kernels.matmul_attention(query, key, value, mask, 8**-0.5)
+    assert not got.isnan().any() and torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_same_up_to_rounding(got, F.scaled_dot_product_attention(query, key, value, attn_mask=mask), 8 + 5)
+    query[0, 0, 0, 0] = float("nan")  # a NaN of the inputs still shows
+    assert kernels.matmul_attention(query, key, value, mask, 8**-0.5)[0].isnan().any()
+
+
 def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatch):
     """One probe per class; the measured choice computes later calls; several queries, gradients and
     dropout always go to SDPA."""

@@ -654,12 +654,17 @@ def matmul_attention(
 
     A query whose boolean mask keeps no key (an all-padding source row) gets zeros, as from SDPA, not
     the NaN of a softmax over -inf alone: masked scores are the lowest finite value, whose exponential
-    is exactly 0 beside any kept score, and the probabilities are multiplied by the mask."""
+    is exactly 0 beside any kept score, and the probabilities are multiplied by the mask. So does a
+    query whose float mask is -inf at every key."""
     scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
     if mask is None:
         return torch.matmul(scores.softmax(-1), value)
     if mask.dtype is not torch.bool:
-        return torch.matmul((scores + mask).softmax(-1), value)
+        probabilities = (scores + mask).softmax(-1)
+        blocked = (mask == float("-inf")).all(-1, keepdim=True)  # a query with no key left: NaN, not SDPA's 0
+        if blocked.any():
+            probabilities = probabilities.masked_fill(blocked, 0.0)
+        return torch.matmul(probabilities, value)
     probabilities = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).softmax(-1).mul(mask)
     return torch.matmul(probabilities, value)
 
