@@ -269,6 +269,17 @@ def test_token_ids_returned_as_transformers_4_did(saved):
     assert translator(SENTENCES[0], clean_up_tokenization_spaces=False) == translator(SENTENCES[0])
 
 
+def test_generate_returning_a_dictionary_translates_as_without(saved):
+    """`return_dict_in_generate=True` (with `output_scores=True`, as one asks for scores) ended the
+    pipeline with "AttributeError: 'GenerateEncoderDecoderOutput' object has no attribute 'shape'"."""
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer, max_new_tokens=6)
+    for beams in (1, 2):
+        expected = translator(SENTENCES, num_beams=beams, batch_size=2)
+        options = {"return_dict_in_generate": True, "output_scores": True}
+        assert translator(SENTENCES, num_beams=beams, batch_size=2, **options) == expected
+
+
 def test_stop_sequences_and_return_type_as_transformers_pipelines_take_them(saved):
     """`stop_sequence` and transformers 4's `return_type` reached `generate`, which called them unused
     model arguments."""

@@ -279,6 +279,8 @@ class TranslationPipeline(Pipeline):
         sentences = model_inputs["input_ids"].shape[0]
         with evaluation_mode(self.model):  # a model handed over from training would translate with dropout
             output_ids = self.model.generate(**model_inputs, **generate_kwargs)
+        if not isinstance(output_ids, torch.Tensor):  # `return_dict_in_generate=True`: the ids are in it
+            output_ids = output_ids.sequences
         pad_id = self._setting("pad_token_id", generate_kwargs)
         lengths = _sequence_lengths(output_ids, self._end_token_ids(generate_kwargs), pad_id)
         # (sentences, sequences per sentence, ...): the pipeline splits a batch's outputs by their first
