@@ -46,7 +46,9 @@ parser.add_argument("--max_new_tokens", type=positive_int, help="default: source
 parser.add_argument(
     "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
 )
-parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument(
+    "--do_sample", action=argparse.BooleanOptionalAction, help="default: the model's generation config"
+)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available, for either engine)")
 args = parser.parse_args()
 if args.output != "-":
@@ -104,13 +106,14 @@ else:
         model, tokenizer = load_model_folder(args.model, args.device)
     except (OSError, ValueError, RuntimeError) as error:
         parser.error(str(error))
+    if args.do_sample is not None:  # unset: the model's generation config decides, as for the others
+        generate_kwargs["do_sample"] = args.do_sample
     lines = translate_lines(
         model,
         tokenizer,
         decoded(args.input),
         batch_size=args.batch_size,
         window=window,
-        do_sample=args.do_sample,
         **generate_kwargs,
     )
 output = contextlib.nullcontext(sys.stdout) if args.output == "-" else replaced_when_complete(args.output)

@@ -1627,6 +1627,40 @@ def test_translate_script_keeps_lines_aligned(trained):
     assert b"Traceback" not in reader.stderr.read()
 
 
+def tiny_model_folder(folder: Path, **generation: object) -> Path:
+    """An untrained tiny model with a real tokenizer, saved with these generation-config settings."""
+    from tests.conftest import tiny_model
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    model = tiny_model(seed=4)
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    model.save_pretrained(folder)
+    texts = ["In the beginning, God created the heavens and the earth.", "Jesus wept.", "Y lloró Jesús."]
+    train_bpe_tokenizer(texts * 10, 99).save_pretrained(folder)
+    return folder
+
+
+def test_translate_script_samples_where_the_generation_config_does(tmp_path):
+    """`--do_sample` defaulted to False: a model whose generation config samples was decoded by beam search
+    (by translate.py alone: `generate`, `translate` and evaluate_model.py sample), unlike --num_beams and
+    --length_penalty, which default to the model's generation config."""
+    # Sampling at a temperature that flattens the distribution: 8 tokens as greedy search picks them
+    # come out with a probability of about 99^-8.
+    folder = tiny_model_folder(tmp_path / "model", do_sample=True, num_beams=1, temperature=1e6, top_k=0)
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    options = ["--model", str(folder), "--max_new_tokens", "8"]
+    greedy = translate(model, tokenizer, ["Jesus wept."], do_sample=False, max_new_tokens=8)
+    assert greedy[0], "greedy search ends at once: sampling could do so too"
+    assert run_script("translate.py", *options, "--no-do_sample", stdin="Jesus wept.\n").stdout == (
+        greedy[0] + "\n"
+    )
+    sampled = run_script("translate.py", *options, stdin="Jesus wept.\n")
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout.count("\n") == 1 and sampled.stdout != greedy[0] + "\n"
+
+
 def test_check_output_file_protects_input_files_and_folders(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
