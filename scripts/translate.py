@@ -116,6 +116,8 @@ else:
         window=window,
         **generate_kwargs,
     )
+if args.output == "-":  # UTF-8 as the input and an --output file are, not the locale's encoding (cp1252...)
+    sys.stdout.reconfigure(encoding="utf-8")
 output = contextlib.nullcontext(sys.stdout) if args.output == "-" else replaced_when_complete(args.output)
 try:
     with output as stream:

@@ -1627,17 +1627,21 @@ def test_translate_script_keeps_lines_aligned(trained):
     assert b"Traceback" not in reader.stderr.read()
 
 
-def tiny_model_folder(folder: Path, **generation: object) -> Path:
-    """An untrained tiny model with a real tokenizer, saved with these generation-config settings."""
+def tiny_model_folder(folder: Path, favoured: str | None = None, **generation: object) -> Path:
+    """An untrained tiny model with a real tokenizer, saved with these generation-config settings; one
+    that writes token `favoured` at every step, where one is given."""
     from tests.conftest import tiny_model
     from vanilla_transformer.tokenization import train_bpe_tokenizer
 
-    model = tiny_model(seed=4)
+    texts = ["In the beginning, God created the heavens and the earth.", "Jesus wept.", "Y lloró Jesús."]
+    tokenizer = train_bpe_tokenizer(texts * 10, 99)
+    model = tiny_model(seed=4, add_final_logits_bias=favoured is not None)
+    if favoured is not None:
+        model.final_logits_bias[0, tokenizer.convert_tokens_to_ids(favoured)] = 100.0
     for name, value in generation.items():
         setattr(model.generation_config, name, value)
     model.save_pretrained(folder)
-    texts = ["In the beginning, God created the heavens and the earth.", "Jesus wept.", "Y lloró Jesús."]
-    train_bpe_tokenizer(texts * 10, 99).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -1659,6 +1663,26 @@ def test_translate_script_samples_where_the_generation_config_does(tmp_path):
     sampled = run_script("translate.py", *options, stdin="Jesus wept.\n")
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert sampled.stdout.count("\n") == 1 and sampled.stdout != greedy[0] + "\n"
+
+
+def test_translate_script_writes_utf_8_to_standard_output_whatever_the_locale(tmp_path):
+    """Standard output had the locale's encoding (cp1252 on Windows, where it is a file or a pipe): the
+    input is read as UTF-8 and an --output file written in it, but `> es.txt` gave another encoding, and
+    a translation it cannot spell ended the run with a UnicodeEncodeError after the lines before it."""
+    folder = tiny_model_folder(tmp_path / "model", favoured="ó")
+    environment = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    environment.pop("PYTHONIOENCODING", None)  # an ASCII locale, as Python sees it without UTF-8 mode
+    command = [sys.executable, str(ROOT / "scripts" / "translate.py"), "--model", str(folder)]
+    result = subprocess.run(
+        [*command, "--num_beams", "1", "--max_new_tokens", "3"],
+        input=b"Jesus wept.\n\nY llor\xc3\xb3.\n",
+        capture_output=True,
+        env=environment,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")[-3000:]
+    assert result.stdout.decode("utf-8") == "óóó\n\nóóó\n"
 
 
 def test_check_output_file_protects_input_files_and_folders(tmp_path):
