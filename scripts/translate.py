@@ -116,7 +116,9 @@ else:
         window=window,
         **generate_kwargs,
     )
-if args.output == "-":  # UTF-8 as the input and an --output file are, not the locale's encoding (cp1252...)
+# UTF-8 as the input and an --output file are, not the locale's encoding (cp1252...); a stream put in
+# its place (a test's capture) is left as it is
+if args.output == "-" and callable(getattr(sys.stdout, "reconfigure", None)):
     sys.stdout.reconfigure(encoding="utf-8")
 output = contextlib.nullcontext(sys.stdout) if args.output == "-" else replaced_when_complete(args.output)
 try:
