@@ -64,7 +64,7 @@ def translate(
     line-by-line output keeps one line per input); a blank sentence translates to "". A batch that
     runs out of memory is reported as a `SentenceError` of its longest sentence, with its length.
     `generate_kwargs` go to `generate` (the model's generation config applies otherwise: beam 4 and
-    source length + 50 for this package's models; that length is the longest source in the batch).
+    source length + 50 for this package's models, each sentence its own source's length).
     The model runs in eval mode and under `torch.inference_mode()`; its train/eval state is restored.
     """
     sentences = checked_sentences(sentences, batch_size)
