@@ -1,6 +1,14 @@
-"""Packaging: what pip users build and install (`pip install .`, a wheel, an sdist)."""
+"""Packaging: what pip users build and install (`pip install .`, a wheel, an sdist).
+
+The build tests build from a copy of the checkout's files (those git does not ignore) with setuptools'
+build backend, in a subprocess and without build isolation (nothing is downloaded): about a second each."""
 
 import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,3 +30,89 @@ def test_build_requirement_accepts_the_license_expression():
         Requirement(text) for text in data["build-system"]["requires"] if re.match(r"setuptools\b", text)
     ]
     assert not setuptools.specifier.contains("76.1.0") and setuptools.specifier.contains("77.0.3")
+
+
+def tracked_files() -> list[str]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout (the list of files that git does not ignore)")
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        text=True,
+    ).stdout
+    return [name for name in listing.split("\0") if name]
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A copy of the checkout's files that git does not ignore (links kept as links)."""
+    pytest.importorskip("setuptools", minversion="77")  # pyproject.toml's build-system minimum
+    names = tracked_files()
+    copy = tmp_path_factory.mktemp("checkout")
+    for name in names:
+        source, target = ROOT / name, copy / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(source.readlink())
+        elif source.is_file():  # a tracked file deleted in the working tree stays out
+            shutil.copy2(source, target)
+    return copy, names
+
+
+def build(copy: Path, kind: str, output: Path) -> Path:
+    code = f"from setuptools import build_meta; print(build_meta.build_{kind}({str(output)!r}))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output / result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def wheel_names(checkout, tmp_path_factory) -> set[str]:
+    with zipfile.ZipFile(build(checkout[0], "wheel", tmp_path_factory.mktemp("wheel"))) as wheel:
+        return set(wheel.namelist())
+
+
+def test_wheel_carries_the_package_data_the_code_reads(checkout, wheel_names, tmp_path):
+    for name in (
+        "vanilla_transformer/data/bible_en_es.jsonl.gz",
+        "vanilla_transformer/data/README.md",
+        "vanilla_transformer/metric_modules/bleu_chrf/bleu_chrf.py",
+        "vanilla_transformer/model_card_template.md",
+        # the files save_pretrained copies next to the weights (trust_remote_code loading)
+        "vanilla_transformer/configuration_vanilla_transformer.py",
+        "vanilla_transformer/modeling_vanilla_transformer.py",
+        "vanilla_transformer/kernels_vanilla_transformer.py",
+        "vanilla_transformer/pipeline_vanilla_transformer.py",
+    ):
+        assert name in wheel_names
+    assert all(name.startswith(("vanilla_transformer/", "vanilla_transformer-")) for name in wheel_names)
+    assert not [name for name in wheel_names if "__pycache__" in name or name.endswith(".pyc")]
+
+
+def test_sdist_carries_what_its_tests_need_and_builds_the_same_wheel(checkout, wheel_names, tmp_path):
+    copy, tracked = checkout
+    path = build(copy, "sdist", tmp_path / "sdist")
+    with tarfile.open(path) as sdist:
+        members = {
+            member.name.split("/", 1)[1]: member for member in sdist.getmembers() if "/" in member.name
+        }
+        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        sdist.extractall(tmp_path / "unpacked", **extra)
+    needed = [
+        name
+        for name in tracked
+        if name.startswith(("tests/", "scripts/", "tools/", "configs/")) or name == "model_card.md"
+    ]
+    assert not [name for name in needed if name not in members]
+    template = members["vanilla_transformer/model_card_template.md"]
+    assert template.isfile() and template.size == (ROOT / "model_card.md").stat().st_size
+    assert not [name for name in members if "__pycache__" in name or name.endswith(".pyc")]
+    # pip falls back to the sdist where no wheel fits: the wheel it builds holds the same files
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    with zipfile.ZipFile(build(unpacked, "wheel", tmp_path / "wheel")) as wheel:
+        assert set(wheel.namelist()) == wheel_names
+        assert (
+            wheel.read("vanilla_transformer/model_card_template.md") == (ROOT / "model_card.md").read_bytes()
+        )
