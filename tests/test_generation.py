@@ -807,10 +807,9 @@ def test_a_forward_without_a_cache_compiles_whole_where_reads_are_not_free(batch
         torch._dynamo.reset()
 
 
-def test_a_reused_static_cache_follows_weights_written_through_data(source):
-    """A static cache reused after its `reset()` (its usual use) reports its length as a tensor, so no
-    check of the kept copies started the second decoding: after a `.data` write it decoded with the
-    old weights."""
+def assert_reused_static_cache_follows_weights_written_through_data(source: torch.Tensor) -> None:
+    """A hand-written loop decodes with a static cache, which is reset, the weights rewritten through
+    `.data` (no version counter change), and decodes again: as a model built with the new weights."""
     from transformers.cache_utils import EncoderDecoderCache, StaticCache
 
     model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
@@ -835,6 +834,13 @@ def test_a_reused_static_cache_follows_weights_written_through_data(source):
         for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
             mine.data.copy_(theirs)
     assert_same_up_to_rounding(decode(model), decode(other), TINY_TERMS)
+
+
+def test_a_reused_static_cache_follows_weights_written_through_data(source):
+    """A static cache reused after its `reset()` (its usual use) reports its length as a tensor, so no
+    check of the kept copies started the second decoding: after a `.data` write it decoded with the
+    old weights."""
+    assert_reused_static_cache_follows_weights_written_through_data(source)
 
 
 def test_a_reused_static_cache_follows_weights_written_through_data_on_an_accelerator(
@@ -844,35 +850,12 @@ def test_a_reused_static_cache_follows_weights_written_through_data_on_an_accele
     tell a reused static cache's first step, so no check of the kept copies starts the decoding; the
     stacked Q/K/V copy was used all the same, and after a `.data` write (or a fused optimiser step) a
     hand-written loop decoded with the old weights. There the products stay separate."""
-    from transformers.cache_utils import EncoderDecoderCache, StaticCache
-
     from vanilla_transformer import modeling_vanilla_transformer as modeling
 
     if each_linear_kernel != "torch":
         pytest.skip("on an accelerator only torch's kernels run")
     monkeypatch.setattr(modeling, "reads_are_free", lambda tensor: False)
-    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
-    cache = EncoderDecoderCache(
-        StaticCache(config=model.config, max_cache_len=16), StaticCache(config=model.config, max_cache_len=16)
-    )
-    start = torch.full((source.shape[0], 1), model.config.decoder_start_token_id)
-
-    def decode(decoder):
-        cache.reset()
-        with torch.no_grad():
-            encoder_outputs, tokens, steps = decoder.get_encoder()(input_ids=source), start, []
-            for _ in range(5):
-                logits = decoder(
-                    encoder_outputs=encoder_outputs, decoder_input_ids=tokens, cache=cache
-                ).logits
-                tokens, steps = logits[:, -1:].argmax(-1), [*steps, logits[:, -1]]
-        return torch.stack(steps, 1)
-
-    decode(model)
-    with torch.no_grad():
-        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
-            mine.data.copy_(theirs)
-    assert_same_up_to_rounding(decode(model), decode(other), TINY_TERMS)
+    assert_reused_static_cache_follows_weights_written_through_data(source)
 
 
 def cached_logits(model, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
