@@ -151,6 +151,25 @@ def test_resizing_below_a_special_token_is_refused_before_anything_changes():
     assert model.config.vocab_size == 8
 
 
+def test_resizing_the_base_model_resizes_the_decoder_vocabulary_too(tmp_path, batch):
+    """`AutoModel`'s class resized its shared matrix but left `decoder_vocab_size` at the old size: the
+    decoder refused the new ids, and the saved folder failed to load (sizes that disagree while shared)."""
+    model = VanillaTransformerModel(tiny_model().config).eval()
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == model.config.decoder_vocab_size == 120
+    assert model.decoder.embed_tokens is model.shared and model.shared.weight.shape[0] == 120
+    new_ids = torch.tensor([[110, 2]])
+    out = model(input_ids=new_ids, decoder_input_ids=new_ids)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.decoder_vocab_size == 120
+    reloaded = loaded(input_ids=new_ids, decoder_input_ids=new_ids).last_hidden_state
+    assert_same_up_to_rounding(reloaded, out.last_hidden_state, TINY_TERMS)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.resize_token_embeddings(EOS)
+    assert model.shared.weight.shape[0] == 120
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(batch):
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
         model = tiny_model().train()  # dropout is 0 in the tiny test config

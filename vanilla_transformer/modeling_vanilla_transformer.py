@@ -832,6 +832,32 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         self.encoder.embed_tokens = value
         self.decoder.embed_tokens = value
 
+    def resize_token_embeddings(
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
+    ) -> nn.Embedding:
+        """`PreTrainedModel.resize_token_embeddings` (the source embeddings), with `decoder_vocab_size`
+        following `vocab_size` where the matrix is shared: left as it was, the decoder refused the new
+        ids and the saved folder failed to load. A size that would leave a special token's id outside
+        the vocabulary is refused before anything changes."""
+        shared = self.config.share_encoder_decoder_embeddings
+        if new_num_tokens is not None:  # the configuration's own checks, on the size it would get
+            resized = copy.copy(self.config)
+            resized.vocab_size = (
+                math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
+                if pad_to_multiple_of
+                else new_num_tokens
+            )
+            if shared:
+                resized.decoder_vocab_size = resized.vocab_size
+            resized._check_values()
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        if shared:
+            self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
+        return embeddings
+
     def get_encoder(self, modality: str | None = None) -> VanillaTransformerEncoder:
         return self.encoder
 
