@@ -200,6 +200,17 @@ def test_gradient_checkpointing_returns_no_cache_in_training(batch):
         assert model(**inputs, use_cache=True).cache.get_seq_length() == inputs["decoder_input_ids"].shape[1]
 
 
+def test_checkpointing_some_decoder_layers_returns_no_cache_in_training():
+    """With `every_n_layers` the first decoder layer may be left unchecked while a later one is
+    checkpointed: the cache returned held the first layer's positions only, and a decoding continued
+    from it gave other logits than the full forward. None is returned, as MarianMTModel's."""
+    model = tiny_model().train()
+    model.activation_checkpointing_enable(every_n_layers=3)  # counts the 2 encoder layers first
+    assert [layer.gradient_checkpointing for layer in model.model.decoder.layers] == [False, True]
+    out = model(input_ids=torch.tensor([[5, 6, 7, EOS]]), decoder_input_ids=torch.tensor([[1, 8, 9]]))
+    assert out.cache is None
+
+
 def test_a_model_switched_to_greedy_search_saves_and_keeps_its_beam_settings(tmp_path):
     """The generation config carries the paper's beam settings (length penalty 0.6, early stopping).
     Switched to greedy search (`num_beams = 1`), transformers refused to save it, so `save_pretrained`

@@ -624,9 +624,16 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         batch_size, length = inputs_embeds.shape[:2]
         if batch_size == 0:
             raise ValueError(EMPTY_BATCH)
-        if use_cache and self.training and torch.is_grad_enabled() and self.layers[0].gradient_checkpointing:
+        if (
+            use_cache
+            and self.training
+            and torch.is_grad_enabled()
+            and any(layer.gradient_checkpointing for layer in self.layers)  # not all: `every_n_layers`
+        ):
             # Checkpointed layers drop the cache (their backward replay would write it twice): the empty
-            # cache returned would restart a later decoding at position 0. None, as transformers' models.
+            # cache returned would restart a later decoding at position 0, or, where only some layers
+            # are checkpointed (`every_n_layers`), leave those layers without the earlier positions.
+            # None, as transformers' models.
             hf_logging.get_logger(__name__).warning_once(
                 "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`."
             )
