@@ -790,6 +790,24 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         return hidden_states if self.layer_norm is None else self.layer_norm(hidden_states)
 
 
+def check_resized_vocabulary(
+    config: VanillaTransformerConfig, new_num_tokens: int | None, pad_to_multiple_of: int | None
+) -> None:
+    """The configuration's own checks on the vocabulary size `resize_token_embeddings` would give (the
+    decoder's too where the matrix is shared): a special token's id left outside it is refused before
+    anything changes."""
+    if new_num_tokens is None:
+        return
+    resized = copy.copy(config)
+    size = new_num_tokens
+    if pad_to_multiple_of:
+        size = math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
+    resized.vocab_size = size
+    if config.share_encoder_decoder_embeddings:
+        resized.decoder_vocab_size = resized.vocab_size
+    resized._check_values()
+
+
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     """Encoder and decoder sharing one embedding matrix (Section 3.4), without the output projection.
 
@@ -850,16 +868,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         ids and the saved folder failed to load. A size that would leave a special token's id outside
         the vocabulary is refused before anything changes."""
         shared = self.config.share_encoder_decoder_embeddings
-        if new_num_tokens is not None:  # the configuration's own checks, on the size it would get
-            resized = copy.copy(self.config)
-            resized.vocab_size = (
-                math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
-                if pad_to_multiple_of
-                else new_num_tokens
-            )
-            if shared:
-                resized.decoder_vocab_size = resized.vocab_size
-            resized._check_values()
+        check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         if shared:
             self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
@@ -1307,14 +1316,7 @@ class VanillaTransformerForConditionalGeneration(
             raise ValueError(
                 "Resizing needs one shared vocabulary and no final logits bias (a converted Marian model)."
             )
-        if new_num_tokens is not None:  # the configuration's own checks, on the size it would get
-            resized = copy.copy(self.config)
-            resized.vocab_size = resized.decoder_vocab_size = (
-                math.ceil(new_num_tokens / pad_to_multiple_of) * pad_to_multiple_of
-                if pad_to_multiple_of
-                else new_num_tokens
-            )
-            resized._check_values()
+        check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
         return embeddings
