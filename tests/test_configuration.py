@@ -64,6 +64,16 @@ def test_standard_attribute_names_are_aliases():
         ({"layer_norm_eps": float("nan")}, "`layer_norm_eps`"),
         ({"qkv_init_gain": 0.0}, "`qkv_init_gain` must be a positive number"),
         ({"qkv_init_gain": float("inf")}, "`qkv_init_gain`"),
+        # Types: these passed and failed later in torch (or in a comparison naming no field).
+        ({"d_model": 32.0}, "`d_model` must be a positive integer, got 32.0"),
+        ({"num_heads": True}, "`num_heads` must be a positive integer, got True"),
+        ({"d_ff": None}, "`d_ff` must be a positive integer, got None"),
+        ({"dropout": None}, "`dropout` must be a number, got None"),
+        ({"label_smoothing": "0.1"}, "`label_smoothing` must be a number, got '0.1'"),
+        ({"pad_token_id": 0.0}, "`pad_token_id` must be an integer token id or None, got 0.0"),
+        ({"decoder_start_token_id": False}, "`decoder_start_token_id` must be an integer"),
+        ({"eos_token_id": []}, "`eos_token_id` is an empty list"),
+        ({"activation_function": ["relu"]}, "Unknown `activation_function`"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):
@@ -118,3 +128,11 @@ def test_loading_overrides_are_checked_like_constructor_arguments(tmp_path, over
     # decoder_vocab_size once made this override fail the check).
     resized = AutoConfig.from_pretrained(tmp_path, vocab_size=80)
     assert (resized.vocab_size, resized.decoder_vocab_size) == (80, 80)
+
+
+def test_a_hand_edited_config_file_with_a_float_size_is_refused_on_loading(tmp_path):
+    VanillaTransformerConfig.from_preset("tiny", vocab_size=64).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "d_model": 192.0}))
+    with pytest.raises(ValueError, match=r"`d_model` must be a positive integer, got 192\.0"):
+        VanillaTransformerConfig.from_pretrained(tmp_path)

@@ -29,6 +29,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def is_integer(value: Any) -> bool:
+    """An int, and not a bool (True is an int to Python, but no size or token id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class VanillaTransformerConfig(PretrainedConfig):
     """Hyper-parameters of the encoder-decoder Transformer (paper Section 3, Table 3).
 
@@ -151,8 +156,9 @@ class VanillaTransformerConfig(PretrainedConfig):
             "num_encoder_layers",
             "num_decoder_layers",
         ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+            value = getattr(self, name)  # 512.0 (a hand-edited config.json) failed deep in torch
+            if not is_integer(value) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"`d_model` ({self.d_model}) must be divisible by `num_heads` ({self.num_heads}) so that "
@@ -162,6 +168,18 @@ class VanillaTransformerConfig(PretrainedConfig):
             raise ValueError(
                 f"`d_model` must be even for sinusoidal positions (sin/cos pairs), got {self.d_model}."
             )
+        for name in (
+            "dropout",
+            "attention_dropout",
+            "activation_dropout",
+            "label_smoothing",
+            "unlikelihood_weight",
+            "qkv_init_gain",
+            "layer_norm_eps",
+        ):
+            value = getattr(self, name)  # None or "0.1" failed a comparison without naming the field
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"`{name}` must be a number, got {value!r}.")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -174,23 +192,30 @@ class VanillaTransformerConfig(PretrainedConfig):
             raise ValueError(f"`qkv_init_gain` must be a positive number, got {self.qkv_init_gain}.")
         if not 0 < self.layer_norm_eps < float("inf"):  # NaN included
             raise ValueError(f"`layer_norm_eps` must be a positive number, got {self.layer_norm_eps}.")
-        if self.activation_function not in ACT2FN:
+        if not isinstance(self.activation_function, str) or self.activation_function not in ACT2FN:
             raise ValueError(
                 f"Unknown `activation_function` {self.activation_function!r}; "
                 f"choose one of transformers' activations, e.g. 'relu' (the paper), 'gelu', 'swish'."
             )
-        if self.position_encoding_layout not in POSITION_ENCODING_LAYOUTS:
+        if (
+            not isinstance(self.position_encoding_layout, str)
+            or self.position_encoding_layout not in POSITION_ENCODING_LAYOUTS
+        ):
             raise ValueError(
                 f"Unknown `position_encoding_layout` {self.position_encoding_layout!r}; "
                 f"choose one of {POSITION_ENCODING_LAYOUTS}."
             )
         smallest = min(self.vocab_size, self.decoder_vocab_size)
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        if not eos:  # generate() indexes the first end-of-sequence id
+            raise ValueError("`eos_token_id` is an empty list; give an id, a list of ids, or None.")
         named = [("pad_token_id", self.pad_token_id), ("bos_token_id", self.bos_token_id)]
         named += [("decoder_start_token_id", self.decoder_start_token_id)] + [
             ("eos_token_id", e) for e in eos
         ]
         for name, value in named:
+            if value is not None and not is_integer(value):  # 0.0, False: failed in the embeddings
+                raise ValueError(f"`{name}` must be an integer token id or None, got {value!r}.")
             if value is not None and not 0 <= value < smallest:
                 raise ValueError(f"`{name}` ({value}) must lie in [0, {smallest}), the vocabulary size.")
 
