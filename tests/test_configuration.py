@@ -74,6 +74,9 @@ def test_standard_attribute_names_are_aliases():
         ({"decoder_start_token_id": False}, "`decoder_start_token_id` must be an integer"),
         ({"eos_token_id": []}, "`eos_token_id` is an empty list"),
         ({"activation_function": ["relu"]}, "Unknown `activation_function`"),
+        ({"norm_first": "false"}, "`norm_first` must be True or False, got 'false'"),
+        ({"scale_embedding": None}, "`scale_embedding` must be True or False, got None"),
+        ({"tie_word_embeddings": 0}, "`tie_word_embeddings` must be True or False, got 0"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):
@@ -135,4 +138,13 @@ def test_a_hand_edited_config_file_with_a_float_size_is_refused_on_loading(tmp_p
     saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**saved, "d_model": 192.0}))
     with pytest.raises(ValueError, match=r"`d_model` must be a positive integer, got 192\.0"):
+        VanillaTransformerConfig.from_pretrained(tmp_path)
+
+
+def test_a_hand_edited_config_file_with_a_quoted_flag_is_refused_on_loading(tmp_path):
+    # "false" is truthy: the folder's post-LN model loaded as a pre-LN one.
+    VanillaTransformerConfig.from_preset("tiny", vocab_size=64).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "norm_first": "false"}))
+    with pytest.raises(ValueError, match="`norm_first` must be True or False, got 'false'"):
         VanillaTransformerConfig.from_pretrained(tmp_path)

@@ -142,6 +142,16 @@ class VanillaTransformerConfig(PretrainedConfig):
         return loaded
 
     def _check_values(self) -> None:
+        for name in (
+            "norm_first",
+            "scale_embedding",
+            "tie_word_embeddings",
+            "share_encoder_decoder_embeddings",
+            "add_final_logits_bias",
+        ):
+            # "false" in a hand-edited config.json is truthy: it built another network without a word.
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
             raise ValueError(
                 f"`decoder_vocab_size` ({self.decoder_vocab_size}) differs from `vocab_size` "
