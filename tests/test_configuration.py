@@ -148,3 +148,24 @@ def test_a_hand_edited_config_file_with_a_quoted_flag_is_refused_on_loading(tmp_
     (tmp_path / "config.json").write_text(json.dumps({**saved, "norm_first": "false"}))
     with pytest.raises(ValueError, match="`norm_first` must be True or False, got 'false'"):
         VanillaTransformerConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_heads": 5}, "divisible by `num_heads`"),  # was a view() shape error in the forward pass
+        ({"vocab_size": 30}, r"`decoder_vocab_size` \(50\) differs"),  # was a model of two sizes
+        ({"pad_token_id": 99}, "`pad_token_id`"),  # was an assertion in nn.Embedding
+        ({"activation_function": "sigmoidish"}, "Unknown `activation_function`"),  # was a KeyError
+    ],
+)
+def test_fields_set_after_construction_are_checked_when_a_model_is_built(changes, message):
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration, VanillaTransformerModel
+
+    config = VanillaTransformerConfig(
+        vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1, num_decoder_layers=1
+    )
+    config.update(changes)
+    for model_class in (VanillaTransformerModel, VanillaTransformerForConditionalGeneration):
+        with pytest.raises(ValueError, match=message):
+            model_class(config)

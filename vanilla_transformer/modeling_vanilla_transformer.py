@@ -447,6 +447,12 @@ class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = False
 
+    def __init__(self, config: VanillaTransformerConfig, *inputs: Any, **kwargs: Any) -> None:
+        # The configuration checks its fields when built and loaded; a field set afterwards
+        # (`config.num_heads = 5`, `config.update(...)`) is checked here, before it shapes a layer.
+        config._check_values()
+        super().__init__(config, *inputs, **kwargs)
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             init.xavier_uniform_(module.weight, gain=getattr(module, "init_gain", 1.0))
