@@ -419,6 +419,14 @@ def test_labels_alone_give_shifted_decoder_inputs(model, batch):
     torch.testing.assert_close(implicit[labels != -100], explicit[labels != -100])
 
 
+@pytest.mark.parametrize("name", ["pad_token_id", "decoder_start_token_id"])
+def test_labels_alone_without_the_ids_to_shift_them_raise_naming_the_field(batch, name):
+    # Generation runs without either; the shift of labels failed inside torch (new_full, a None store).
+    model = tiny_model(**{name: None})
+    with pytest.raises(ValueError, match=f"`config.{name}` is None"):
+        model(**batch)
+
+
 def test_num_items_in_batch_makes_accumulated_loss_equal_the_full_batch_loss(model, batch):
     full = model(**batch).loss
     total = (batch["labels"] != -100).sum()

@@ -1329,6 +1329,12 @@ class VanillaTransformerForConditionalGeneration(
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Teacher-forcing decoder inputs for `DataCollatorForSeq2Seq`: labels shifted right."""
+        for name in ("pad_token_id", "decoder_start_token_id"):  # None failed inside torch
+            if getattr(self.config, name) is None:
+                raise ValueError(
+                    f"`config.{name}` is None: decoder inputs are made from `labels` by shifting them "
+                    "right, which needs it. Set it, or pass `decoder_input_ids`."
+                )
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     def generate(
