@@ -77,6 +77,7 @@ def test_standard_attribute_names_are_aliases():
         ({"norm_first": "false"}, "`norm_first` must be True or False, got 'false'"),
         ({"scale_embedding": None}, "`scale_embedding` must be True or False, got None"),
         ({"tie_word_embeddings": 0}, "`tie_word_embeddings` must be True or False, got 0"),
+        ({"is_encoder_decoder": False}, "`is_encoder_decoder` must be True"),  # generate() failed
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):

@@ -152,6 +152,11 @@ class VanillaTransformerConfig(PretrainedConfig):
             # "false" in a hand-edited config.json is truthy: it built another network without a word.
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.is_encoder_decoder is not True:  # False: generate() ran it as a decoder-only model
+            raise ValueError(
+                f"`is_encoder_decoder` must be True, this model being an encoder-decoder; got "
+                f"{self.is_encoder_decoder!r}."
+            )
         if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
             raise ValueError(
                 f"`decoder_vocab_size` ({self.decoder_vocab_size}) differs from `vocab_size` "
