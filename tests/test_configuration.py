@@ -170,3 +170,15 @@ def test_fields_set_after_construction_are_checked_when_a_model_is_built(changes
     for model_class in (VanillaTransformerModel, VanillaTransformerForConditionalGeneration):
         with pytest.raises(ValueError, match=message):
             model_class(config)
+
+
+def test_numpy_numbers_are_sizes_and_rates_as_python_ones_are():
+    """The integer and number checks take NumPy's scalars (`len(...)` of an array, a swept rate), as the
+    comparisons before them did; bools and floats stay refused as sizes."""
+    numpy = pytest.importorskip("numpy")
+    config = VanillaTransformerConfig(
+        vocab_size=numpy.int64(50), d_model=numpy.int32(16), num_heads=2, d_ff=32, dropout=numpy.float32(0.1)
+    )
+    assert config.vocab_size == 50 and config.d_model == 16
+    with pytest.raises(ValueError, match="`d_model` must be a positive integer"):
+        VanillaTransformerConfig(vocab_size=50, d_model=numpy.float64(16.0), num_heads=2, d_ff=32)

@@ -6,6 +6,7 @@ Self-contained (imports only transformers): this file is copied next to saved ch
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -30,8 +31,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def is_integer(value: Any) -> bool:
-    """An int, and not a bool (True is an int to Python, but no size or token id)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (a NumPy one too), and not a bool (True is an int to Python, but no size or token id)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class VanillaTransformerConfig(PretrainedConfig):
@@ -193,7 +194,7 @@ class VanillaTransformerConfig(PretrainedConfig):
             "layer_norm_eps",
         ):
             value = getattr(self, name)  # None or "0.1" failed a comparison without naming the field
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"`{name}` must be a number, got {value!r}.")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
             value = getattr(self, name)
