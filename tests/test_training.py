@@ -1875,30 +1875,54 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     lines = token_ids(blocked)
     assert len(lines) == 6 and any(lines)
     assert all(len(ids) == len(set(ids)) for ids in lines)  # ... and with blocking it does not
+
+
+def test_evaluate_script_refuses_hypotheses_that_would_replace_an_input(
+    trained, corpus_files, tmp_path, monkeypatch, capsys
+):
+    """Each refusal comes before any translation (the script runs in this process, its translation
+    replaced by a failure)."""
+    import runpy
+
+    import vanilla_transformer.evaluation
+
+    output_dir, _ = trained
+
+    def translated(*args, **kwargs):
+        raise AssertionError("the split was translated before --hypotheses was checked")
+
+    monkeypatch.setattr(vanilla_transformer.evaluation, "evaluate_model", translated)
+    script = str(ROOT / "scripts" / "evaluate_model.py")
+
+    def refusal(*args: str) -> str:
+        monkeypatch.setattr(sys, "argv", [script, "--model", str(output_dir), *args])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(script, run_name="__main__")
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+
+    test_file = ["--test_file", corpus_files["test_file"], "--max_samples", "6"]
     # Naming the test file as --hypotheses once overwrote the test data with the translations.
     before = Path(corpus_files["test_file"]).read_text()
-    clash = run_script("evaluate_model.py", *args, "--hypotheses", corpus_files["test_file"])
-    assert clash.returncode == 2 and "is also an input" in clash.stderr
+    assert "is also an input" in refusal(*test_file, "--hypotheses", corpus_files["test_file"])
     assert Path(corpus_files["test_file"]).read_text() == before
     # Without --test_file the embedded corpus is the input, and the model folder always is: naming one
     # of their files once replaced it with the translations.
     corpus = default_corpus_path()
     corpus_bytes = corpus.read_bytes()
     try:
-        embedded = run_script("evaluate_model.py", "--model", str(output_dir), "--hypotheses", str(corpus))
-        assert embedded.returncode == 2 and "is also an input" in embedded.stderr
+        assert "is also an input" in refusal("--hypotheses", str(corpus))
         assert corpus.read_bytes() == corpus_bytes
     finally:  # were the protection ever lost, every later test would read a broken corpus
         if corpus.read_bytes() != corpus_bytes:
             corpus.write_bytes(corpus_bytes)
     config_text = (output_dir / "config.json").read_text()
-    inside = run_script("evaluate_model.py", *args, "--hypotheses", str(output_dir / "config.json"))
-    assert inside.returncode == 2 and "is a file of the input folder" in inside.stderr
+    inside = refusal(*test_file, "--hypotheses", str(output_dir / "config.json"))
+    assert "is a file of the input folder" in inside
     assert (output_dir / "config.json").read_text() == config_text
-    nowhere = run_script("evaluate_model.py", *args, "--hypotheses", str(tmp_path / "no" / "h.txt"))
-    assert nowhere.returncode == 2 and "does not exist" in nowhere.stderr and "BLEU" not in nowhere.stdout
-    ignored = run_script("evaluate_model.py", *args, "--split", "validation")  # was silently ignored
-    assert ignored.returncode == 2 and "a --test_file is scored whole" in ignored.stderr
+    assert "does not exist" in refusal(*test_file, "--hypotheses", str(tmp_path / "no" / "h.txt"))
+    # --split beside --test_file was silently ignored
+    assert "a --test_file is scored whole" in refusal(*test_file, "--split", "validation")
 
 
 def test_evaluate_script_checks_that_the_hypotheses_folder_can_be_written_before_translating(
