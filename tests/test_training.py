@@ -1,5 +1,6 @@
 """The training job end to end on a small slice of the embedded corpus: one process, resume, two processes."""
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1717,37 +1719,45 @@ def test_check_output_file_protects_input_files_and_folders(tmp_path):
         assert check_output_file(tmp_path / "hypotheses.txt", opened) == tmp_path / "hypotheses.txt"
 
 
-def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path):
+def test_translate_script_never_destroys_or_half_writes_a_file(trained, tmp_path, monkeypatch, capsys):
     """`--output` was opened (emptied) while the flags were parsed: naming the input, or any later
     error, lost the file's contents; a failure part way left half a translation."""
+    import runpy
+
     output_dir, _ = trained
     source = tmp_path / "source.txt"
     source.write_text("In the beginning.\nJesus wept.\n")
-    same = run_script(
-        "translate.py", "--model", str(output_dir), "--input", str(source), "--output", str(source)
-    )
-    assert same.returncode == 2 and "is also an input" in same.stderr
+    script = str(ROOT / "scripts" / "translate.py")
+
+    typed = tmp_path / "typed.txt"  # standard input where none is given: a real file, as a stdin is
+    typed.write_text("x\n")
+
+    def refusal(*args: str, stdin: Any = None) -> str:  # in this process: the refusals need no model run
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        with contextlib.ExitStack() as stack:
+            given = stdin if stdin is not None else stack.enter_context(typed.open())
+            monkeypatch.setattr(sys, "stdin", given)
+            with pytest.raises(SystemExit) as exited:
+                runpy.run_path(script, run_name="__main__")
+        assert exited.value.code == 2
+        return capsys.readouterr().err
+
+    same = refusal("--model", str(output_dir), "--input", str(source), "--output", str(source))
+    assert "is also an input" in same
     assert source.read_text() == "In the beginning.\nJesus wept.\n"
     # The same file as standard input (`--output source.txt < source.txt`).
-    with source.open("rb") as stdin:
-        command = [sys.executable, str(ROOT / "scripts" / "translate.py"), "--model", str(output_dir)]
-        redirected = subprocess.run(
-            [*command, "--output", str(source)], stdin=stdin, capture_output=True, text=True, timeout=300
-        )
-    assert redirected.returncode == 2 and "standard input reads it" in redirected.stderr
+    with source.open() as stdin:
+        redirected = refusal("--model", str(output_dir), "--output", str(source), stdin=stdin)
+    assert "is also an input" in redirected  # found by the file it reads (a real stdin: by its name <stdin>)
     assert source.read_text() == "In the beginning.\nJesus wept.\n"
     tokenizer_text = (output_dir / "tokenizer.json").read_text()
-    into_model = run_script(
-        "translate.py", "--model", str(output_dir), "--output", str(output_dir / "tokenizer.json"), stdin="x"
-    )
-    assert into_model.returncode == 2 and "is a file of the input folder" in into_model.stderr
+    into_model = refusal("--model", str(output_dir), "--output", str(output_dir / "tokenizer.json"))
+    assert "is a file of the input folder" in into_model
     assert (output_dir / "tokenizer.json").read_text() == tokenizer_text
     earlier = tmp_path / "earlier.txt"
     earlier.write_text("keep me\n")
-    failed = run_script(
-        "translate.py", "--model", str(tmp_path / "missing"), "--output", str(earlier), stdin="x\n"
-    )
-    assert failed.returncode == 2 and earlier.read_text() == "keep me\n"
+    refusal("--model", str(tmp_path / "missing"), "--output", str(earlier))
+    assert earlier.read_text() == "keep me\n"
     # 20 good lines (translated 16 at a time with batch size 2), then one that is not UTF-8: the error
     # names it and nothing is written.
     latin = tmp_path / "latin.txt"
