@@ -42,6 +42,19 @@ def test_inverse_sqrt_is_the_papers_formula():
         assert peak * lr_factor("inverse_sqrt", step, warmup, 0.5, 0.1) == pytest.approx(paper, rel=1e-12)
 
 
+def test_paper_recipes_checkpoint_every_ten_minutes_of_the_papers_training():
+    """Section 5.2: base steps took 0.4 s, big ones 1.0 s; Section 6.1: the last 5 checkpoints, written
+    at 10-minute intervals, averaged for base, the last 20 for big. 8 processes: 25,000 + 25,000 tokens."""
+    for preset, step_seconds, averaged, steps in (("base", 0.4, 5, 100_000), ("big", 1.0, 20, 300_000)):
+        config = TrainingConfig(preset=preset, report_to="none")
+        assert config.save_steps * step_seconds == pytest.approx(600)
+        assert config.average_checkpoints == config.keep_checkpoints == averaged
+        assert (config.max_steps, config.warmup_steps, config.lr_scale) == (steps, 4000, 1.0)
+        assert config.max_tokens * 8 == 25_000 + 25_000 and config.lr_schedule == "inverse_sqrt"
+        assert (config.adam_beta1, config.adam_beta2, config.adam_epsilon) == (0.9, 0.98, 1e-9)
+        assert config.label_smoothing == 0.1 and config.dropout is None  # the preset's: 0.1 / 0.3
+
+
 def test_linear_schedule_warms_up_then_ends_at_zero():
     factors = [
         lr_factor("linear", step, 4, progress=(step - 1) / 10, warmup_progress=0.4) for step in range(1, 11)
