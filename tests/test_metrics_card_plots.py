@@ -689,7 +689,10 @@ def test_model_card_states_the_architecture_optimiser_and_test_size_of_this_run(
         return " ".join(str(build_model_card(**card_kwargs(**overrides))).split())
 
     paper = render()
-    assert "As in the paper: - **Post-LN residual blocks**" in paper and "not the paper's" not in paper
+    header = "As in the paper, except for the attention biases marked below: - **Post-LN residual blocks**"
+    assert header in paper
+    assert "not the paper's" not in paper and "implemented exactly as published" not in paper
+    assert "output projections have biases (not in the paper" in paper  # every model of this package has them
     assert "ReLU position-wise feed-forward" in paper and "- **Shared embeddings**" in paper
     assert "Adam with β1 = 0.9, β2 = 0.98, ε = 1e-09 (the paper's)" in paper
     changed = render(

@@ -147,6 +147,8 @@ class VanillaTransformerAttention(nn.Module):
 
     Used three ways (Section 3.2.3): encoder self-attention, masked decoder self-attention
     (`is_causal=True`) and encoder-decoder attention (`key_value_states` = encoder output).
+    The four projections have biases (zero at initialisation), as fairseq's and Marian's do; the paper's
+    W^Q, W^K, W^V and W^O have none.
     """
 
     def __init__(
