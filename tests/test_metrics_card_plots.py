@@ -729,6 +729,12 @@ def test_model_card_states_the_architecture_optimiser_and_test_size_of_this_run(
         in marian_like
     )
     assert "scaled by sqrt(d_model)" not in marian_like.replace("not scaled by sqrt(d_model)", "")
+    # Dropout inside the sub-layers, which the paper does not apply: the card once said "As in the paper".
+    inner = render(config=tiny_config(attention_dropout=0.1, activation_dropout=0.2))
+    assert "As in the paper, except where marked" in inner
+    assert "- **Dropout inside the sub-layers** (not in the paper" in inner
+    assert "0.1 on the attention probabilities, 0.2 on the feed-forward hidden layer." in inner
+    assert "(attention 0.1) (feed-forward hidden layer 0.2) |" in inner
 
 
 def test_usage_examples_translate_the_given_sentences_as_python_literals():

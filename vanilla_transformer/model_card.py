@@ -60,6 +60,7 @@ ARCHITECTURE_FIELDS = (
     "num_decoder_layers",
     "dropout",
     "attention_dropout",
+    "activation_dropout",
     "activation_function",
     "norm_first",
     "position_encoding_layout",
@@ -182,7 +183,9 @@ def _template_variables(
         and config.scale_embedding
         and config.share_encoder_decoder_embeddings
         and config.position_encoding_layout == "interleaved"
-        and not config.add_final_logits_bias,
+        and not config.add_final_logits_bias
+        and not config.attention_dropout
+        and not config.activation_dropout,
         scale_embedding=config.scale_embedding,
         share_encoder_decoder_embeddings=config.share_encoder_decoder_embeddings,
         add_final_logits_bias=config.add_final_logits_bias,
