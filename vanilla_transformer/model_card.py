@@ -129,6 +129,8 @@ def _template_variables(
     """Every variable the template uses; missing optional values are None."""
     variables: dict[str, Any] = {field: getattr(config, field) for field in ARCHITECTURE_FIELDS}
     train_time_s = training.get("train_time_s")
+    # The text columns the fine-tuning example reads: a Hub dataset's as trained on, else by language.
+    source_column, target_column = dataset.get("hub_columns", (source_lang, target_lang))
     variables.update(
         model_name=model_name,
         source_lang=source_lang,
@@ -140,9 +142,8 @@ def _template_variables(
         dataset_name=dataset.get("name"),
         dataset_hub_id=dataset.get("hub_id"),
         dataset_hub_config=dataset.get("hub_config"),
-        # The text columns the fine-tuning example reads: a Hub dataset's as trained on, else by language.
-        source_column=dataset.get("hub_columns", (source_lang, target_lang))[0],
-        target_column=dataset.get("hub_columns", (source_lang, target_lang))[1],
+        source_column=source_column,
+        target_column=target_column,
         dataset_description=dataset.get("description"),
         dataset_license=dataset.get("license"),
         train_pairs=dataset.get("train_pairs"),

@@ -54,7 +54,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils import logging as hf_logging
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .configuration_vanilla_transformer import VanillaTransformerConfig, is_integer
 from .kernels_vanilla_transformer import (
     EMPTY_BATCH,
     LeanGenerationSteps,
@@ -1552,9 +1552,7 @@ def check_beam_settings(num_beams: Any, length_penalty: Any) -> None:
     (`GNMTLengthPenalty`) are left to their users. Raises ValueError naming the argument."""
     if isinstance(num_beams, torch.Tensor) and num_beams.numel() == 1:
         num_beams = num_beams.item()
-    if num_beams is not None and (
-        isinstance(num_beams, bool) or not isinstance(num_beams, numbers.Integral) or num_beams < 1
-    ):
+    if num_beams is not None and (not is_integer(num_beams) or num_beams < 1):
         raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}.")
     if isinstance(length_penalty, torch.Tensor) and length_penalty.numel() == 1:
         length_penalty = length_penalty.item()
