@@ -1,8 +1,13 @@
 """Shared fixtures: a tiny configuration (vocab 99, d_model 32, 2+2 layers, 4 heads) and inputs; each of
 the three linear-layer kernels (torch, oneDNN, packed MKL); tolerances that follow from dtype and problem
-size."""
+size; running a script in this process."""
 
+import io
 import math
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ PAD, BOS, EOS = 0, 1, 2
 # The longest chain of sums behind an output of the tiny model: 2 + 2 layers, the embedding and the
 # output projection, each summing at most 99 terms (the vocabulary; d_model 32 and d_ff 64 are smaller).
 TINY_TERMS = (2 + 2 + 2) * 99
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def tiny_config(**overrides) -> VanillaTransformerConfig:
@@ -135,3 +141,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.module is not None and item.module.__name__.rpartition(".")[2] in NUMERICS_MODULES:
             item.add_marker(pytest.mark.numerics)
+
+
+@dataclass
+class ScriptRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_in_process(monkeypatch, capsys):
+    """`run_in_process("train.py", *args, stdin=text)` runs scripts/train.py in this process as `python
+    scripts/train.py *args` would run it, and returns its exit code and output, without a subprocess's
+    seconds of imports: for scripts that set nothing process-wide (what a subprocess must check, such as
+    the locale's encoding, a terminal or a signal, needs one). An exception the script does not turn
+    into an exit propagates, failing the test with its traceback."""
+
+    def run(name: str, *args: str, stdin: str = "") -> ScriptRun:
+        script = str(SCRIPTS / name)
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode()), encoding="utf-8"))
+        capsys.readouterr()
+        code, message = 0, ""
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit_:  # as the interpreter does: a message goes to stderr with status 1
+            if isinstance(exit_.code, int):
+                code = exit_.code
+            elif exit_.code is not None:
+                code, message = 1, f"{exit_.code}\n"
+        out, err = capsys.readouterr()
+        return ScriptRun(code, out, err + message)
+
+    return run

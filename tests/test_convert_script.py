@@ -1,5 +1,6 @@
-"""scripts/convert_marian.py end to end, in a subprocess (which picks its own kernels, so these run once,
-not under each linear kernel as the conversion's numeric tests do)."""
+"""scripts/convert_marian.py end to end, run once (not under each linear kernel, as the conversion's numeric
+tests are); in this process, but for a full disk and the check of a written folder's scores by
+evaluate_model.py in another process (which picks its own kernels)."""
 
 import subprocess
 import sys
@@ -12,44 +13,31 @@ from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForC
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "convert_marian.py")
 
 
-def test_convert_script_says_when_a_folder_is_not_marian(tmp_path):
+def test_convert_script_says_when_a_folder_is_not_marian(tmp_path, monkeypatch, run_in_process):
     """It once answered a non-Marian folder with "Encoder and decoder have 2 and 16 attention heads"."""
     config = VanillaTransformerConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2)
     VanillaTransformerForConditionalGeneration(config).save_pretrained(tmp_path / "ours")
-    command = [
-        sys.executable,
-        SCRIPT,
-        "--model",
-        str(tmp_path / "ours"),
-        "--output",
-        str(tmp_path / "out"),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    result = run_in_process(
+        "convert_marian.py", "--model", str(tmp_path / "ours"), "--output", str(tmp_path / "out")
+    )
     assert result.returncode == 2
     assert "is not a Marian checkpoint: its config.json has model_type 'vanilla_transformer'" in result.stderr
     assert not (tmp_path / "out").exists()
     # A mistyped local path, not the Hub's rules for repo ids (it used to quote those).
-    missing = [sys.executable, SCRIPT, "--model", "./nope", "--output", str(tmp_path / "out")]
-    result = subprocess.run(missing, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = run_in_process("convert_marian.py", "--model", "./nope", "--output", str(tmp_path / "out"))
     assert result.returncode == 2 and "No model folder at ./nope" in result.stderr, result.stderr
 
 
-def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path):
+def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path, run_in_process):
     """It once wrote a folder without a tokenizer and exited 0, and mixed a new model into an existing
     folder's tokenizer and card."""
     marian_model().save_pretrained(tmp_path / "marian")  # no tokenizer files: it cannot be copied
 
-    def convert(output: Path, *flags: str) -> subprocess.CompletedProcess:
-        command = [
-            sys.executable,
-            SCRIPT,
-            "--model",
-            str(tmp_path / "marian"),
-            "--output",
-            str(output),
-            *flags,
-        ]
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    def convert(output: Path, *flags: str):
+        return run_in_process(
+            "convert_marian.py", "--model", str(tmp_path / "marian"), "--output", str(output), *flags
+        )
 
     failed = convert(tmp_path / "out")
     assert (
@@ -92,7 +80,7 @@ def test_convert_script_explains_a_full_disk(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["marian"]  # no folder, no staging folder
 
 
-def test_convert_script_refuses_a_checkpoint_without_the_encoder(tmp_path):
+def test_convert_script_refuses_a_checkpoint_without_the_encoder(tmp_path, run_in_process):
     """A saved MarianForCausalLM has model_type "marian" and no encoder: transformers filled the missing
     weights with random ones, only warning, and the script wrote the model."""
     from transformers import MarianForCausalLM
@@ -100,13 +88,13 @@ def test_convert_script_refuses_a_checkpoint_without_the_encoder(tmp_path):
     config = marian_model().config
     config.is_decoder, config.is_encoder_decoder = True, False
     MarianForCausalLM(config).save_pretrained(tmp_path / "causal")
-    command = [sys.executable, SCRIPT, "--model", str(tmp_path / "causal"), "--output", str(tmp_path / "out")]
-    result = subprocess.run([*command, "--no-tokenizer"], capture_output=True, text=True, timeout=300)
+    flags = ["--model", str(tmp_path / "causal"), "--output", str(tmp_path / "out"), "--no-tokenizer"]
+    result = run_in_process("convert_marian.py", *flags)
     assert result.returncode == 2 and "lacks" in result.stderr and "model.encoder." in result.stderr
     assert "not a complete translation model" in result.stderr and not (tmp_path / "out").exists()
 
 
-def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path):
+def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path, run_in_process):
     """A converted folder had no card, so push_to_hub.py refused it. With --test_file the script scores
     the converted model and writes one; its scores are what scripts/evaluate_model.py measures on the
     written folder."""
@@ -141,12 +129,13 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     targets = [*marian_outputs[:3], *test["es"][3:]]
     pairs.write_text("en\tes\n" + "".join(f"{s}\t{t}\n" for s, t in zip(test["en"], targets, strict=True)))
 
-    def run(script: str, *flags: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, script, *flags], capture_output=True, text=True, timeout=300, check=False
-        )
-
-    convert = [SCRIPT, "--model", str(tmp_path / "opus-mt-en-es"), "--output", str(tmp_path / "out")]
+    convert = [
+        "convert_marian.py",
+        "--model",
+        str(tmp_path / "opus-mt-en-es"),
+        "--output",
+        str(tmp_path / "out"),
+    ]
     # Refused before any work, and nothing written.
     en_es = ["--source_lang", "en", "--target_lang", "es"]
     for flags, said in (
@@ -154,11 +143,11 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
         (["--test_file", str(pairs), "--source_lang", "en", "--target_lang", "de"], "'de'"),
         (["--test_file", str(pairs), *en_es, "--no-tokenizer"], "cannot go with --no-tokenizer"),
     ):
-        refused = run(*convert, *flags)
+        refused = run_in_process(*convert, *flags)
         assert refused.returncode == 2 and said in refused.stderr, (flags, refused.stderr[-1500:])
         assert not (tmp_path / "out").exists()
 
-    scored = run(*convert, "--test_file", str(pairs), *en_es)
+    scored = run_in_process(*convert, "--test_file", str(pairs), *en_es)
     assert scored.returncode == 0, scored.stderr[-2000:]
     card = check_model_folder(tmp_path / "out")  # what push_to_hub.py checks
     text = (tmp_path / "out" / "README.md").read_text()
@@ -177,7 +166,8 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     # The same scores as the evaluation script gives the written folder, in another process.
     evaluate = str(Path(SCRIPT).parent / "evaluate_model.py")
     assert results["chrf"].metric_value > 10  # (the random model writes one word: BLEU, on 4-grams, is 0)
-    checked = run(evaluate, "--model", str(tmp_path / "out"), "--test_file", str(pairs), *en_es)
+    command = [sys.executable, evaluate, "--model", str(tmp_path / "out"), "--test_file", str(pairs), *en_es]
+    checked = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert checked.returncode == 0, checked.stderr[-2000:]
     line = next(line for line in checked.stdout.splitlines() if line.startswith("BLEU"))
     assert f"{results['bleu'].metric_value:.2f}" == line.split()[1]
@@ -186,7 +176,7 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "vanilla_transformer"
 
 
-def test_convert_script_refuses_weights_that_do_not_fit_the_config(tmp_path):
+def test_convert_script_refuses_weights_that_do_not_fit_the_config(tmp_path, run_in_process):
     """A checkpoint whose config.json does not describe its weights (another d_model here) ended in a
     traceback after transformers' load report."""
     import json
@@ -196,9 +186,9 @@ def test_convert_script_refuses_weights_that_do_not_fit_the_config(tmp_path):
     config = json.loads(config_file.read_text())
     config["d_model"] = 48
     config_file.write_text(json.dumps(config))
-    command = [sys.executable, SCRIPT, "--model", str(tmp_path / "marian"), "--output", str(tmp_path / "out")]
-    result = subprocess.run([*command, "--no-tokenizer"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    flags = ["--model", str(tmp_path / "marian"), "--output", str(tmp_path / "out"), "--no-tokenizer"]
+    result = run_in_process("convert_marian.py", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
     assert "do not have the shapes its config.json gives" in result.stderr
     assert "(32,) in the checkpoint, (48,) from the config" in result.stderr
     assert not (tmp_path / "out").exists()

@@ -220,37 +220,29 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
 
 
-def test_scripts_export_and_translate_a_file(tmp_path, corpus):
+def test_scripts_export_and_translate_a_file(tmp_path, corpus, run_in_process):
     trained_folder(tmp_path / "model", corpus)
-    subprocess.run(
-        [sys.executable, "scripts/export_ctranslate2.py", str(tmp_path / "model"), str(tmp_path / "ct2")],
-        check=True,
-    )
+    exported = run_in_process("export_ctranslate2.py", str(tmp_path / "model"), str(tmp_path / "ct2"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
     (tmp_path / "en.txt").write_text("In the beginning.\n\nAnd God said.\n")
-    command = [
-        sys.executable,
-        "scripts/translate.py",
-        "--model",
-        str(tmp_path / "ct2"),
-        "--engine",
-        "ctranslate2",
-    ]
-    command += ["--input", str(tmp_path / "en.txt"), "--output", str(tmp_path / "es.txt")]
-    subprocess.run(command, check=True)
+    engine = ["--engine", "ctranslate2"]
+    files = ["--input", str(tmp_path / "en.txt"), "--output", str(tmp_path / "es.txt")]
+    translated = run_in_process("translate.py", "--model", str(tmp_path / "ct2"), *engine, *files)
+    assert translated.returncode == 0, translated.stderr[-2000:]
     lines = (tmp_path / "es.txt").read_text().split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line per input line, blank kept
     expected = CTranslate2Translator(tmp_path / "ct2").translate(["In the beginning.", "And God said."])
     assert [lines[0], lines[2]] == expected
     # Without --engine ctranslate2 the export was read as a transformers folder ("Unrecognized model").
-    plain = subprocess.run(
-        [*command[:4], "--input", str(tmp_path / "en.txt")], capture_output=True, text=True
+    plain = run_in_process(
+        "translate.py", "--model", str(tmp_path / "ct2"), "--input", str(tmp_path / "en.txt")
     )
     assert plain.returncode == 2 and "is a CTranslate2 export" in plain.stderr and "--engine" in plain.stderr
     # A line longer than the export's position table is named by its number in the file.
     export_ctranslate2(tmp_path / "model", tmp_path / "short", max_positions=8)
     (tmp_path / "long.txt").write_text("And God said.\n\n" + "and the earth " * 10 + "\n")
-    command = [*command[:3], str(tmp_path / "short"), *command[4:6], "--input", str(tmp_path / "long.txt")]
-    long = subprocess.run(command, capture_output=True, text=True)
+    long_input = ["--input", str(tmp_path / "long.txt")]
+    long = run_in_process("translate.py", "--model", str(tmp_path / "short"), *engine, *long_input)
     assert long.returncode == 1 and f"error: {tmp_path / 'long.txt'}: line 3 has" in long.stderr
     assert "holds 8" in long.stderr
 

@@ -1,8 +1,6 @@
 """Attention pictures show the model's own weights; positional-encoding pictures show the formula."""
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -145,26 +143,13 @@ def test_positional_encoding_picture_draws_the_encoding(tmp_path):
     )
 
 
-def test_script_writes_the_four_pictures(model, tokenizer, tmp_path):
+def test_script_writes_the_four_pictures(model, tokenizer, tmp_path, run_in_process):
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    command = [sys.executable, str(ROOT / "scripts" / "visualize_attention.py"), "--model", str(folder)]
-    result = subprocess.run(
-        [
-            *command,
-            "--source",
-            SOURCE,
-            "--target",
-            TARGET,
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    pair = ["--source", SOURCE, "--target", TARGET, "--device", "cpu"]
+    result = run_in_process(
+        "visualize_attention.py", "--model", str(folder), *pair, "--output_dir", str(tmp_path / "out")
     )
     assert result.returncode == 0, result.stderr
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
@@ -174,23 +159,13 @@ def test_script_writes_the_four_pictures(model, tokenizer, tmp_path):
         "encoder_self_attention.png",
         "positional_encoding.png",
     ]
-    missing = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "visualize_attention.py"),
-            "--model",
-            str(tmp_path / "nope"),
-            "--source",
-            "x",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    missing = run_in_process("visualize_attention.py", "--model", str(tmp_path / "nope"), "--source", "x")
     assert missing.returncode == 2 and "No model folder" in missing.stderr
 
 
-def test_script_draws_another_models_attention_and_says_why_not_its_encoding(tokenizer, tmp_path):
+def test_script_draws_another_models_attention_and_says_why_not_its_encoding(
+    tokenizer, tmp_path, run_in_process
+):
     """A MarianMTModel folder (finetune.py writes them) got its attention maps, then an AttributeError: its
     configuration has no position_encoding_layout."""
     from transformers import MarianConfig, MarianMTModel
@@ -210,65 +185,32 @@ def test_script_draws_another_models_attention_and_says_why_not_its_encoding(tok
     )
     MarianMTModel(config).save_pretrained(tmp_path / "marian")
     tokenizer.save_pretrained(tmp_path / "marian")
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "visualize_attention.py"),
-        "--model",
-        str(tmp_path / "marian"),
-    ]
-    command += [
-        "--source",
-        SOURCE,
-        "--target",
-        TARGET,
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--device",
-        "cpu",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    flags = ["--source", SOURCE, "--target", TARGET, "--output_dir", str(tmp_path / "out"), "--device", "cpu"]
+    result = run_in_process("visualize_attention.py", "--model", str(tmp_path / "marian"), *flags)
     assert result.returncode == 0, result.stderr
     assert "positional_encoding.png not drawn" in result.stderr and "'marian' model" in result.stderr
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["cross_attention.png", "decoder_self_attention.png", "encoder_self_attention.png"]
 
 
-def test_script_refuses_an_output_dir_that_is_a_file_before_loading(tmp_path):
+def test_script_refuses_an_output_dir_that_is_a_file_before_loading(tmp_path, run_in_process):
     """It once loaded and ran the model, then failed with a traceback when making the folder."""
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    script = [
-        sys.executable,
-        str(ROOT / "scripts" / "visualize_attention.py"),
-        "--model",
-        str(tmp_path / "nope"),
-    ]
-    for output_dir in (afile / "sub",):  # the first existing folder on the way is a file
-        result = subprocess.run(
-            [*script, "--source", "x", "--output_dir", str(output_dir)],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        assert result.returncode == 2 and f"{afile} is a file, not a folder" in result.stderr, result.stderr
+    model = ["--model", str(tmp_path / "nope"), "--source", "x"]
+    # the first existing folder on the way is a file
+    result = run_in_process("visualize_attention.py", *model, "--output_dir", str(afile / "sub"))
+    assert result.returncode == 2 and f"{afile} is a file, not a folder" in result.stderr, result.stderr
     assert afile.read_text() == "mine"
 
 
-def test_script_refuses_an_output_dir_it_cannot_make_before_loading(tmp_path):
+def test_script_refuses_an_output_dir_it_cannot_make_before_loading(tmp_path, run_in_process):
     """It once loaded and ran the model, then failed with a traceback from mkdir."""
     output_dir = tmp_path / ("x" * 300) / "maps"  # a name too long for the file system
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "visualize_attention.py"),
-            *("--model", str(tmp_path / "nope"), "--source", "x", "--output_dir", str(output_dir)),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr and "--output_dir" in result.stderr, result.stderr
+    model = ["--model", str(tmp_path / "nope"), "--source", "x"]
+    result = run_in_process("visualize_attention.py", *model, "--output_dir", str(output_dir))
+    assert result.returncode == 2 and f"error: --output_dir {output_dir}: File name too long" in result.stderr
+    assert "No model folder" not in result.stderr
 
 
 def test_positional_encoding_picture_names_the_concatenated_layouts_formula(tmp_path):
