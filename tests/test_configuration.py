@@ -27,6 +27,14 @@ def test_presets_and_overrides():
     assert tiny.d_model == PRESETS["tiny"]["d_model"] and tiny.vocab_size == 500 and tiny.dropout == 0.2
     with pytest.raises(ValueError, match="Unknown preset 'huge'"):
         VanillaTransformerConfig.from_preset("huge")
+    # A misspelt field was kept as an unused attribute, the preset's value in force.
+    with pytest.raises(
+        ValueError, match=r"\['dropuot'\] are no fields .* \(dropuot: did you mean 'dropout'\?\)"
+    ):
+        VanillaTransformerConfig.from_preset("tiny", dropuot=0.3)
+    # transformers' own fields and the standard names are fields.
+    aliased = VanillaTransformerConfig.from_preset("tiny", hidden_size=64, output_attentions=True)
+    assert aliased.d_model == 64 and aliased.output_attentions is True
 
 
 def test_standard_attribute_names_are_aliases():

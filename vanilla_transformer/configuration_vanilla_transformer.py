@@ -6,6 +6,8 @@ Self-contained (imports only transformers): this file is copied next to saved ch
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import numbers
 from typing import Any, ClassVar
 
@@ -244,10 +246,19 @@ class VanillaTransformerConfig(PretrainedConfig):
     def from_preset(cls, name: str, **overrides: Any) -> VanillaTransformerConfig:
         """A configuration from the paper's Table 3 ("base", "big") or the CPU-sized "tiny".
 
-        Keyword arguments override single fields, e.g. `from_preset("base", vocab_size=32000)`.
+        Keyword arguments override single fields, e.g. `from_preset("base", vocab_size=32000)`; a name
+        that is no field of the configuration is refused (the constructor would keep it as an unused
+        attribute, so that a misspelt `dropuot=0.3` left the preset's dropout in place without a word).
         """
         if name not in PRESETS:
             raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+        config = cls(**PRESETS[name])
+        fields = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+        unknown = [key for key in overrides if key not in fields and not hasattr(config, key)]
+        if unknown:
+            close = {key: difflib.get_close_matches(key, sorted(fields), n=1) for key in unknown}
+            hints = "".join(f" ({key}: did you mean {match[0]!r}?)" for key, match in close.items() if match)
+            raise ValueError(f"from_preset: {unknown} are no fields of {cls.__name__}{hints}.")
         return cls(**{**PRESETS[name], **overrides})
 
 
