@@ -242,12 +242,21 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: Path, value: Any) -> None:
+    """`value` as `path`, whole or not at all: a run stopped while writing (or a value JSON cannot hold)
+    leaves an earlier comparison's file as it was."""
+    from vanilla_transformer.cli import replaced_when_complete
+
+    with replaced_when_complete(path) as stream:
+        json.dump(value, stream, indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if args.only:
         result = run_ours(args) if args.only == "ours" else run_marian(args)
-        (args.output_dir / f"{args.only}.json").write_text(json.dumps(result, indent=2))
+        write_json(args.output_dir / f"{args.only}.json", result)
         return 0
     results = {}
     for side in ("ours", "marian"):  # one after the other, each alone in its own process
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         if status:  # that side has said why; a traceback here would only repeat its command line
             sys.exit(f"error: the {side} run failed (exit status {status}): nothing compared")
         results[side] = json.loads((args.output_dir / f"{side}.json").read_text())
-    (args.output_dir / "comparison.json").write_text(json.dumps(results, indent=2))
+    write_json(args.output_dir / "comparison.json", results)
     print(format_table(results))
     return 0
 

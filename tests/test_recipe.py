@@ -4,6 +4,7 @@ builder and the recipe comparison script."""
 import importlib.util
 import itertools
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -301,6 +302,31 @@ def test_compare_recipes_refuses_ours_args_it_cannot_pass_on(capsys):
         with pytest.raises(SystemExit):
             compare.parse_args(["--output_dir", "x", f"--ours_args={ours_args}"])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="a file size limit (POSIX)")
+def test_compare_recipes_leaves_an_earlier_result_whole_when_writing_fails(tmp_path, monkeypatch):
+    """Each side's result was written in place: a disk that filled up part way (here a file size limit,
+    which fails the write the same way) left half a JSON file where the earlier result was."""
+    import resource
+
+    compare = load_script("compare_recipes")
+    earlier = tmp_path / "ours.json"
+    earlier.write_text('{"bleu": 13.0}')
+    result = {"bleu": 14.0, "hypotheses": ["una frase"] * 1000}  # 14 kB
+    monkeypatch.setattr(compare, "run_ours", lambda args: result)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit: an error, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        with pytest.raises(OSError, match="File too large"):
+            compare.main(["--output_dir", str(tmp_path), "--only", "ours"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert earlier.read_text() == '{"bleu": 13.0}' and sorted(tmp_path.iterdir()) == [earlier]
+    assert compare.main(["--output_dir", str(tmp_path), "--only", "ours"]) == 0
+    assert json.loads(earlier.read_text()) == result
 
 
 @pytest.mark.slow  # three processes, each importing transformers: about 26 s
