@@ -155,22 +155,29 @@ def test_each_module_keeps_its_training_mode():
 def test_fine_tuning_a_converted_model_trains_what_fine_tuning_marian_trains():
     """MarianMTModel's final logits bias is a buffer: fine-tuning leaves it as converted. Here it was a
     parameter, so the same optimiser steps trained the bias too and gave another model. Reference: three
-    SGD steps on the same batch for both (dropout off), then the logits."""
+    SGD steps on the same batch for both (dropout off), each on the model's own loss (Marian's is plain
+    cross entropy: the converted model must not smooth it), then the logits."""
     marian = marian_model()
     ours = convert_from_marian(marian)
     assert "final_logits_bias" not in dict(ours.named_parameters())
     assert "final_logits_bias" in ours.state_dict()  # saved and loaded with the weights
     batch = inputs(marian.config)
     labels = torch.randint(1, 60, (3, 6), generator=torch.Generator().manual_seed(2))
+    losses = {}
     for model in (marian, ours):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         model.eval()  # no dropout: both compute the same function
-        for _ in range(3):
-            logits = model(**batch).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        for step in range(3):
+            loss = model(**batch, labels=labels).loss
+            if step == 0:  # the same loss on the same weights: the cross entropy of the logits
+                logits = model(**batch).logits.detach()
+                expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+                assert_same_up_to_rounding(loss.detach(), expected, TINY_TERMS)
+                losses[model is ours] = loss.detach()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+    assert_same_up_to_rounding(losses[True], losses[False], TINY_TERMS)
     with torch.no_grad():
         assert_same_up_to_rounding(ours(**batch).logits, marian(**batch).logits, 4 * TINY_TERMS)
 
