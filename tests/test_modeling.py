@@ -239,7 +239,10 @@ def torch_reference_stacks(config: VanillaTransformerConfig, model: VanillaTrans
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_stacks_match_torch_nn_transformer(attn_implementation, norm_first, batch):
-    model = tiny_model(attn_implementation, norm_first=norm_first)
+    # Pre-LN with a layer-norm epsilon other than torch's default (1e-5), so that a model which left
+    # `config.layer_norm_eps` unread would differ from the reference.
+    overrides = {"norm_first": True, "layer_norm_eps": 0.1} if norm_first else {}
+    model = tiny_model(attn_implementation, **overrides)
     config, base = model.config, model.model
     encoder, decoder = torch_reference_stacks(config, base)
     source, source_mask = batch["input_ids"], batch["attention_mask"]
