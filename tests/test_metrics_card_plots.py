@@ -623,18 +623,46 @@ def test_packaged_template_is_the_repository_template():
 # ---------------------------------------------------------------- plots
 
 
-def test_plot_training_curves_writes_png(tmp_path):
+def test_plot_training_curves_writes_png(tmp_path, monkeypatch):
+    """Three panels, each with the history's own series: training and validation loss, validation BLEU
+    with its best value starred, the learning rate. (Read from the lines drawn: a PNG of the right
+    size alone came from a plot that left out a series or a panel, or starred the worst BLEU.)"""
+    from matplotlib.axes import Axes
+
+    drawn = []
+    original_plot = Axes.plot
+
+    def recording_plot(self, x, y, *args, **kwargs):
+        drawn.append((self, kwargs.get("label"), list(x), list(y)))
+        return original_plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
     history = [
         {"step": step, "train_loss": 9.0 / (1 + step / 100), "lr": 1e-3 * min(1, step / 200)}
         for step in range(0, 1001, 50)
     ]
+    validation = {250: 30.0, 500: 45.0, 1000: 20.0}  # BLEU: best in the middle, not at the end
     history += [
-        {"step": step, "val_loss": 8.0 / (1 + step / 120), "val_bleu": step / 50} for step in (250, 500, 1000)
+        {"step": step, "val_loss": 8.0 / (1 + step / 120), "val_bleu": bleu}
+        for step, bleu in validation.items()
     ]
     path = plot_training_curves(history, tmp_path / "plots" / "curves.png")
     assert path == tmp_path / "plots" / "curves.png"
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    assert int.from_bytes(data[20:24], "big") == round(3 * 2.6 * 120)  # the PNG's height: three panels
+
+    def series(key):
+        entries = [entry for entry in history if key in entry]
+        return [entry["step"] for entry in entries], [entry[key] for entry in entries]
+
+    panels = {}
+    for ax, label, steps, values in drawn:
+        panels.setdefault(ax.get_ylabel(), []).append((label, steps, values))
+    assert list(panels) == ["loss", "BLEU", "learning rate"]
+    assert panels["loss"] == [("train", *series("train_loss")), ("validation", *series("val_loss"))]
+    assert panels["BLEU"] == [("validation BLEU", *series("val_bleu")), (None, [500.0], [45.0])]
+    assert panels["learning rate"] == [(None, *series("lr"))]
 
 
 def test_plot_training_curves_rejects_empty_history(tmp_path):
