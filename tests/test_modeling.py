@@ -530,3 +530,33 @@ def test_source_and_target_batches_of_different_sizes_raise(model, batch):
     ):
         with pytest.raises(ValueError, match=r"decoder inputs hold \d sequences but the encoder output"):
             call()
+
+
+def test_attention_dropout_drops_attention_weights(batch):
+    """`attention_dropout` (off in the paper's recipe) acts on the attention probabilities, and only there:
+    in training mode each returned weight of a first layer (whose input is the same in both modes, the
+    other dropouts off) is 0 or its eval-mode value over 1 - p; a model without it is deterministic."""
+    p = 0.5
+    model = tiny_model("eager", attention_dropout=p)
+    with torch.no_grad():
+        expected = model(**batch, output_attentions=True)
+        torch.manual_seed(0)
+        dropped = model.train()(**batch, output_attentions=True)
+    real_targets = (batch["labels"] != -100)[:, None, :, None]  # queries at padding differ in training
+    for name, rows in (("encoder_attentions", True), ("decoder_attentions", real_targets)):
+        rows = torch.as_tensor(rows).expand_as(getattr(dropped, name)[0])
+        got, reference = getattr(dropped, name)[0][rows], getattr(expected, name)[0][rows]
+        kept = got != 0
+        assert torch.equal(got[~kept], torch.zeros_like(got[~kept]))
+        assert_same_up_to_rounding(got[kept], reference[kept] / (1 - p), 2)
+        # dropped with probability p among the weights that are not 0 anyway: 5 standard deviations
+        candidates = reference != 0
+        share = (~kept & candidates).sum() / candidates.sum()
+        assert abs(share.item() - p) < 5 * (p * (1 - p) / candidates.sum().item()) ** 0.5, (name, share)
+    for implementation in ("eager", "sdpa"):
+        without = tiny_model(implementation).train()
+        with torch.no_grad():
+            assert torch.equal(without(**batch).loss, without(**batch).loss)
+        with_dropout = tiny_model(implementation, attention_dropout=p).train()
+        with torch.no_grad():
+            assert not torch.equal(with_dropout(**batch).loss, with_dropout(**batch).loss)
