@@ -19,6 +19,15 @@ def test_defaults_are_the_paper_base_model():
     assert config.is_encoder_decoder and config.head_dim == 64
 
 
+def test_attention_bias_is_off_as_in_the_paper_and_on_for_configurations_saved_before_it():
+    assert VanillaTransformerConfig().attention_bias is False
+    assert VanillaTransformerConfig.from_dict({}).attention_bias is True  # a config.json from before it
+    assert VanillaTransformerConfig.from_dict({"attention_bias": False}).attention_bias is False
+    assert VanillaTransformerConfig.from_dict(VanillaTransformerConfig().to_dict()).attention_bias is False
+    with pytest.raises(ValueError, match="`attention_bias` must be True or False, got 'false'"):
+        VanillaTransformerConfig(attention_bias="false")
+
+
 def test_presets_and_overrides():
     big = VanillaTransformerConfig.from_preset("big")
     assert (big.d_model, big.num_heads, big.d_ff, big.dropout) == (1024, 16, 4096, 0.3)

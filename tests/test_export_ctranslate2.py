@@ -33,7 +33,8 @@ VARIANTS = {
     "paper": {},
     # A large layer-norm epsilon: at the default 1e-5 an export that dropped it (CTranslate2's 1e-6)
     # gave the same tokens.
-    "pre-LN, untied output, concatenated positions, logits bias, layer-norm epsilon 0.1": {
+    "pre-LN, untied output, concatenated positions, logits bias, layer-norm epsilon 0.1, attention biases": {
+        "attention_bias": True,
         "norm_first": True,
         "tie_word_embeddings": False,
         "position_encoding_layout": "concatenated",

@@ -57,8 +57,11 @@ def marian_model(**overrides) -> MarianMTModel:
     config = MarianConfig(**{**values, **overrides})
     config._attn_implementation = "eager"
     model = MarianMTModel(config).eval()
-    with torch.no_grad():  # Marian's bias starts at zero; make it matter
+    with torch.no_grad():  # Marian's biases start at zero; make them matter
         model.final_logits_bias.normal_(0, 0.5)
+        for name, parameter in model.named_parameters():
+            if name.endswith("proj.bias"):  # the attention's, which the paper's network has not
+                parameter.normal_(0, 0.5)
     return model
 
 

@@ -89,28 +89,33 @@ def test_return_dict_false_gives_tuples_as_transformers_models_do(model, batch):
             model.config.return_dict = True
 
 
-def count_parameters(preset: str) -> int:
+def count_parameters(preset: str, **overrides) -> int:
     with torch.device("meta"):
-        model = VanillaTransformerForConditionalGeneration(VanillaTransformerConfig.from_preset(preset))
+        config = VanillaTransformerConfig.from_preset(preset, **overrides)
+        model = VanillaTransformerForConditionalGeneration(config)
     return sum(p.numel() for p in model.parameters())  # tied matrices are counted once
 
 
 def test_parameter_counts_match_the_paper():
     base, big = count_parameters("base"), count_parameters("big")
     d, f, n, vocab = 512, 2048, 6, 37000
-    attention, ffn, norm = 4 * (d * d + d), 2 * d * f + f + d, 2 * d
+    # W^Q, W^K, W^V, W^O without biases (Section 3.2.2); the feed-forward's b_1 and b_2 (Equation 2)
+    attention, ffn, norm = 4 * d * d, 2 * d * f + f + d, 2 * d
     expected = vocab * d + n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
-    assert base == expected == 63_082_496
+    assert base == expected == 63_045_632
+    with_biases = count_parameters("base", attention_bias=True)
+    assert with_biases - base == 3 * n * 4 * d  # 4 biases of width d in each of 3 n attentions
     # Paper Table 3: 65M and 213M with a ~37k joint vocabulary.
     assert abs(base - 65e6) / 65e6 < 0.05
     assert abs(big - 213e6) / 213e6 < 0.03
 
 
-def test_multi_head_attention_costs_the_same_parameters_as_one_full_width_head():
-    many = VanillaTransformerAttention(tiny_config(num_heads=8))
-    one = VanillaTransformerAttention(tiny_config(num_heads=1))
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_multi_head_attention_costs_the_same_parameters_as_one_full_width_head(attention_bias):
+    many = VanillaTransformerAttention(tiny_config(num_heads=8, attention_bias=attention_bias))
+    one = VanillaTransformerAttention(tiny_config(num_heads=1, attention_bias=attention_bias))
     count = sum(p.numel() for p in many.parameters())
-    assert count == sum(p.numel() for p in one.parameters()) == 4 * (32 * 32 + 32)
+    assert count == sum(p.numel() for p in one.parameters()) == 4 * (32 * 32 + 32 * attention_bias)
 
 
 # Positional encoding ------------------------------------------------------------------------------
@@ -180,10 +185,15 @@ def test_the_cache_under_its_former_name_is_used(model):
 
 
 def copy_attention(ours: VanillaTransformerAttention, theirs: nn.MultiheadAttention) -> None:
+    """Our projections into torch's; without biases (the paper's), torch's are zeros."""
     theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
-    theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
     theirs.out_proj.weight.copy_(ours.out_proj.weight)
-    theirs.out_proj.bias.copy_(ours.out_proj.bias)
+    if ours.q_proj.bias is None:
+        theirs.in_proj_bias.zero_()
+        theirs.out_proj.bias.zero_()
+    else:
+        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        theirs.out_proj.bias.copy_(ours.out_proj.bias)
 
 
 def copy_layer(ours, theirs, cross: bool) -> None:
@@ -238,11 +248,16 @@ def torch_reference_stacks(config: VanillaTransformerConfig, model: VanillaTrans
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_stacks_match_torch_nn_transformer(attn_implementation, norm_first, batch):
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_stacks_match_torch_nn_transformer(attn_implementation, norm_first, attention_bias, batch):
     # Pre-LN with a layer-norm epsilon other than torch's default (1e-5), so that a model which left
     # `config.layer_norm_eps` unread would differ from the reference.
     overrides = {"norm_first": True, "layer_norm_eps": 0.1} if norm_first else {}
-    model = tiny_model(attn_implementation, **overrides)
+    model = tiny_model(attn_implementation, attention_bias=attention_bias, **overrides)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("proj.bias"):  # biases as training leaves them, not the initial zeros
+                parameter.normal_(0, 0.5)
     config, base = model.config, model.model
     encoder, decoder = torch_reference_stacks(config, base)
     source, source_mask = batch["input_ids"], batch["attention_mask"]
@@ -388,7 +403,13 @@ def test_initialisation_follows_fairseq(qkv_init_gain):
         for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
             check_xavier(projection.weight, qkv_gain)
         check_xavier(attention.out_proj.weight, 1.0)
-    assert model.model.decoder.layers[1].encoder_attn.q_proj.bias.abs().max() == 0
+    assert model.model.decoder.layers[1].encoder_attn.q_proj.bias is None  # the paper's W^Q
+    assert model.model.encoder.layers[0].fc1.bias.abs().max() == 0
+    torch.manual_seed(0)
+    biased = VanillaTransformerForConditionalGeneration(
+        VanillaTransformerConfig.from_preset("tiny", attention_bias=True, **overrides)
+    )
+    assert biased.model.decoder.layers[1].encoder_attn.q_proj.bias.abs().max() == 0
 
 
 # Loss ----------------------------------------------------------------------------------------------

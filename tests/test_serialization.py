@@ -16,6 +16,37 @@ from vanilla_transformer import VanillaTransformerForConditionalGeneration, Vani
 from vanilla_transformer.kernels_vanilla_transformer import set_linear_kernel
 
 
+def test_attention_biases_are_saved_and_a_folder_from_before_the_field_keeps_them(tmp_path, batch):
+    """The paper's projections have no biases (the default); a config.json written before
+    `attention_bias` existed describes a model that had them: loaded as one without, its biases
+    would be dropped, with only a warning."""
+    paper = tiny_model()
+    paper.save_pretrained(tmp_path / "paper")
+    assert json.loads((tmp_path / "paper" / "config.json").read_text())["attention_bias"] is False
+    assert not any(key.endswith("proj.bias") for key in load_file(tmp_path / "paper" / "model.safetensors"))
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "paper")
+    assert (
+        loaded.config.attention_bias is False and loaded.model.encoder.layers[0].self_attn.q_proj.bias is None
+    )
+
+    biased = tiny_model(attention_bias=True)
+    with torch.no_grad():
+        for name, parameter in biased.named_parameters():
+            if name.endswith("proj.bias"):  # trained biases, not the initial zeros
+                parameter.normal_()
+    biased.save_pretrained(tmp_path / "older")
+    config = json.loads((tmp_path / "older" / "config.json").read_text())
+    del config["attention_bias"]
+    (tmp_path / "older" / "config.json").write_text(json.dumps(config))
+    loaded, info = AutoModelForSeq2SeqLM.from_pretrained(
+        tmp_path / "older", attn_implementation="eager", output_loading_info=True
+    )
+    assert loaded.config.attention_bias is True
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(**batch).logits, biased(**batch).logits)
+
+
 def test_save_load_round_trip_gives_identical_logits(tmp_path, batch):
     model = tiny_model(norm_first=True, position_encoding_layout="concatenated")
     model.save_pretrained(tmp_path)

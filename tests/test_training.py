@@ -628,6 +628,23 @@ def test_stutters_repeat_one_span_of_the_decoder_input():
     assert repeats == {1, 2, 3, 4}
 
 
+def test_a_checkpoint_from_before_attention_bias_had_the_biases(tmp_path):
+    """Its record of the architecture has no `attention_bias`: its weights have the attention biases, which
+    a resumed model without them would drop on loading."""
+    from vanilla_transformer.training import ARCHITECTURE_FIELDS, check_architecture
+
+    current = {name: getattr(VanillaTransformerConfig(), name) for name in ARCHITECTURE_FIELDS}
+    older = {name: value for name, value in current.items() if name != "attention_bias"}
+    (tmp_path / STATE_FILE).write_text(json.dumps({"architecture": older}))
+    with pytest.raises(
+        InputError, match=r"attention_bias True -> False\).* --config_overrides attention_bias=true"
+    ):
+        check_architecture(tmp_path, current)
+    check_architecture(tmp_path, {**current, "attention_bias": True})  # resumed as it was trained
+    (tmp_path / STATE_FILE).write_text(json.dumps({"architecture": current}))
+    check_architecture(tmp_path, current)
+
+
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
     """Checkpoints of the abandoned run were once averaged into the resumed run's model."""
     args = small_args(tmp_path / "run", corpus_files, max_steps=12, eval_steps=0, test_samples=1)
@@ -640,6 +657,7 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
         (f"{SMALL_MODEL},activation_function=gelu", "activation_function 'relu' -> 'gelu'"),
         (f"{SMALL_MODEL},position_encoding_layout=concatenated", "position_encoding_layout"),
         (SMALL_MODEL.replace("d_ff=", "d_ff=1"), "d_ff"),
+        (f"{SMALL_MODEL},attention_bias=true", "attention_bias False -> True"),
     ):
         with pytest.raises(InputError, match=f"holds the weights of another model .*{named}"):
             train(

@@ -74,10 +74,11 @@ def marian_like(config: VanillaTransformerConfig) -> MarianConfig:
 def build_model(
     kind: str, config: VanillaTransformerConfig, device: str, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """This package's model or the equivalent MarianMTModel, both with SDPA attention."""
+    """This package's model or the equivalent MarianMTModel, both with SDPA attention (and both with
+    biases on the attention projections, which MarianMTModel always has)."""
     torch.manual_seed(0)
     if kind == "ours":
-        config = VanillaTransformerConfig(**config.to_dict())
+        config = VanillaTransformerConfig(**{**config.to_dict(), "attention_bias": True})
         config._attn_implementation = "sdpa"
         model = VanillaTransformerForConditionalGeneration(config)
     elif kind == "marian":
@@ -581,11 +582,11 @@ class NumberedVocabulary:
 
 
 def prepare_deployment(config: VanillaTransformerConfig, folder: Path) -> None:
-    """The same random weights as this package's model folder and as CTranslate2 float32 and int8 exports."""
+    """The same random weights as this package's model folder and as CTranslate2 float32 and int8 exports
+    (the network `build_model` makes, MarianMTModel's)."""
     from vanilla_transformer.export_ctranslate2 import ctranslate2_spec
 
-    torch.manual_seed(0)
-    model = VanillaTransformerForConditionalGeneration(config).eval()
+    model = build_model("ours", config, "cpu", torch.float32).eval()
     model.save_pretrained(folder / "ours")
     for quantization in ("float32", "int8"):
         spec = ctranslate2_spec(model, NumberedVocabulary(config.vocab_size), max_positions=256)

@@ -61,6 +61,11 @@ class VanillaTransformerConfig(PretrainedConfig):
         share_encoder_decoder_embeddings: one matrix for source and target embeddings (the paper's
             joint vocabulary). False gives the decoder its own vocabulary of `decoder_vocab_size`.
         decoder_vocab_size: target vocabulary size when the embeddings are not shared.
+        attention_bias: biases on the attention's four projections. False is the paper's W^Q, W^K, W^V
+            and W^O (Section 3.2.2), which have none; True adds them (zero at initialisation), as
+            fairseq, torch's MultiheadAttention and Marian do (a converted Marian model has them). A
+            saved configuration without the field predates it, when every model had them: loading
+            one gives True.
         add_final_logits_bias: a fixed bias on the output logits (not in the paper; Marian checkpoints
             have one; a buffer, as in MarianMTModel: loaded and saved, not trained).
         position_encoding_layout: "interleaved" (sin on even, cos on odd dimensions: the paper) or
@@ -109,6 +114,7 @@ class VanillaTransformerConfig(PretrainedConfig):
     tie_word_embeddings: bool = True
     share_encoder_decoder_embeddings: bool = True
     decoder_vocab_size: int | None = None
+    attention_bias: bool = False
     add_final_logits_bias: bool = False
     position_encoding_layout: str = "interleaved"
     label_smoothing: float | int = 0.1
@@ -129,12 +135,15 @@ class VanillaTransformerConfig(PretrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
-        """`PretrainedConfig.from_dict`, with the value checks repeated after the keyword overrides.
+        """`PretrainedConfig.from_dict`, with the value checks repeated after the keyword overrides; a
+        dictionary without `attention_bias` (a folder saved before the field) has the biases.
 
         transformers sets most overrides (`from_pretrained(folder, label_smoothing=0.2)`, also through
         `AutoConfig` and the model classes) on the built config, after `__post_init__` has checked it: a
         bad value would otherwise pass unchecked into the model.
         """
+        # Saved before the field existed, when the attention projections always had biases.
+        config_dict = {"attention_bias": True, **config_dict}
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
         named = {config.attribute_map.get(key, key) for key in kwargs}
@@ -150,6 +159,7 @@ class VanillaTransformerConfig(PretrainedConfig):
             "scale_embedding",
             "tie_word_embeddings",
             "share_encoder_decoder_embeddings",
+            "attention_bias",
             "add_final_logits_bias",
         ):
             # "false" in a hand-edited config.json is truthy: it built another network without a word.

@@ -51,6 +51,7 @@ def config_from_marian(marian: MarianConfig) -> VanillaTransformerConfig:
         scale_embedding=marian.scale_embedding,
         tie_word_embeddings=marian.tie_word_embeddings,
         position_encoding_layout="concatenated",
+        attention_bias=True,
         add_final_logits_bias=True,
         label_smoothing=0.0,  # Marian's loss is plain cross entropy
         pad_token_id=marian.pad_token_id,

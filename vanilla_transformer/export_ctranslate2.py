@@ -104,12 +104,14 @@ def _attention(spec: Any, attention: Any, self_attention: bool) -> None:
     """CTranslate2 keeps self-attention's Q, K, V as one fused matrix, cross-attention's K, V as one."""
     projections = [attention.q_proj, attention.k_proj, attention.v_proj]
     weights = [p.weight.detach() for p in projections]
-    biases = [p.bias.detach() for p in projections]
-    if self_attention:
-        spec.linear[0].weight, spec.linear[0].bias = torch.cat(weights), torch.cat(biases)
-    else:
-        spec.linear[0].weight, spec.linear[0].bias = weights[0], biases[0]
-        spec.linear[1].weight, spec.linear[1].bias = torch.cat(weights[1:]), torch.cat(biases[1:])
+    fused = [torch.cat(weights)] if self_attention else [weights[0], torch.cat(weights[1:])]
+    for linear, weight in zip(spec.linear, fused, strict=False):
+        linear.weight = weight
+    if attention.q_proj.bias is not None:  # without them (the paper's), the specs' biases stay unset
+        biases = [p.bias.detach() for p in projections]
+        fused = [torch.cat(biases)] if self_attention else [biases[0], torch.cat(biases[1:])]
+        for linear, bias in zip(spec.linear, fused, strict=False):
+            linear.bias = bias
     _linear(spec.linear[-1], attention.out_proj)
 
 

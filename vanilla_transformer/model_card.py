@@ -185,11 +185,13 @@ def _template_variables(
         and config.share_encoder_decoder_embeddings
         and config.position_encoding_layout == "interleaved"
         and not config.add_final_logits_bias
+        and not config.attention_bias
         and not config.attention_dropout
         and not config.activation_dropout,
         scale_embedding=config.scale_embedding,
         share_encoder_decoder_embeddings=config.share_encoder_decoder_embeddings,
         add_final_logits_bias=config.add_final_logits_bias,
+        attention_bias=config.attention_bias,
         scored_pairs=metrics.get("scored_pairs"),
         command=training.get("command"),
         bleu=float(metrics["bleu"]),

@@ -147,8 +147,8 @@ class VanillaTransformerAttention(nn.Module):
 
     Used three ways (Section 3.2.3): encoder self-attention, masked decoder self-attention
     (`is_causal=True`) and encoder-decoder attention (`key_value_states` = encoder output).
-    The four projections have biases (zero at initialisation), as fairseq's and Marian's do; the paper's
-    W^Q, W^K, W^V and W^O have none.
+    The four projections have no biases, as the paper's W^Q, W^K, W^V and W^O; `config.attention_bias`
+    adds them (zero at initialisation), as fairseq's and Marian's have.
     """
 
     def __init__(
@@ -162,10 +162,11 @@ class VanillaTransformerAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.is_causal = is_causal
         self.layer_idx = layer_idx
-        self.q_proj = Linear(config.d_model, config.d_model)
-        self.k_proj = Linear(config.d_model, config.d_model)
-        self.v_proj = Linear(config.d_model, config.d_model)
-        self.out_proj = Linear(config.d_model, config.d_model)
+        bias = config.attention_bias
+        self.q_proj = Linear(config.d_model, config.d_model, bias=bias)
+        self.k_proj = Linear(config.d_model, config.d_model, bias=bias)
+        self.v_proj = Linear(config.d_model, config.d_model, bias=bias)
+        self.out_proj = Linear(config.d_model, config.d_model, bias=bias)
         for projection in (self.q_proj, self.k_proj, self.v_proj):
             projection.init_gain = config.qkv_init_gain  # read by `_init_weights`
 

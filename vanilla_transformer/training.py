@@ -1357,12 +1357,16 @@ def build_model(
     return model, optimizer, peak_lr
 
 
-def changes_since(resume_path: Path, record: str, current: dict[str, Any]) -> list[str]:
+def changes_since(
+    resume_path: Path, record: str, current: dict[str, Any], before: dict[str, Any] | None = None
+) -> list[str]:
     """ "name old -> new" for each value of the checkpoint's `record` that `current` changes (none for
-    checkpoints from before that record, or that value, was kept: they are resumed as they are)."""
+    checkpoints from before that record, or that value, was kept: they are resumed as they are, but for
+    the values `before` gives: what a record without them meant)."""
     saved = json.loads((resume_path / STATE_FILE).read_text()).get(record)
     if saved is None:
         return []
+    saved = {**(before or {}), **saved}
     return [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
 
 
@@ -1402,19 +1406,28 @@ ARCHITECTURE_FIELDS = (
     *("num_encoder_layers", "num_decoder_layers", "activation_function", "layer_norm_eps", "norm_first"),
     *("scale_embedding", "tie_word_embeddings", "share_encoder_decoder_embeddings", "add_final_logits_bias"),
     *("position_encoding_layout", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"),
+    "attention_bias",
 )
+# Checkpoints written before the field was recorded had the attention biases.
+ARCHITECTURE_BEFORE = {"attention_bias": True}
 
 
 def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint into another network (`--config_overrides`, `--preset`): weights of
     the same shapes would load without a word and be trained as a different model (ReLU weights under
     GELU, positions in another layout); other shapes would fail deep inside the weight loading."""
-    changed = changes_since(resume_path, "architecture", architecture)
+    changed = changes_since(resume_path, "architecture", architecture, ARCHITECTURE_BEFORE)
     if changed:
+        earlier = (  # the default since the field came: such a checkpoint was never given an override
+            " (a checkpoint from before attention_bias was a field has the biases: --config_overrides "
+            "attention_bias=true)"
+            if "attention_bias True -> False" in changed
+            else ""
+        )
         raise InputError(
             f"Cannot continue {resume_path}: it holds the weights of another model ({'; '.join(changed)}). "
-            "Resume with the checkpoint's --preset and --config_overrides, or start a fresh run in another "
-            "--output_dir."
+            f"Resume with the checkpoint's --preset and --config_overrides{earlier}, or start a fresh run "
+            "in another --output_dir."
         )
 
 
