@@ -28,6 +28,18 @@ def test_attention_bias_is_off_as_in_the_paper_and_on_for_configurations_saved_b
         VanillaTransformerConfig(attention_bias="false")
 
 
+def test_a_config_json_from_before_attention_bias_read_by_from_json_file_has_the_biases(tmp_path):
+    """`from_json_file` (public, documented by transformers) builds `cls(**dict)`, not `from_dict`: a
+    config.json saved before the field then described a network without the biases its weights have."""
+    saved = VanillaTransformerConfig(d_model=16, num_heads=2).to_dict()
+    del saved["attention_bias"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert VanillaTransformerConfig.from_json_file(tmp_path / "config.json").attention_bias is True
+    saved["attention_bias"] = False
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert VanillaTransformerConfig.from_json_file(tmp_path / "config.json").attention_bias is False
+
+
 def test_presets_and_overrides():
     big = VanillaTransformerConfig.from_preset("big")
     assert (big.d_model, big.num_heads, big.d_ff, big.dropout) == (1024, 16, 4096, 0.3)

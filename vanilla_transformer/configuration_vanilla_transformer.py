@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
+import os
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
@@ -152,6 +153,12 @@ class VanillaTransformerConfig(PretrainedConfig):
             config.decoder_vocab_size = config.vocab_size  # one shared matrix: the new size, as built
         config._check_values()
         return loaded
+
+    @classmethod
+    def from_json_file(cls, json_file: str | os.PathLike) -> Any:
+        """`PretrainedConfig.from_json_file` through `from_dict`: transformers' builds `cls(**dict)`, so a
+        config.json saved before `attention_bias` lost its biases (and the value checks of `from_dict`)."""
+        return cls.from_dict(cls._dict_from_json_file(json_file))
 
     def _check_values(self) -> None:
         for name in (
