@@ -320,3 +320,27 @@ def test_scoring_forward_comparison_times_what_it_names(monkeypatch):
     if kernels.linear_kernel().onednn is not None:
         assert counts["checked copies"] > 0  # every forward checks the kept layouts
     assert list(medians) == list(WAYS) and all(value > 0 for value in medians.values())
+
+
+@pytest.mark.parametrize("tool", ["tools.decoding_steps_ab", "tools.compiled_decoding_step"])
+def test_tools_timing_two_ways_of_this_model_time_the_default_network(monkeypatch, tool):
+    """The tools that time this model against itself (not against MarianMTModel) run the configuration's
+    network: without attention biases by default, the paper's (and the bias-free stacked Q/K/V product),
+    not the biased network `build_model` makes to match MarianMTModel."""
+    import importlib
+
+    module = importlib.import_module(tool)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def inputs(models, *args):
+        seen.append(models["ours"].model.decoder.layers[0].self_attn.q_proj.bias)
+        raise Stop
+
+    monkeypatch.setattr(module, "generation_inputs", inputs)
+    for attention_bias in (False, True):
+        with pytest.raises(Stop):
+            module.compare(tiny_config(attention_bias=attention_bias), repeats=1)
+    assert seen[0] is None and seen[1] is not None

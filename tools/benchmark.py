@@ -72,13 +72,16 @@ def marian_like(config: VanillaTransformerConfig) -> MarianConfig:
 
 
 def build_model(
-    kind: str, config: VanillaTransformerConfig, device: str, dtype: torch.dtype
+    kind: str, config: VanillaTransformerConfig, device: str, dtype: torch.dtype, *, as_marian: bool = True
 ) -> torch.nn.Module:
     """This package's model or the equivalent MarianMTModel, both with SDPA attention (and both with
-    biases on the attention projections, which MarianMTModel always has)."""
+    biases on the attention projections, which MarianMTModel always has). `as_marian=False` builds ours
+    with `config`'s own `attention_bias` (the paper's network by default), for the tools that time two
+    ways of running this model against each other rather than against MarianMTModel."""
     torch.manual_seed(0)
     if kind == "ours":
-        config = VanillaTransformerConfig(**{**config.to_dict(), "attention_bias": True})
+        bias = True if as_marian else config.attention_bias
+        config = VanillaTransformerConfig(**{**config.to_dict(), "attention_bias": bias})
         config._attn_implementation = "sdpa"
         model = VanillaTransformerForConditionalGeneration(config)
     elif kind == "marian":

@@ -87,7 +87,7 @@ def compare(config: VanillaTransformerConfig, repeats: int, backend: str = "indu
     Each compiled variant is compiled afresh (`torch._dynamo.reset()`: compiled code is kept per code
     object, and every variant runs the same step's code) and timed in turns with the eager step and
     `generate()`, whose rows take the medians over all turns."""
-    model = build_model("ours", config, "cpu", torch.float32).eval()
+    model = build_model("ours", config, "cpu", torch.float32, as_marian=False).eval()
     source, options = generation_inputs({"ours": model}, "cpu", 1, 1)
     step = greedy_step(model)
     _, eager_tokens = decode(model, source, step, GENERATE_LENGTH)  # also the warm-up

@@ -78,7 +78,7 @@ def compare(
 ) -> list[dict[str, Any]]:
     """One row per `generate()` cell: median seconds of each variant, their ratio (second / first),
     identical tokens."""
-    model = build_model("ours", config, "cpu", torch.float32).eval()
+    model = build_model("ours", config, "cpu", torch.float32, as_marian=False).eval()
     setups = variants(comparison)
     (baseline, candidate) = setups
     rows = []
