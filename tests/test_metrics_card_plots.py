@@ -847,3 +847,17 @@ def test_card_limitations_name_the_scored_split_and_the_blocking_already_applied
     assert "no_repeat_ngram_size=4" not in limitation and "3-token n-gram blocking" in limitation
     plain = " ".join(build_model_card(**card_kwargs(metrics=METRICS | {"repetition": 0.0})).text.split())
     assert "on the test split is under Results. `generate(..., no_repeat_ngram_size=4)`" in plain
+
+
+def test_model_card_does_not_say_a_model_without_attention_biases_computes_marians_function():
+    """MarianMTModel's attention always has biases: only a model with them computes its function (the
+    benchmark builds both so); the paper's network, the default, is another function."""
+
+    def render(**overrides):
+        return " ".join(str(build_model_card(**card_kwargs(**overrides))).split())
+
+    paper, biased = render(), render(config=tiny_config(attention_bias=True))
+    claim = "computes the same function faster than transformers' `MarianMTModel` of the same shape"
+    assert claim in biased and claim not in paper
+    assert "faster than transformers' `MarianMTModel` of the same shape" in paper
+    assert "its attention biases added" in paper and "its attention biases added" not in biased
