@@ -693,12 +693,20 @@ def test_static_cache_decoding_compiles_as_one_graph(source):
     torch._dynamo.reset()
 
 
-def test_generate_follows_weights_written_through_data():
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_generate_follows_weights_written_through_data(attention_bias):
     """Decoding keeps copies of weights (stacked Q/K/V, other kernels' layouts) while the weights keep
     their version counter, which writes through `.data` do not bump: PEFT merging an adapter
     (`weight.data += delta`), or weights averaged in with `p.data.copy_`. Such a write after a first
-    `generate()` once left the next one decoding with the old weights."""
-    model, other = tiny_model("sdpa", seed=0), tiny_model("sdpa", seed=1)
+    `generate()` once left the next one decoding with the old weights. With attention biases, their
+    stacked copy too (the default network has none since 089d024)."""
+    model = tiny_model("sdpa", seed=0, attention_bias=attention_bias)
+    other = tiny_model("sdpa", seed=1, attention_bias=attention_bias)
+    if attention_bias:
+        with torch.no_grad():
+            for name, parameter in other.named_parameters():
+                if name.endswith("proj.bias"):  # not the initial zeros of both models
+                    parameter.normal_(0, 0.5)
     source = torch.randint(4, 99, (2, 9), generator=torch.Generator().manual_seed(0))
     options = {"max_new_tokens": 8, "num_beams": 1, "do_sample": False}
     before = model.generate(source, **options)
