@@ -46,6 +46,9 @@ def test_presets_and_overrides():
     assert VanillaTransformerConfig.from_preset("base").to_dict() == VanillaTransformerConfig().to_dict()
     tiny = VanillaTransformerConfig.from_preset("tiny", vocab_size=500, dropout=0.2)
     assert tiny.d_model == PRESETS["tiny"]["d_model"] and tiny.vocab_size == 500 and tiny.dropout == 0.2
+    # The paper's sizes are its network; the CPU recipe's keeps the attention biases it was tuned with.
+    assert not big.attention_bias and not VanillaTransformerConfig.from_preset("base").attention_bias
+    assert tiny.attention_bias
     with pytest.raises(ValueError, match="Unknown preset 'huge'"):
         VanillaTransformerConfig.from_preset("huge")
     # A misspelt field was kept as an unused attribute, the preset's value in force.

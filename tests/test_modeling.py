@@ -386,7 +386,7 @@ def test_initialisation_follows_fairseq(qkv_init_gain):
     attention's query, key and value projections (self- and cross-attention), 1 for the others."""
     torch.manual_seed(0)
     overrides = {} if qkv_init_gain is None else {"qkv_init_gain": qkv_init_gain}
-    config = VanillaTransformerConfig.from_preset("tiny", **overrides)
+    config = VanillaTransformerConfig.from_preset("tiny", attention_bias=False, **overrides)
     model = VanillaTransformerForConditionalGeneration(config)
     embedding = model.model.shared.weight
     assert embedding[PAD].abs().max() == 0
@@ -407,7 +407,7 @@ def test_initialisation_follows_fairseq(qkv_init_gain):
     assert model.model.encoder.layers[0].fc1.bias.abs().max() == 0
     torch.manual_seed(0)
     biased = VanillaTransformerForConditionalGeneration(
-        VanillaTransformerConfig.from_preset("tiny", attention_bias=True, **overrides)
+        VanillaTransformerConfig.from_preset("tiny", **overrides)
     )
     assert biased.model.decoder.layers[1].encoder_attn.q_proj.bias.abs().max() == 0
 
