@@ -643,6 +643,10 @@ def test_a_checkpoint_from_before_attention_bias_had_the_biases(tmp_path):
     check_architecture(tmp_path, {**current, "attention_bias": True})  # resumed as it was trained
     (tmp_path / STATE_FILE).write_text(json.dumps({"architecture": current}))
     check_architecture(tmp_path, current)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"architecture": {**current, "attention_bias": True}}))
+    with pytest.raises(InputError, match="attention_bias True -> False") as refused:  # recorded: no hint
+        check_architecture(tmp_path, current)
+    assert "from before attention_bias" not in str(refused.value)
 
 
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
@@ -657,7 +661,7 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
         (f"{SMALL_MODEL},activation_function=gelu", "activation_function 'relu' -> 'gelu'"),
         (f"{SMALL_MODEL},position_encoding_layout=concatenated", "position_encoding_layout"),
         (SMALL_MODEL.replace("d_ff=", "d_ff=1"), "d_ff"),
-        (f"{SMALL_MODEL},attention_bias=true", "attention_bias False -> True"),
+        (f"{SMALL_MODEL},attention_bias=false", "attention_bias True -> False"),
     ):
         with pytest.raises(InputError, match=f"holds the weights of another model .*{named}"):
             train(

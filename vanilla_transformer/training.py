@@ -1418,10 +1418,11 @@ def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
     GELU, positions in another layout); other shapes would fail deep inside the weight loading."""
     changed = changes_since(resume_path, "architecture", architecture, ARCHITECTURE_BEFORE)
     if changed:
+        recorded = json.loads((resume_path / STATE_FILE).read_text())["architecture"]
         earlier = (  # the default since the field came: such a checkpoint was never given an override
             " (a checkpoint from before attention_bias was a field has the biases: --config_overrides "
             "attention_bias=true)"
-            if "attention_bias True -> False" in changed
+            if "attention_bias True -> False" in changed and "attention_bias" not in recorded
             else ""
         )
         raise InputError(
