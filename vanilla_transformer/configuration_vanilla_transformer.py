@@ -6,8 +6,8 @@ Self-contained (imports only transformers): this file is copied next to saved ch
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import inspect
 import numbers
 import os
 from typing import Any, ClassVar
@@ -274,7 +274,7 @@ class VanillaTransformerConfig(PretrainedConfig):
         if name not in PRESETS:
             raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
         config = cls(**PRESETS[name])
-        fields = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+        fields = {field.name for field in dataclasses.fields(cls)}
         unknown = [key for key in overrides if key not in fields and not hasattr(config, key)]
         if unknown:
             close = {key: difflib.get_close_matches(key, sorted(fields), n=1) for key in unknown}
