@@ -647,6 +647,11 @@ def test_a_checkpoint_from_before_attention_bias_had_the_biases(tmp_path):
     with pytest.raises(InputError, match="attention_bias True -> False") as refused:  # recorded: no hint
         check_architecture(tmp_path, current)
     assert "from before attention_bias" not in str(refused.value)
+    # From before the architecture was recorded at all: it had the biases too.
+    (tmp_path / STATE_FILE).write_text(json.dumps({"data_order": {"seed": 0}}))
+    with pytest.raises(InputError, match=r"attention_bias True -> False\).* attention_bias=true"):
+        check_architecture(tmp_path, current)
+    check_architecture(tmp_path, {**current, "attention_bias": True, "d_model": 8})  # nothing else known
 
 
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):

@@ -1362,11 +1362,8 @@ def changes_since(
 ) -> list[str]:
     """ "name old -> new" for each value of the checkpoint's `record` that `current` changes (none for
     checkpoints from before that record, or that value, was kept: they are resumed as they are, but for
-    the values `before` gives: what a record without them meant)."""
-    saved = json.loads((resume_path / STATE_FILE).read_text()).get(record)
-    if saved is None:
-        return []
-    saved = {**(before or {}), **saved}
+    the values `before` gives: what a checkpoint without them meant, with or without the record)."""
+    saved = {**(before or {}), **json.loads((resume_path / STATE_FILE).read_text()).get(record, {})}
     return [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
 
 
@@ -1418,7 +1415,7 @@ def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
     GELU, positions in another layout); other shapes would fail deep inside the weight loading."""
     changed = changes_since(resume_path, "architecture", architecture, ARCHITECTURE_BEFORE)
     if changed:
-        recorded = json.loads((resume_path / STATE_FILE).read_text())["architecture"]
+        recorded = json.loads((resume_path / STATE_FILE).read_text()).get("architecture", {})
         earlier = (  # the default since the field came: such a checkpoint was never given an override
             " (a checkpoint from before attention_bias was a field has the biases: --config_overrides "
             "attention_bias=true)"
