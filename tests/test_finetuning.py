@@ -261,6 +261,15 @@ def test_bad_finetune_options():
         FinetuneConfig(model="m", train_file="t", output_dir="o", seed=-1)
 
 
+def test_an_empty_output_dir_is_refused_before_any_work(tmp_path, monkeypatch):
+    """`--output_dir ""` (an unset shell variable) got past the checks as the current folder, then failed
+    in Trainer, once the model and data were loaded, with "No such file or directory: ''"."""
+    monkeypatch.chdir(tmp_path)  # a folder the checks would accept as an output
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="--output_dir is empty"):
+            FinetuneConfig(model="m", train_file="t", output_dir=empty)
+
+
 def test_finetuning_never_writes_over_a_model(start, tmp_path):
     """`--output_dir` equal to `--model` once overwrote the starting weights and kept their card."""
     folder, _ = start

@@ -111,6 +111,8 @@ class FinetuneConfig:
             )
         # The fine-tuned model must not overwrite the one it starts from, nor land beside another model's
         # files (its card and scores would describe the wrong weights).
+        if not self.output_dir.strip():  # Path("") is the current folder; Trainer failed on it after loading
+            raise ValueError("--output_dir is empty: name a new folder for the fine-tuned model.")
         output = Path(self.output_dir)
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output_dir {self.output_dir} is a file; name a folder.")
