@@ -222,3 +222,41 @@ def test_positional_encoding_picture_names_the_concatenated_layouts_formula(tmp_
     torch.testing.assert_close(drawn[:, 1], torch.sin(positions[:, 0] / 10000 ** (2 / 8)))  # a sine
     assert "2i+1) = cos" not in panel.get_title() and "PE(pos, 4+i) = cos" in panel.get_title()
     assert "0-3: sin, 4-7: cos" in panel.get_xlabel()
+
+
+def test_a_failed_write_leaves_the_pictures_that_were_there(
+    model, tokenizer, tmp_path, run_in_process, monkeypatch
+):
+    """The pictures were written straight over the earlier ones: a full disk left half a PNG in place of
+    a whole one."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    flags = [
+        "--model",
+        str(folder),
+        "--source",
+        SOURCE,
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    assert run_in_process("visualize_attention.py", *flags, "--target", TARGET).returncode == 0
+    before = {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()}
+
+    def full_disk(self, target, *args, **kwargs):  # some bytes reach the disk, then it is full
+        if isinstance(target, (str, Path)):
+            Path(target).write_bytes(b"\x89PNG half")
+        else:
+            target.write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    failed = run_in_process("visualize_attention.py", *flags)
+    assert failed.returncode == 1 and "No space left on device" in failed.stderr, failed.stderr
+    assert {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()} == before

@@ -7,6 +7,7 @@ matplotlib figures (Agg canvas, no pyplot state).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,19 @@ def _length_through_eos(ids: torch.Tensor, eos_token_id: int | None) -> int:
     return len(ids)
 
 
+def save_figure(figure: Figure, path: str | Path) -> None:
+    """Save `figure` at `path` (its format from the suffix, PNG without one), written beside it and renamed:
+    a failed write (a full disk) leaves the picture that was there, not a truncated one."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("wb") as handle:
+            figure.savefig(handle, format=path.suffix[1:] or None, dpi=100)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def plot_attention_grid(
     weights: torch.Tensor,
     query_tokens: Sequence[str],
@@ -156,7 +170,7 @@ def plot_attention_grid(
                 ax.set_ylabel(query_label, fontsize=8)
     figure.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     figure.suptitle(title)
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     return figure
 
 
@@ -251,7 +265,7 @@ def plot_positional_encoding(
     axes[2].set_title("Similarity depends only on the offset", fontsize=9)
     axes[2].grid(alpha=0.3)
     axes[2].legend(fontsize=8)
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path)
     return figure
 
 
