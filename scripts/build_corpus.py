@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     existing = next(p for p in args.output.absolute().parents if p.exists())
     if not existing.is_dir():
         parser.error(f"--output {args.output}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):  # the file is written beside its name: found only after the build
+        parser.error(f"--output {args.output}: {existing} is not writable; name a file in a writable folder")
 
     with tempfile.TemporaryDirectory() as tmp:
         sword_dir = args.sword_dir or fetch_sword_dir(Path(tmp))

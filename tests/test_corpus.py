@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import os
 import random
 import re
 from pathlib import Path
@@ -265,6 +266,27 @@ def test_build_corpus_script_refuses_an_output_it_cannot_write_before_the_build(
         with pytest.raises(SystemExit):
             script.main(["--sword-dir", str(sword), "--output", str(output)])
         assert message in capsys.readouterr().err
+
+
+def test_build_corpus_script_refuses_an_output_in_a_read_only_folder_before_the_build(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """A read-only folder (the shipped file of a package installed system-wide) failed only at the write,
+    after the download and the build."""
+    script, sword = load_build_corpus_script(monkeypatch, tmp_path)
+    monkeypatch.setattr(script, "build_corpus", lambda *_, **__: pytest.fail("built"))
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    access = os.access
+
+    def read_only(path, mode, *args, **kwargs):  # as for a read-only mount (a folder's mode binds no root)
+        return not (mode & os.W_OK and Path(path) == folder) and access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", read_only)
+    for output in (folder / "corpus.jsonl.gz", folder / "new" / "corpus.jsonl.gz"):
+        with pytest.raises(SystemExit):
+            script.main(["--sword-dir", str(sword), "--output", str(output)])
+        assert f"{folder} is not writable" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
