@@ -140,17 +140,19 @@ def _written_through(path: Path) -> bool:
 
 
 @contextmanager
-def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
-    """A UTF-8 text stream whose contents become `path` only when the block ends without an exception
-    (written beside it under a name of its own, then renamed): an interrupted or failed run leaves the
-    old file, never half of a new one, and two runs writing the same path leave one's file whole.
+def replaced_when_complete(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
+    """A UTF-8 text stream (a byte stream with `binary`) whose contents become `path` only when the block
+    ends without an exception (written beside it under a name of its own, then renamed): an interrupted or
+    failed run leaves the old file, never half of a new one, and two runs writing the same path leave one's
+    file whole.
 
     A path that is not a regular file (a device such as /dev/null, a named pipe, the /dev/fd/N of a
     shell's `>(...)`), or any path under /dev or /proc (/dev/stdout is a link to whatever standard output
     is, a regular file too), is written directly: renaming would replace it with a file."""
     path = Path(path)
+    mode, encoding = ("wb", None) if binary else ("w", "utf-8")
     if _written_through(path):
-        with path.open("w", encoding="utf-8") as stream:
+        with path.open(mode, encoding=encoding) as stream:
             yield stream
         return
     # A name of this writer's own; created with mode 0666, which the system narrows by the umask.
@@ -166,7 +168,7 @@ def replaced_when_complete(path: str | Path) -> Iterator[IO[str]]:
     ):
         terminate = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with open(handle, "w", encoding="utf-8") as stream:
+        with open(handle, mode, encoding=encoding) as stream:
             yield stream
         with contextlib.suppress(FileNotFoundError):  # a file replaced keeps its mode
             os.chmod(partial, stat.S_IMODE(os.stat(path).st_mode))

@@ -7,7 +7,6 @@ matplotlib figures (Agg canvas, no pyplot state).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .cli import replaced_when_complete
 from .modeling_vanilla_transformer import sinusoidal_position_encoding
 
 # Beyond these the pictures are unreadable (one labelled row and column per token or position) and
@@ -117,14 +117,8 @@ def _length_through_eos(ids: torch.Tensor, eos_token_id: int | None) -> int:
 def save_figure(figure: Figure, path: str | Path) -> None:
     """Save `figure` at `path` (its format from the suffix, PNG without one), written beside it and renamed:
     a failed write (a full disk) leaves the picture that was there, not a truncated one."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with partial.open("wb") as handle:
-            figure.savefig(handle, format=path.suffix[1:] or None, dpi=100)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    with replaced_when_complete(path, binary=True) as stream:
+        figure.savefig(stream, format=Path(path).suffix[1:] or None, dpi=100)
 
 
 def plot_attention_grid(
