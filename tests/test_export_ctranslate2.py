@@ -186,8 +186,14 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     with pytest.raises(ValueError, match="is not a CTranslate2 export of this package"):
         export_ctranslate2(tmp_path / "model", tmp_path / "model")
     assert (tmp_path / "model" / "config.json").read_text() == config
-    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=16)  # an earlier export: replaced
+    # An earlier export is replaced, all its files: one of another model (a converted OPUS-MT's
+    # sentencepiece tokenizer, two vocabularies) left files the next export does not write, read with it.
+    exported = sorted(p.name for p in (tmp_path / "ct2").iterdir())
+    for stale in ("source.spm", "source_vocabulary.json", "target_vocabulary.json"):
+        (tmp_path / "ct2" / stale).write_text("from an earlier export")
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=16)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 16
+    assert sorted(p.name for p in (tmp_path / "ct2").iterdir()) == exported
     with pytest.raises(ValueError, match=r"position table of 119\.2 GiB"):  # refused before it is built
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=10**9)
     # ... and before the weights are read: unreadable ones are not reached.

@@ -54,6 +54,19 @@ def test_publishing_replaces_the_model_files_and_keeps_everything_else(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_publishing_without_keeping_other_files_replaces_the_whole_folder(tmp_path):
+    """What an export does: an earlier export's files that the new one does not write would be read
+    with it (another tokenizer's, another vocabulary layout's)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_files(folder, OLD | KEPT)
+    with publish_folder(folder, keep_other_files=False) as staging:
+        assert not any(staging.iterdir())
+        write_files(staging, NEW)
+    assert read_files(folder) == NEW
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_an_error_while_writing_leaves_the_old_folder(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
@@ -97,7 +110,7 @@ class Killed(BaseException):
     """Stands for the process dying: nothing after it runs, not even `except Exception` blocks."""
 
 
-def count_file_operations(tmp_path: Path) -> int:
+def count_file_operations(tmp_path: Path, keep_other_files: bool) -> int:
     calls = []
     real = os.replace
     folder = tmp_path / "count"
@@ -105,20 +118,24 @@ def count_file_operations(tmp_path: Path) -> int:
     write_files(folder, OLD | KEPT)
     publishing.os.replace = lambda *args: (calls.append(args), real(*args))
     try:
-        with publish_folder(folder) as staging:
+        with publish_folder(folder, keep_other_files=keep_other_files) as staging:
             write_files(staging, NEW)
     finally:
         publishing.os.replace = real
     return len(calls)
 
 
-def test_a_kill_at_any_rename_leaves_a_folder_that_recovery_completes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("keep_other_files", [True, False])
+def test_a_kill_at_any_rename_leaves_a_folder_that_recovery_completes(
+    tmp_path, monkeypatch, keep_other_files
+):
     """Kill the publication before each of its renames (and before deleting the old folder); the
     folder on disk is then the old one or the new one, and recovery leaves the new one with every
-    kept file."""
-    renames = count_file_operations(tmp_path)
+    kept file (none without `keep_other_files`)."""
+    renames = count_file_operations(tmp_path, keep_other_files)
+    kept = KEPT if keep_other_files else {}
     # partial -> ready, each kept entry, old folder -> replaced, ready -> folder
-    assert renames == 3 + len({Path(name).parts[0] for name in KEPT})
+    assert renames == 3 + len({Path(name).parts[0] for name in kept})
     real_replace, real_rmtree = os.replace, publishing.shutil.rmtree
     for kill_at in range(renames + 1):
         folder = tmp_path / f"model-{kill_at}"
@@ -139,7 +156,7 @@ def test_a_kill_at_any_rename_leaves_a_folder_that_recovery_completes(tmp_path, 
 
         monkeypatch.setattr(publishing.os, "replace", replace)
         monkeypatch.setattr(publishing.shutil, "rmtree", rmtree)
-        with pytest.raises(Killed), publish_folder(folder) as staging:
+        with pytest.raises(Killed), publish_folder(folder, keep_other_files=keep_other_files) as staging:
             write_files(staging, NEW)
         monkeypatch.setattr(publishing.os, "replace", real_replace)
         monkeypatch.setattr(publishing.shutil, "rmtree", real_rmtree)
@@ -149,9 +166,10 @@ def test_a_kill_at_any_rename_leaves_a_folder_that_recovery_completes(tmp_path, 
             model = {k: v for k, v in read_files(folder).items() if k in NEW}
             assert model in (OLD, NEW), kill_at
         else:  # between the two renames of the swap: the new folder is complete beside it
-            assert read_files(staging_paths(folder)[1]) == NEW | KEPT
+            ready = read_files(staging_paths(folder)[1])
+            assert {k: v for k, v in ready.items() if not k.startswith(".")} == NEW | kept
         finish_interrupted_publish(folder)
-        expected = OLD | KEPT if kill_at == 0 else NEW | KEPT
+        expected = OLD | KEPT if kill_at == 0 else NEW | kept
         assert read_files(folder) == expected, kill_at
         assert not any(p.exists() for p in staging_paths(folder)), kill_at
 

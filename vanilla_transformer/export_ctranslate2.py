@@ -214,7 +214,7 @@ def export_ctranslate2(
 ) -> Path:
     """Write the CTranslate2 model of the model folder `model_dir` to `output_dir`, with its tokenizer and
     decoding settings beside it; the folder appears whole or not at all. An earlier export there is
-    replaced; any other non-empty folder (the model folder itself, say) is refused."""
+    replaced, all its files; any other non-empty folder (the model folder itself, say) is refused."""
     from .evaluation import load_model_folder
 
     target = Path(output_dir)
@@ -289,7 +289,9 @@ def export_ctranslate2(
     ):
         logger.warning(difference)
     output_dir = Path(output_dir)
-    with publish_folder(output_dir) as staging:
+    # An earlier export's files that this one lacks (another tokenizer's, two vocabularies where this has
+    # one) would be read with it: replaced as a whole.
+    with publish_folder(output_dir, keep_other_files=False) as staging:
         spec.save(str(staging))
         tokenizer.save_pretrained(staging)
         (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))

@@ -137,16 +137,23 @@ def finish_interrupted_publish(folder: str | Path) -> None:
             os.replace(replaced, folder)
 
 
+# In a complete folder waiting to be published, this empty file says that the old folder's other files
+# are not kept (`publish_folder(..., keep_other_files=False)`), also when a later run finishes the swap.
+REPLACES_WHOLE_FOLDER = ".replaces-whole-folder"
+
+
 def _swap_in(ready: Path, folder: Path) -> None:
     replaced = staging_paths(folder)[2]
     if folder.exists():
-        for entry in folder.iterdir():
-            if not os.path.lexists(ready / entry.name):
-                os.replace(entry, ready / entry.name)
+        if not (ready / REPLACES_WHOLE_FOLDER).exists():
+            for entry in folder.iterdir():
+                if not os.path.lexists(ready / entry.name):
+                    os.replace(entry, ready / entry.name)
         if replaced.exists():
             shutil.rmtree(replaced)
         os.replace(folder, replaced)
     os.replace(ready, folder)
+    (folder / REPLACES_WHOLE_FOLDER).unlink(missing_ok=True)
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -190,9 +197,11 @@ def sync_tree(folder: Path) -> None:
 
 
 @contextmanager
-def publish_folder(folder: str | Path) -> Iterator[Path]:
+def publish_folder(folder: str | Path, *, keep_other_files: bool = True) -> Iterator[Path]:
     """Yield an empty staging folder; when the block ends without an exception, its files become
-    `folder` in one rename, keeping the old folder's other files (checkpoints, logs).
+    `folder` in one rename, keeping the old folder's other files (checkpoints, logs), or none of them
+    without `keep_other_files` (an earlier export's files that this one does not write would be read
+    with it).
 
     If the block raises (or the process dies), `folder` is untouched; the staging folder is removed
     (on an exception now, after a kill by the next `finish_interrupted_publish`).
@@ -204,6 +213,8 @@ def publish_folder(folder: str | Path) -> Iterator[Path]:
     partial.mkdir(parents=True)
     try:
         yield partial
+        if not keep_other_files:
+            (partial / REPLACES_WHOLE_FOLDER).touch()
         sync_tree(partial)  # on disk before it is named complete: a crash cannot publish empty files
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
