@@ -186,6 +186,8 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     with pytest.raises(ValueError, match="is not a CTranslate2 export of this package"):
         export_ctranslate2(tmp_path / "model", tmp_path / "model")
     assert (tmp_path / "model" / "config.json").read_text() == config
+    with pytest.raises(ValueError, match=r"'' \(an empty name\) is the current folder"):  # renamed it away
+        export_ctranslate2(tmp_path / "model", "")
     # An earlier export is replaced, all its files: one of another model (a converted OPUS-MT's
     # sentencepiece tokenizer, two vocabularies) left files the next export does not write, read with it.
     exported = sorted(p.name for p in (tmp_path / "ct2").iterdir())

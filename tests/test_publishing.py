@@ -8,6 +8,7 @@ import pytest
 
 from vanilla_transformer import publishing
 from vanilla_transformer.publishing import (
+    check_new_folder,
     check_renamable,
     check_writable_place,
     finish_interrupted_publish,
@@ -76,6 +77,19 @@ def test_an_error_while_writing_leaves_the_old_folder(tmp_path):
         raise OSError("disk full")
     assert read_files(folder) == OLD | KEPT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_the_current_folder_or_one_holding_it_is_refused(tmp_path, monkeypatch):
+    """Published, it was renamed away from under the process and the shell that started it (an empty
+    name, an unset shell variable, is the current folder)."""
+    inner = tmp_path / "outer" / "inner"
+    inner.mkdir(parents=True)
+    monkeypatch.chdir(inner)
+    for name in ("", ".", "..", str(tmp_path / "outer")):
+        with pytest.raises(ValueError, match=r"is the current folder or holds it; .* name a subfolder"):
+            check_new_folder(name)
+    check_new_folder("sub")
+    check_new_folder(tmp_path / "elsewhere")
 
 
 def test_a_linked_folder_is_published_into_its_target(tmp_path):

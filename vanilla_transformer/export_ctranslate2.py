@@ -44,7 +44,7 @@ from .modeling_vanilla_transformer import (
     check_beam_settings,
     sinusoidal_position_encoding,
 )
-from .publishing import check_writable_place, publish_folder
+from .publishing import check_not_current_folder, check_writable_place, publish_folder
 from .translation import SentenceError, checked_sentences, one_line
 
 logger = logging.getLogger(__name__)
@@ -217,6 +217,7 @@ def export_ctranslate2(
     replaced, all its files; any other non-empty folder (the model folder itself, say) is refused."""
     from .evaluation import load_model_folder
 
+    check_not_current_folder(output_dir)
     target = Path(output_dir)
     if target.exists() and (
         not target.is_dir() or (any(target.iterdir()) and not (target / SETTINGS_FILE).is_file())

@@ -73,10 +73,24 @@ def check_writable_place(folder: str | Path) -> None:
             )
 
 
+def check_not_current_folder(folder: str | Path) -> None:
+    """Raise ValueError if `folder` is the current folder or holds it (an empty name, an unset shell
+    variable, is the current folder): it is written beside itself and renamed into place, which would
+    leave this process, and the shell that started it, in a folder that no longer exists."""
+    path, here = Path(folder).resolve(), Path.cwd().resolve()
+    if path == here or path in here.parents:
+        named = str(folder) or "'' (an empty name)"
+        raise ValueError(
+            f"{named} is the current folder or holds it; the folder is "
+            "written beside it and renamed into place, so name a subfolder."
+        )
+
+
 def check_new_folder(folder: str | Path) -> None:
     """Raise ValueError unless `folder` is absent or empty (a tool that writes a whole folder must not mix
-    its files into another's), could be renamed into place (`check_renamable`) and can be written there
-    (`check_writable_place`)."""
+    its files into another's), is not the current folder (`check_not_current_folder`), could be renamed
+    into place (`check_renamable`) and can be written there (`check_writable_place`)."""
+    check_not_current_folder(folder)
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} exists and is not an empty folder; name a new one.")
@@ -266,6 +280,7 @@ def disk_full_message(
 
 __all__ = [
     "check_new_folder",
+    "check_not_current_folder",
     "check_renamable",
     "check_writable_place",
     "disk_full_message",

@@ -69,6 +69,7 @@ from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransform
 from .parallel_data import load_parallel_data, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import (
+    check_not_current_folder,
     check_renamable,
     check_writable_place,
     disk_full_message,
@@ -437,11 +438,10 @@ class TrainingConfig:
         output = Path(self.output_dir).resolve()  # a link: its target; "..": the folder it names
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output_dir {output} is a file, not a folder.")
-        if output == Path.cwd().resolve() or output in Path.cwd().resolve().parents:
-            raise ValueError(
-                f"--output_dir {self.output_dir} is the current folder or holds it; the final folder is "
-                "written beside it and renamed into place, so name a subfolder."
-            )
+        try:
+            check_not_current_folder(self.output_dir)
+        except ValueError as error:
+            raise ValueError(f"--output_dir {error}") from None
         # A folder of an earlier run here is resumed or retrained (its checkpoints are kept apart); any
         # other folder's files would be replaced by the model folder's (a card, a config, a tokenizer)
         # or moved into it, and published with it, without a word.
