@@ -245,6 +245,23 @@ def test_scripts_export_and_translate_a_file(tmp_path, corpus, run_in_process):
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line per input line, blank kept
     expected = CTranslate2Translator(tmp_path / "ct2").translate(["In the beginning.", "And God said."])
     assert [lines[0], lines[2]] == expected
+    # Sentences given with a line break or spaces around them are read as `translate` reads them (as
+    # training data is): the engine once got word-start tokens at their ends that no source had.
+    translator, received = CTranslate2Translator(tmp_path / "ct2"), []
+    engine_of = translator.translator
+
+    class Recording:
+        def translate_batch(self, sources, **options):
+            received.extend(sources)
+            return engine_of.translate_batch(sources, **options)
+
+    translator.translator = Recording()
+    assert translator.translate(["In the beginning.\n", "  And God said. \r\n"]) == expected
+    tokens = [
+        translator.tokenizer.tokenize(text, add_special_tokens=True)
+        for text in ["In the beginning.", "And God said."]
+    ]
+    assert sorted(received) == sorted(tokens)
     # Without --engine ctranslate2 the export was read as a transformers folder ("Unrecognized model").
     plain = run_in_process(
         "translate.py", "--model", str(tmp_path / "ct2"), "--input", str(tmp_path / "en.txt")

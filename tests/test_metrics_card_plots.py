@@ -206,6 +206,7 @@ class EchoModel(torch.nn.Module):
         super().__init__()
         self.layer = torch.nn.Linear(1, 1)
         self.batches: list[torch.Tensor] = []
+        self.inputs: list[torch.Tensor] = []
 
     @property
     def device(self) -> torch.device:
@@ -214,6 +215,7 @@ class EchoModel(torch.nn.Module):
     def generate(self, input_ids, attention_mask, **kwargs):
         assert not self.training and torch.is_inference_mode_enabled()
         self.batches.append(attention_mask.sum(1))
+        self.inputs.append(input_ids)
         return input_ids
 
 
@@ -242,6 +244,32 @@ def test_translate_edge_cases(tokenizer):
         translate(model, tokenizer, "Jesus wept .")
     with pytest.raises(ValueError, match="batch_size"):
         translate(model, tokenizer, ["Jesus wept ."], batch_size=0)
+
+
+def test_translate_reads_a_sentence_as_the_training_data_reads_it():
+    """Training sources are `one_line` (stripped, line breaks made spaces), and translate.py strips its
+    lines. A sentence given with its line break (as `readlines()` gives it), in Windows' form, with
+    spaces around it or across lines was encoded with word-start tokens that no training source has
+    (this package's tokenizer keeps spaces) and translated otherwise."""
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(SOURCES * 5, 80)
+    clean = [sentence for sentence in SOURCES if sentence]
+    given = [
+        clean[0] + "\n",
+        clean[1] + "\r\n",
+        "  " + clean[2] + " ",
+        clean[3].replace(" ", " \n ", 1),
+        " \t" + clean[4],
+    ]
+    expected = [tokenizer(text)["input_ids"] for text in clean]
+    for raw, ids in zip(given, expected, strict=True):  # the tokenizer alone reads each of them otherwise
+        assert tokenizer(raw)["input_ids"] != ids, raw
+    model = EchoModel()
+    translate(model, tokenizer, given, batch_size=1)
+    received = [ids[0, : int(count)].tolist() for ids, count in zip(model.inputs, model.batches, strict=True)]
+    assert sorted(received) == sorted(expected)  # sorted: `translate` sends the longest first
+    assert translate(model, tokenizer, ["\n", " \r\n "]) == ["", ""]
 
 
 def test_translate_keeps_one_line_per_sentence(tokenizer, monkeypatch):

@@ -428,6 +428,7 @@ class CTranslate2Translator:
         check_beam_settings(num_beams, length_penalty)
         if not sentences:
             return []
+        sentences = [one_line(sentence) for sentence in sentences]  # as `translate` reads them
         settings = self.settings
         sources = [
             self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(sentences)["input_ids"]
@@ -460,7 +461,7 @@ class CTranslate2Translator:
             if difference not in self.warned:
                 self.warned.add(difference)
                 logger.warning(difference)
-        outputs = {i: "" for i, sentence in enumerate(sentences) if not sentence.strip()}  # as `translate`'s
+        outputs = {i: "" for i, sentence in enumerate(sentences) if not sentence}  # as `translate`'s
         by_length: dict[int, list[int]] = {}
         for index, tokens in enumerate(sources):
             if index not in outputs:

@@ -58,6 +58,7 @@ def translate(
 ) -> list[str]:
     """Translate `sentences` with `model.generate`, `batch_size` sentences at a time.
 
+    Each sentence is read as training data is (`one_line`: stripped, its line breaks made spaces).
     Sentences are sorted by token length (longest first) so that each batch carries little padding;
     the translations come back in the input order, decoded without special tokens, stripped and on one
     line each (a model trained on text with line breaks may write them: they become spaces, so that a
@@ -71,10 +72,15 @@ def translate(
     if not sentences:
         return []
 
+    # Each sentence as the training data's sources are (`one_line`; translate.py strips its lines too): a
+    # sentence read with its line break ("Jesus wept.\n", from `readlines()`) or with spaces around it
+    # was encoded with word-start tokens at its ends that no training source has, and translated
+    # differently.
+    sentences = [one_line(sentence) for sentence in sentences]
     lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
     # A blank sentence is "" without going to the model, which given only the end token would write
     # whatever it learnt most often.
-    translations = {i: "" for i, sentence in enumerate(sentences) if not sentence.strip()}
+    translations = {i: "" for i, sentence in enumerate(sentences) if not sentence}
     order = [i for i in range(len(sentences)) if i not in translations]
     order.sort(key=lambda i: -lengths[i])  # stable: ties keep input order
 
