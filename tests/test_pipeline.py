@@ -72,6 +72,22 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
     assert translator([]) == []  # no sentences: no translations (an IndexError inside transformers once)
 
 
+def test_a_sentence_is_read_as_the_training_data_reads_it(saved):
+    """Training sources are stripped, their line breaks made spaces: a sentence with its line break (a
+    file's line) or spaces around it was encoded with word-start tokens that no training source has."""
+    _, model, tokenizer = saved
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer)
+    given = [SENTENCES[0] + "\n", "  " + SENTENCES[1] + " \r\n", SENTENCES[2].replace(" ", " \n ", 1)]
+    for raw, text in zip(given, SENTENCES, strict=True):
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        assert not torch.equal(tokenizer(raw, return_tensors="pt")["input_ids"], ids), raw
+        assert torch.equal(translator.preprocess(raw)["input_ids"], ids), raw
+    options = {"num_beams": 2, "max_new_tokens": 6, "return_tensors": True}
+    expected = [translator(text, **options)[0]["translation_token_ids"] for text in SENTENCES]
+    batched = translator(given, batch_size=3, **options)
+    assert all(torch.equal(r["translation_token_ids"], e) for r, e in zip(batched, expected, strict=True))
+
+
 def test_several_translations_per_sentence_stay_with_their_sentence(saved):
     """With batches of 2 and 2 sequences per sentence, the batch's 4 outputs were once handed out one
     per input: the second sentence got the first one's second beam, and the third sentence's were lost."""

@@ -255,6 +255,10 @@ class TranslationPipeline(Pipeline):
     ) -> dict[str, torch.Tensor]:
         if not text.strip():
             raise ValueError("Cannot translate an empty string.")
+        # As training data is read: stripped, its line breaks made spaces (this package's `one_line`). A
+        # sentence with its line break (a file's line) or spaces around it was encoded with word-start
+        # tokens at its ends that no training source has, and translated otherwise.
+        text = " ".join(part.strip() for part in text.splitlines() if part.strip())
         return self.tokenizer(text, return_tensors="pt", truncation=truncation)
 
     def _setting(self, name: str, generate_kwargs: dict[str, Any]) -> Any:
