@@ -59,6 +59,16 @@ def test_a_tab_or_other_whitespace_between_words_separates_them(tokenizer, tmp_p
     assert AutoTokenizer.from_pretrained(tmp_path)("God\tcreated the earth.")["input_ids"] == spaced
 
 
+def test_whitespace_around_a_sentence_is_no_token(tokenizer, tmp_path):
+    """A line read with its line break, or a sentence with spaces around it, was encoded with word-start
+    tokens at its ends that no training sentence (stripped) has, and translated otherwise."""
+    plain = tokenizer("Jesus wept.")["input_ids"]
+    for text in ("Jesus wept.\n", "  Jesus wept. ", "\tJesus wept.\r\n", "\u00a0Jesus wept.\u3000"):
+        assert tokenizer(text)["input_ids"] == plain, repr(text)
+    tokenizer.save_pretrained(tmp_path)  # the rule is saved with it
+    assert AutoTokenizer.from_pretrained(tmp_path)(" Jesus wept.\n")["input_ids"] == plain
+
+
 def test_tokenizer_shares_one_vocabulary_across_languages(tokenizer):
     english, spanish = tokenizer("God created")["input_ids"], tokenizer("crió Dios")["input_ids"]
     assert max(english + spanish) < len(tokenizer)

@@ -22,9 +22,11 @@ def train_bpe_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Learn one BPE vocabulary from source and target sentences together.
 
-    Text is NFKC-normalised and every whitespace character made a space (a tab between two words was a
+    Text is NFKC-normalised, every whitespace character made a space (a tab between two words was a
     character of its own, `<unk>` where training text had none, and the next word lost its word-start
-    marker: two words read and translated as one), then split on spaces with a word-boundary marker
+    marker: two words read and translated as one) and the ends stripped (as the training data's
+    sentences are: a line's line break, or spaces around a sentence, were word-start tokens that no
+    training sentence has, and changed its translation), then split on spaces with a word-boundary marker
     (Metaspace) and before and after punctuation, so that decoding restores the original spacing.
     Every encoded sequence ends with `</s>`; the decoder starts from `<s>`. The special tokens'
     spellings in text ("<s>", "</s>" as HTML's strikethrough, say) are text, not those tokens
@@ -36,7 +38,9 @@ def train_bpe_tokenizer(
             f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}."
         )
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " ")])
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " "), normalizers.Strip()]
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()]
     )
