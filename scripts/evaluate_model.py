@@ -19,17 +19,17 @@ from vanilla_transformer.cli import (
 )
 from vanilla_transformer.corpus import default_corpus_path
 from vanilla_transformer.evaluation import evaluate_model, format_scores
+from vanilla_transformer.parallel_data import resolve_languages
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id)")
 parser.add_argument("--test_file", help="local .tsv/.csv/.jsonl file to score (default: embedded corpus)")
 parser.add_argument("--split", default="test", help="split of the embedded corpus (default: test)")
-parser.add_argument("--source_lang", default="en", help="default: en")
+parser.add_argument("--source_lang", help="default: en (needed with --source_column)")
 parser.add_argument(
     "--target_lang",
-    default="es",
-    help="default: es; it also picks BLEU's tokeniser, as sacreBLEU does (zh, ja, ko: theirs; else 13a), "
-    "so name it with --target_column too",
+    help="default: es (needed with --target_column); it also picks BLEU's tokeniser, as sacreBLEU does (zh, "
+    "ja, ko: theirs; else 13a)",
 )
 parser.add_argument("--source_column")
 parser.add_argument("--target_column")
@@ -51,6 +51,10 @@ parser.add_argument(
 args = parser.parse_args()
 if args.length_penalty is not None and not math.isfinite(args.length_penalty):
     parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
+try:
+    resolve_languages(args)
+except ValueError as error:
+    parser.error(str(error))
 if args.test_file and args.split != "test":
     parser.error("--split names a split of the embedded corpus; a --test_file is scored whole")
 if args.hypotheses is not None:  # checked now (its folder writable too), not after the whole evaluation

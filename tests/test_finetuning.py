@@ -259,6 +259,11 @@ def test_bad_finetune_options():
         FinetuneConfig(model="m", train_file="t", output_dir="o", learning_rate=float("nan"))
     with pytest.raises(ValueError, match=r"--seed must be between 0 and 2\*\*32 - 1, got -1"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", seed=-1)
+    # A column's language cannot be guessed: the card named the embedded corpus's, English and Spanish.
+    with pytest.raises(ValueError, match="--source_column src names the column, not its language"):
+        FinetuneConfig(model="m", train_file="t", output_dir="o", source_column="src", target_lang="de")
+    named = FinetuneConfig(model="m", train_file="t", output_dir="o", source_column="src", source_lang="fr")
+    assert (named.source_lang, named.target_lang) == ("fr", "es")
 
 
 def test_an_empty_output_dir_is_refused_before_any_work(tmp_path, monkeypatch):

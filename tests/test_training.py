@@ -468,6 +468,12 @@ def test_a_hub_dataset_of_translation_pairs_trains_and_its_card_reads_it_back(tm
     monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.add(args) or hub)
     options = {"dataset_name": "org/bible", "dataset_config": "en-es", "source_column": "english"}
     options |= {"target_column": "spanish", "max_steps": 4, "eval_steps": 0, "test_samples": 2}
+    # A column's language cannot be guessed: the card once named the embedded corpus's, English and Spanish.
+    with pytest.raises(ValueError, match="--source_column english names the column, not its language"):
+        TrainingConfig(dataset_name="org/bible", source_column="english", target_lang="es")
+    with pytest.raises(ValueError, match="--target_column spanish names the column, not its language"):
+        TrainingConfig(dataset_name="org/bible", source_lang="en", target_column="spanish")
+    options |= {"source_lang": "en", "target_lang": "es"}
     metrics = train(parse_config(small_args(tmp_path / "run", {}, **options)))["metrics"]
     assert calls == {("org/bible", "en-es")} and metrics["steps"] == 4 and "test_bleu" in metrics
     card = (tmp_path / "run" / "README.md").read_text()
@@ -1951,6 +1957,9 @@ def test_evaluate_script_refuses_hypotheses_that_would_replace_an_input(
     config_text = (output_dir / "config.json").read_text()
     inside = refusal(*test_file, "--hypotheses", str(output_dir / "config.json"))
     assert "is a file of the input folder" in inside
+    # A column's language (which picks BLEU's tokeniser, and the scores record) cannot be guessed.
+    unnamed = refusal(*test_file, "--source_lang", "en", "--target_column", "es")
+    assert "--target_column es names the column, not its language: give --target_lang too" in unnamed
     assert (output_dir / "config.json").read_text() == config_text
     assert "does not exist" in refusal(*test_file, "--hypotheses", str(tmp_path / "no" / "h.txt"))
     # --split beside --test_file was silently ignored

@@ -44,7 +44,7 @@ from .machine import (
 )
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
-from .parallel_data import load_parallel_data, tokenize_parallel_data
+from .parallel_data import load_parallel_data, resolve_languages, tokenize_parallel_data
 from .publishing import check_writable_place, disk_full_message
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,8 @@ class FinetuneConfig:
     train_file: str = field(metadata={"help": "local .tsv/.csv/.jsonl training file"})
     output_dir: str = field(metadata={"help": "where checkpoints and the fine-tuned model go"})
     validation_file: str | None = field(default=None, metadata={"help": "default: hold out part of train"})
-    source_lang: str = "en"
-    target_lang: str = "es"
+    source_lang: str | None = field(default=None, metadata={"help": "default en (needed with a column)"})
+    target_lang: str | None = field(default=None, metadata={"help": "default es (needed with a column)"})
     source_column: str | None = None
     target_column: str | None = None
     max_length: int = field(default=128, metadata={"help": "longest training sentence in tokens"})
@@ -86,6 +86,7 @@ class FinetuneConfig:
     )
 
     def __post_init__(self) -> None:
+        resolve_languages(self)
         positive = ["max_length", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size"]
         positive += ["gradient_accumulation_steps", "eval_steps", "num_beams", "validation_size"]
         positive += [] if self.max_eval_samples is None else ["max_eval_samples"]

@@ -347,6 +347,28 @@ def _drop_empty(data: DatasetDict, report: DataReport) -> DatasetDict:
     return data
 
 
+# The embedded corpus's languages: the default where no column is named.
+DEFAULT_LANGUAGES = {"source": "en", "target": "es"}
+
+
+def resolve_languages(config: Any) -> None:
+    """Set `config.source_lang` and `config.target_lang` where they are None: the embedded corpus's
+    (`DEFAULT_LANGUAGES`), unless that side's column is named (`source_column`, `target_column`), whose
+    language cannot be guessed: then ValueError. A model card once named English and Spanish for a
+    model trained on columns of other languages, and sacreBLEU's tokenizer, chosen by the target
+    language (zh, ja, ko), was the wrong one."""
+    for side, default in DEFAULT_LANGUAGES.items():
+        if getattr(config, f"{side}_lang") is not None:
+            continue
+        column = getattr(config, f"{side}_column")
+        if column is not None:
+            raise ValueError(
+                f"--{side}_column {column} names the column, not its language: give --{side}_lang too "
+                "(the model card names it, and the target language chooses sacreBLEU's tokenizer)."
+            )
+        setattr(config, f"{side}_lang", default)
+
+
 def load_parallel_data(
     *,
     dataset_name: str | None = None,
@@ -473,6 +495,7 @@ def tokenize_parallel_data(
 
 
 __all__ = [
+    "DEFAULT_LANGUAGES",
     "DataError",
     "DataReport",
     "check_delimited",

@@ -66,7 +66,7 @@ from .machine import (
 from .metrics import repetition_rate, score_translations
 from .model_card import evaluation_metrics, write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
-from .parallel_data import load_parallel_data, tokenize_parallel_data
+from .parallel_data import load_parallel_data, resolve_languages, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import (
     check_not_current_folder,
@@ -187,8 +187,14 @@ class TrainingConfig:
     train_file: str | None = field(default=None, metadata={"help": "local .tsv/.csv/.jsonl training file"})
     validation_file: str | None = field(default=None, metadata={"help": "local validation file"})
     test_file: str | None = field(default=None, metadata={"help": "local test file"})
-    source_lang: str = field(default="en", metadata={"help": "source language code (column name)"})
-    target_lang: str = field(default="es", metadata={"help": "target language code (column name)"})
+    source_lang: str | None = field(
+        default=None,
+        metadata={"help": "source language code (column name); default en (needed with a column)"},
+    )
+    target_lang: str | None = field(
+        default=None,
+        metadata={"help": "target language code (column name); default es (needed with a column)"},
+    )
     source_column: str | None = field(default=None, metadata={"help": "source column if not source_lang"})
     target_column: str | None = field(default=None, metadata={"help": "target column if not target_lang"})
     tokenizer_name: str | None = field(
@@ -346,6 +352,7 @@ class TrainingConfig:
         return beams | {"length_penalty_form": self.length_penalty_form} | blocking
 
     def __post_init__(self) -> None:
+        resolve_languages(self)
         if self.preset not in PRESETS:
             raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}.")
         for name, value in RECIPES[self.preset].items():
