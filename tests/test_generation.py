@@ -903,6 +903,26 @@ def test_a_hand_written_decoding_loop_follows_weights_written_through_data(sourc
     assert_same_up_to_rounding(after, expected, TINY_TERMS)
 
 
+def test_generate_follows_square_matrices_transposed_through_data(source):
+    """The kept copies' check, u^T W v, used the same vector on both sides of a square matrix, so a
+    matrix transposed in place through `.data` (a checkpoint's (in, out) layout put right; every
+    attention projection is square) kept its checksum: the next `generate()` decoded with the old
+    stacked Q/K/V and other kernels' layouts. Reference: a fresh model loaded with the new weights."""
+    model = tiny_model("sdpa", seed=0)
+    options = {"max_new_tokens": 8, "num_beams": 2, "output_scores": True, "return_dict_in_generate": True}
+    model.generate(source, **options)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2 and parameter.shape[0] == parameter.shape[1]:
+                parameter.data.copy_(parameter.data.t().clone())
+    after = model.generate(source, **options)
+    fresh = tiny_model("sdpa", seed=1)
+    fresh.load_state_dict(model.state_dict())
+    expected = fresh.generate(source, **options)
+    assert torch.equal(after.sequences, expected.sequences)
+    assert_same_up_to_rounding(torch.stack(after.scores), torch.stack(expected.scores), TINY_TERMS)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weight_checksums_of_narrow_types_see_real_edits(dtype):
     """u^T W v rounded to bfloat16's 8 bits missed a 5% change of every element about once in 50."""

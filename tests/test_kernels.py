@@ -308,6 +308,17 @@ def test_kept_copies_see_edits_through_data_under_autocast():
         weight.data += torch.randn(64, 64, generator=generator) * 0.125 * 0.05
 
 
+def test_weight_checksums_see_a_square_matrix_transposed():
+    """u^T W v with u = v (the same vector for a matrix's rows and columns when it is square) equals
+    u^T W^T v: a transposed matrix, or two elements swapped across its diagonal, kept its checksum."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 32, generator=generator)
+    swapped = weight.clone()
+    swapped[3, 7], swapped[7, 3] = weight[7, 3], weight[3, 7]
+    assert kernels.value_checksum((weight.t().contiguous(),)) != kernels.value_checksum((weight,))
+    assert kernels.value_checksum((swapped,)) != kernels.value_checksum((weight,))
+
+
 def test_weight_checksums_ignore_the_default_device(monkeypatch):
     """The checksum's fixed vectors were drawn with a CPU generator on the default device: under
     `torch.set_default_device("cuda")` the draw is refused, and the first decoding step of a model on

@@ -168,7 +168,7 @@ def _mode_from_environment() -> str:
 # weight copies are checked against their sources' values once in each.
 _GENERATE_CALLS = [0]
 CHECKSUM_CHUNK = 1 << 20  # elements of a narrower-than-float32 tensor widened at once by `value_checksum`
-_PROBES: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+_PROBES: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 # Whether products of per-step layers may use (and keep) copies of their matrices: only inside a
@@ -200,10 +200,12 @@ def new_generate_call() -> None:
     _GENERATE_CALLS[0] += 1
 
 
-def _probe(size: int, like: torch.Tensor) -> torch.Tensor:
-    key = (size, like.device, like.dtype)
+def _probe(size: int, like: torch.Tensor, side: int) -> torch.Tensor:
+    """The fixed vector of `size` positive values for a matrix's rows (`side` 0) or columns (1): one
+    vector for both sides of a square matrix would give its transpose the same checksum."""
+    key = (size, side, like.device, like.dtype)
     if key not in _PROBES:
-        generator = torch.Generator().manual_seed(size)
+        generator = torch.Generator().manual_seed(2 * size + side)
         # On the CPU, as its generator: not on a default device (`torch.set_default_device("cuda")`), where
         # a CPU generator is refused
         _PROBES[key] = (torch.rand(size, generator=generator, device="cpu") + 0.5).to(like.device, like.dtype)
@@ -213,21 +215,21 @@ def _probe(size: int, like: torch.Tensor) -> torch.Tensor:
 def value_checksum(tensors: tuple[torch.Tensor, ...]) -> tuple[float, ...]:
     """u^T W v per tensor (as a matrix of its first dimension's rows), with fixed positive vectors u and
     v: one read of the values, and changed by any change of them short of a coincidence (a sum would
-    miss a permutation). Computed in float32 at least: products rounded to bfloat16's 8 bits left
-    real edits (5% of every element) unseen in about one case of 50."""
+    miss a permutation; u = v, a square matrix transposed). Computed in float32 at least: products
+    rounded to bfloat16's 8 bits left real edits (5% of every element) unseen in about one case of 50."""
     sums = []
     for tensor in tensors:
         rows = tensor.reshape(tensor.shape[0] if tensor.dim() > 1 else 1, -1)
         if rows.dtype in (torch.float32, torch.float64):
-            sums.append(float(_probe(rows.shape[0], rows) @ (rows @ _probe(rows.shape[1], rows))))
+            sums.append(float(_probe(rows.shape[0], rows, 0) @ (rows @ _probe(rows.shape[1], rows, 1))))
             continue
         wide = rows.new_empty(0, dtype=torch.float32)
         step = max(1, CHECKSUM_CHUNK // rows.shape[1])  # widened a block of rows at a time
         parts = [
-            rows[i : i + step].to(torch.float32) @ _probe(rows.shape[1], wide)
+            rows[i : i + step].to(torch.float32) @ _probe(rows.shape[1], wide, 1)
             for i in range(0, len(rows), step)
         ]
-        sums.append(float(_probe(rows.shape[0], wide) @ torch.cat(parts)))
+        sums.append(float(_probe(rows.shape[0], wide, 0) @ torch.cat(parts)))
     return tuple(sums)
 
 
