@@ -2,6 +2,7 @@
 the three linear-layer kernels (torch, oneDNN, packed MKL); tolerances that follow from dtype and problem
 size; running a script in this process."""
 
+import copy
 import io
 import math
 import runpy
@@ -104,6 +105,21 @@ def assert_same_up_to_rounding(
 def gradient_scale(grads: dict[str, torch.Tensor]) -> float:
     """The largest gradient entry of a model: the magnitude rounding errors in its backward scale with."""
     return max(float(g.abs().max()) for g in grads.values())
+
+
+@pytest.fixture
+def keeping_spaces_at_the_ends():
+    """A function that gives a copy of one of this package's tokenizers keeping the spaces at a text's
+    ends, as those trained before e107b12 did (and folders saved with them still do)."""
+    from tokenizers import Regex, normalizers
+
+    def copy_of(tokenizer):
+        kept = copy.deepcopy(tokenizer)
+        steps = [normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " ")]
+        kept.backend_tokenizer.normalizer = normalizers.Sequence(steps)
+        return kept
+
+    return copy_of
 
 
 def count_returns(monkeypatch, cls: type, method: str) -> list[int]:

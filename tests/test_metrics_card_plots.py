@@ -246,14 +246,15 @@ def test_translate_edge_cases(tokenizer):
         translate(model, tokenizer, ["Jesus wept ."], batch_size=0)
 
 
-def test_translate_reads_a_sentence_as_the_training_data_reads_it():
+def test_translate_reads_a_sentence_as_the_training_data_reads_it(keeping_spaces_at_the_ends):
     """Training sources are `one_line` (stripped, line breaks made spaces), and translate.py strips its
     lines. A sentence given with its line break (as `readlines()` gives it), in Windows' form, with
     spaces around it or across lines was encoded with word-start tokens that no training source has
-    (this package's tokenizer keeps spaces) and translated otherwise."""
+    (by this package's tokenizers from before they stripped texts' ends, as here, and by others that keep
+    spaces) and translated otherwise."""
     from vanilla_transformer.tokenization import train_bpe_tokenizer
 
-    tokenizer = train_bpe_tokenizer(SOURCES * 5, 80)
+    tokenizer = keeping_spaces_at_the_ends(train_bpe_tokenizer(SOURCES * 5, 80))
     clean = [sentence for sentence in SOURCES if sentence]
     given = [
         clean[0] + "\n",
