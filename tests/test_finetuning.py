@@ -1,6 +1,7 @@
 """Fine-tuning with transformers' Seq2SeqTrainer, the path transformers users already know."""
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -647,3 +648,31 @@ def test_a_checkpoint_records_its_flags_before_it_counts_as_whole(start, tmp_pat
     options = {"eval_steps": 1, "max_eval_samples": 2, "num_beams": 1, "per_device_train_batch_size": 16}
     finetune(small_config(start_dir, data, output, max_steps=2, **options))
     assert flags_at_state == {"checkpoint-1": True, "checkpoint-2": True}
+
+
+def test_trainer_label_smoothing_without_decoder_inputs_says_how_to_build_them(tmp_path):
+    """Trainer with `label_smoothing_factor` takes the labels out of the batch before calling the model, so
+    a collator made without `model=` leaves the model no decoder inputs: the error says so, and how to
+    build them (the decoder's own message named two arguments the user never passed)."""
+    from datasets import Dataset
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    rows = load_default_corpus()["train"].select(range(16))
+    tokenizer = train_bpe_tokenizer(list(rows["en"]) + list(rows["es"]), vocab_size=120)
+    data = Dataset.from_dict(dict(tokenizer(list(rows["en"]), text_target=list(rows["es"]))))
+    torch.manual_seed(0)
+    sizes = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_encoder_layers": 1, "num_decoder_layers": 1}
+    config = VanillaTransformerConfig(vocab_size=len(tokenizer), **sizes)
+    model = VanillaTransformerForConditionalGeneration(config)
+    arguments = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, label_smoothing_factor=0.1,
+        report_to="none", save_strategy="no", use_cpu=True,
+    )  # fmt: skip
+    trainer = Seq2SeqTrainer(
+        model=model, args=arguments, train_dataset=data, data_collator=DataCollatorForSeq2Seq(tokenizer)
+    )
+    with pytest.raises(ValueError, match=r"DataCollatorForSeq2Seq\(tokenizer, model=model\)"):
+        trainer.train()
+    # With the collator building them, the same run trains (Trainer's smoother computes the loss).
+    trainer.data_collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    assert math.isfinite(trainer.train().training_loss)

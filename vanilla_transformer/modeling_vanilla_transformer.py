@@ -1215,6 +1215,16 @@ class VanillaTransformerForConditionalGeneration(
                 # are returned, skip their compute. (Returned logits are those of a forward without labels.)
                 positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
                 target_lengths = torch.where(labels != -100, positions, 0).amax(dim=1)
+        elif decoder_input_ids is None and decoder_inputs_embeds is None:
+            # Trainer with `label_smoothing_factor` (or `compute_loss_func`) takes `labels` out of the
+            # batch before calling the model: the decoder inputs must then come with the batch. The
+            # decoder's own message named two arguments the user never passed.
+            raise ValueError(
+                "No decoder inputs: pass `labels` (the decoder inputs are then the labels shifted right), "
+                "`decoder_input_ids` or `decoder_inputs_embeds`. Trainer with `label_smoothing_factor` "
+                "(or `compute_loss_func`) calls the model without `labels`: build `decoder_input_ids` "
+                "in the collator, `DataCollatorForSeq2Seq(tokenizer, model=model)`."
+            )
 
         outputs = self.model(
             return_dict=True,
