@@ -676,3 +676,44 @@ def test_trainer_label_smoothing_without_decoder_inputs_says_how_to_build_them(t
     # With the collator building them, the same run trains (Trainer's smoother computes the loss).
     trainer.data_collator = DataCollatorForSeq2Seq(tokenizer, model=model)
     assert math.isfinite(trainer.train().training_loss)
+
+
+@pytest.mark.parametrize("label_smoothing_factor", [0.0, 0.1])
+def test_trainer_label_smoothing_says_the_unlikelihood_term_is_dropped(tmp_path, label_smoothing_factor):
+    """Trainer's `label_smoothing_factor` computes the loss from the logits, without the model's
+    unlikelihood term (which the tiny recipe's models carry, weight 2): it is said, once; the model's own
+    loss (the factor at 0) keeps the term, and says nothing."""
+    import logging
+
+    from datasets import Dataset
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    rows = load_default_corpus()["train"].select(range(16))
+    tokenizer = train_bpe_tokenizer(list(rows["en"]) + list(rows["es"]), vocab_size=120)
+    data = Dataset.from_dict(dict(tokenizer(list(rows["en"]), text_target=list(rows["es"]))))
+    torch.manual_seed(0)
+    sizes = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_encoder_layers": 1, "num_decoder_layers": 1}
+    config = VanillaTransformerConfig(vocab_size=len(tokenizer), unlikelihood_weight=2.0, **sizes)
+    model = VanillaTransformerForConditionalGeneration(config)
+    arguments = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+        label_smoothing_factor=label_smoothing_factor, report_to="none", save_strategy="no", use_cpu=True,
+    )  # fmt: skip
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=arguments,
+        train_dataset=data,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
+    )
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    model_logger = logging.getLogger(VanillaTransformerForConditionalGeneration.__module__)
+    model_logger.addHandler(handler)
+    try:
+        logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
+        trainer.train()
+    finally:
+        model_logger.removeHandler(handler)
+    dropped = [w for w in warnings if "without its unlikelihood term" in w]
+    assert len(dropped) == (1 if label_smoothing_factor else 0), warnings

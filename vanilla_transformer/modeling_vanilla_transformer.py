@@ -1225,6 +1225,16 @@ class VanillaTransformerForConditionalGeneration(
                 "(or `compute_loss_func`) calls the model without `labels`: build `decoder_input_ids` "
                 "in the collator, `DataCollatorForSeq2Seq(tokenizer, model=model)`."
             )
+        elif self.training and num_items_in_batch is not None and self.config.unlikelihood_weight:
+            # Trainer's loss keyword without labels: its label smoother (or `compute_loss_func`) computes
+            # the loss from the logits, so the unlikelihood term the model was trained with is dropped.
+            hf_logging.get_logger(__name__).warning_once(
+                f"The loss is computed outside the model (Trainer's `label_smoothing_factor` or "
+                f"`compute_loss_func`), without its unlikelihood term (`config.unlikelihood_weight` = "
+                f"{self.config.unlikelihood_weight}). To keep it, leave `label_smoothing_factor` at 0 "
+                f"and set `config.label_smoothing` instead; set `config.unlikelihood_weight = 0` to "
+                f"train without it."
+            )
 
         outputs = self.model(
             return_dict=True,
