@@ -483,6 +483,22 @@ def test_the_cards_fine_tuning_example_loads_a_hub_dataset_with_its_config_and_t
     assert 'return tokenizer(batch["english"], text_target=batch["german"])' in text
 
 
+def test_the_model_index_names_the_hub_datasets_config_as_loaded():
+    """`--dataset_name wmt/wmt14 --dataset_config de-en --source_lang en --target_lang de` (README's
+    example): the model-index's dataset config is the one `load_dataset` took, "de-en"; it said "en-de",
+    a config wmt/wmt14 does not have. A Hub dataset loaded without a config names none."""
+    dataset = DATASET | {"hub_id": "wmt/wmt14", "hub_config": "de-en"}
+    card = build_model_card(**card_kwargs(dataset=dataset, target_lang="de"))
+    (result,) = card.data.eval_results[:1]
+    assert result.dataset_type == "wmt/wmt14" and result.dataset_config == "de-en"
+    (entry,) = ModelCard(str(card)).data.to_dict()["model-index"]
+    assert entry["results"][0]["dataset"]["config"] == "de-en"
+    unconfigured = build_model_card(**card_kwargs(dataset=DATASET | {"hub_config": None}))
+    assert {r.dataset_config for r in unconfigured.data.eval_results} == {None}
+    (entry,) = ModelCard(str(unconfigured)).data.to_dict()["model-index"]
+    assert "config" not in entry["results"][0]["dataset"]
+
+
 def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_own():
     hub_base = {"finetuned_from": "Helsinki-NLP/opus-mt-en-es", "finetuned_from_hub": True}
     tuned = build_model_card(

@@ -246,7 +246,9 @@ def _card_data(
         ),
         "dataset_type": hub_id or dataset_name,
         "dataset_name": dataset_name,
-        "dataset_config": f"{source_lang}-{target_lang}",
+        # A Hub dataset's config is the name load_dataset took (wmt/wmt14's "de-en" also for en -> de;
+        # none where it took none); other data has none, and the language pair stands for one.
+        "dataset_config": dataset.get("hub_config") if hub_id else f"{source_lang}-{target_lang}",
         "dataset_split": metrics.get("split", "test"),
     }
     eval_results = [
