@@ -15,6 +15,7 @@ import pytest
 from test_training import corpus_files, small_args  # noqa: F401  (a fixture and a helper)
 
 from vanilla_transformer import training
+from vanilla_transformer.cli import InputError
 from vanilla_transformer.metrics import repeats_ngram, repetition_rate
 from vanilla_transformer.training import (
     TrainingConfig,
@@ -106,6 +107,15 @@ def test_training_follows_the_linear_schedule_to_the_end_of_the_updates(tmp_path
     peak = paper_peak_lr(64, 8, 2.0)  # small_args: d_model 64, 8 warm-up updates, lr_scale 2
     expected = {s: peak * s / 8 if s <= 8 else peak * (12 - (s - 1)) / (12 - 8) for s in range(1, 13)}
     assert logged_lrs(result) == pytest.approx(expected, rel=1e-9)
+    # The budget shapes this schedule: resumed with a larger one, the rate went back up from near 0
+    # while the card said it fell to 0 once, at the new end. Refused, naming it; a --max_steps the run
+    # has reached finishes it as it is (no further update).
+    linear = [*args, "--lr_schedule", "linear", "--resume_from_checkpoint"]
+    earlier = str(tmp_path / "run" / "checkpoints" / "step-00000008")
+    for flag, value in (("--max_steps", "24"), ("--max_train_minutes", "9.0")):
+        with pytest.raises(InputError, match=rf"another recipe \({flag} \S+ -> {value}\).* length sets"):
+            train(parse_config([*linear, earlier, flag, value]))
+    assert train(parse_config([*linear, "latest", "--max_steps", "10"]))["metrics"]["steps"] == 12
 
 
 def test_linear_schedule_decays_with_the_time_budget(tmp_path, corpus_files, monkeypatch):  # noqa: F811

@@ -1442,14 +1442,18 @@ def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
 # betas and epsilon were not even applied: the checkpoint's optimizer state brings its own back) while
 # metrics.json and the model card named only the new values. --vocab_size is here too: a resumed run
 # keeps the checkpoint's tokenizer, so another size was ignored without a word. The run's length
-# (--max_steps, --max_train_minutes), validation, checkpoint and logging cadence, decoding and output
-# may change.
+# (--max_steps, --max_train_minutes; not where the learning rate follows it, BUDGET_FLAGS), validation,
+# checkpoint and logging cadence, decoding and output may change.
 RECIPE_FLAGS = (
     *("lr_schedule", "lr_scale", "warmup_steps", "lr_cooldown", "adam_beta1", "adam_beta2", "adam_epsilon"),
     *("max_grad_norm", "stutter_rate", "stutter_repeats", "vocab_size"),
 )
 RECIPE_MODEL_FIELDS = ("dropout", "label_smoothing", "unlikelihood_weight")  # flags of their own too
 RECIPE_OVERRIDE_FIELDS = ("attention_dropout", "activation_dropout", "qkv_init_gain")  # --config_overrides
+# The run's budget, part of the recipe where the learning rate follows it (--lr_schedule linear, a
+# --lr_cooldown): a linear run resumed with a larger --max_steps went back up from near 0 to about the
+# peak, while its card said the rate fell to 0 once, at the new end.
+BUDGET_FLAGS = ("max_steps", "max_train_minutes")
 
 
 def training_recipe(config: TrainingConfig, mixed_precision: str) -> dict[str, Any]:
@@ -1461,6 +1465,8 @@ def training_recipe(config: TrainingConfig, mixed_precision: str) -> dict[str, A
     )
     recipe = {name: getattr(config, name) for name in RECIPE_FLAGS}
     recipe |= {name: getattr(model, name) for name in RECIPE_MODEL_FIELDS + RECIPE_OVERRIDE_FIELDS}
+    if config.lr_schedule == "linear" or config.lr_cooldown > 0:  # the budget shapes the learning rate
+        recipe |= {name: getattr(config, name) for name in BUDGET_FLAGS}
     return recipe | {"mixed_precision": mixed_precision}
 
 
@@ -1468,18 +1474,28 @@ def check_recipe(resume_path: Path, recipe: dict[str, Any]) -> None:
     """Refuse to resume where the training recipe (`training_recipe`) differs from the checkpoint's,
     naming each changed flag with its old and new value (checkpoints written before the recipe was
     recorded are resumed as they are: there is nothing to compare)."""
+    step = json.loads((resume_path / STATE_FILE).read_text()).get("step", 0)
+    if recipe.get("max_steps", step + 1) <= step:  # no further update: the run is finished as it is
+        recipe = {name: value for name, value in recipe.items() if name not in BUDGET_FLAGS}
     changed = changes_since(resume_path, "recipe", recipe)
     if changed:
         flags = [
             f"--config_overrides {change}" if change.split()[0] in RECIPE_OVERRIDE_FIELDS else f"--{change}"
             for change in changed
         ]
+        budget = any(change.split()[0] in BUDGET_FLAGS for change in changed)
         raise InputError(
             f"Cannot continue {resume_path} exactly: it was trained with another recipe "
             f"({'; '.join(flags)}), and the resumed run, its metrics.json and its model card would mix the "
             "two. Resume with the run's flags (a field set in --config_overrides counts as its flag, and "
             "--mixed_precision also comes from accelerate launch), or start a new run in another "
             "--output_dir."
+            + (
+                " Under --lr_schedule linear or an --lr_cooldown the run's length sets the learning rate: a "
+                "--max_steps the run has reached finishes it as it is."
+                if budget
+                else ""
+            )
         )
 
 
