@@ -110,7 +110,7 @@ def trained(tmp_path_factory, corpus_files) -> tuple[Path, dict]:
     return output_dir, result
 
 
-def test_training_writes_a_complete_model_folder(trained):
+def test_training_writes_a_complete_model_folder(trained, corpus_files):
     output_dir, result = trained
 
     losses = [h["train_loss"] for h in result["history"] if "train_loss" in h]
@@ -166,6 +166,9 @@ def test_training_writes_a_complete_model_folder(trained):
         assert machine["cpu"] in card.text and "GFLOP/s" in card.text
     assert metrics["peak_resident_mib"] > 0 and metrics["stopped_by"] == "max_steps"
     assert card.data.pipeline_tag == "translation" and card.data.language == ["en", "es"]
+    # A local file is named, not where it lay on the machine that trained (the card is published).
+    assert str(Path(corpus_files["train_file"]).parent) not in (output_dir / "README.md").read_text()
+    assert Path(corpus_files["train_file"]).name in card.text
 
 
 def test_every_epoch_has_its_own_batch_order_on_each_process():

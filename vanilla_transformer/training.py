@@ -2100,8 +2100,8 @@ def write_model_folder(
     local = config.train_file is not None
     dataset = {
         "name": Path(config.train_file).name if local else info.dataset_name or config.dataset_name,
-        "description": (None if local else info.description)
-        or f"{config.dataset_name or config.train_file} {pair}",
+        "description": (None if local else info.description)  # a local file by its name: where it lay
+        or f"{config.dataset_name or Path(config.train_file).name} {pair}",  # is not the card's business
         "license": None if local else info.license or None,
         "train_pairs": len(tokenized["train"]),
         "validation_pairs": len(tokenized["validation"]),
