@@ -260,3 +260,13 @@ def test_a_failed_write_leaves_the_pictures_that_were_there(
     failed = run_in_process("visualize_attention.py", *flags)
     assert failed.returncode == 1 and "No space left on device" in failed.stderr, failed.stderr
     assert {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()} == before
+
+
+def test_sentences_are_read_as_the_training_data_is(model, tokenizer, keeping_spaces_at_the_ends):
+    # A folder saved before the tokenizer stripped the ends (e107b12) still encodes a sentence's line break
+    # or surrounding spaces as word-start tokens no training sentence has: the maps are read as translate's.
+    kept = keeping_spaces_at_the_ends(tokenizer)
+    maps = attention_maps(model, kept, f" {SOURCE}\n", f"{TARGET}\n")
+    expected = attention_maps(model, tokenizer, SOURCE, TARGET)
+    assert maps.source_tokens == expected.source_tokens and maps.target_tokens == expected.target_tokens
+    torch.testing.assert_close(maps.cross, expected.cross)

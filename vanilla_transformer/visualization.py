@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cli import replaced_when_complete
 from .modeling_vanilla_transformer import sinusoidal_position_encoding
+from .translation import one_line
 
 # Beyond these the pictures are unreadable (one labelled row and column per token or position) and
 # their tensors grow with the square: the (positions x positions) similarity at 10^6 positions would be
@@ -61,6 +62,9 @@ def attention_maps(
         raise ValueError("The source sentence is empty: give a sentence to look inside.")
     if target is not None and not target.strip():
         raise ValueError("The target sentence is empty: omit it to use the model's own translation.")
+    # As `translate` reads them (`one_line`): a tokenizer saved before it stripped the ends encoded a line
+    # break or spaces around a sentence as word-start tokens that no training sentence has.
+    source, target = one_line(source), None if target is None else one_line(target)
     device = next(model.parameters()).device
     input_ids = tokenizer(source, return_tensors="pt")["input_ids"].to(device)
     _check_map_length("source", input_ids.shape[1])
