@@ -118,7 +118,7 @@ def test_training_follows_the_linear_schedule_to_the_end_of_the_updates(tmp_path
     assert train(parse_config([*linear, "latest", "--max_steps", "10"]))["metrics"]["steps"] == 12
 
 
-def test_linear_schedule_decays_with_the_time_budget(tmp_path, corpus_files, monkeypatch):  # noqa: F811
+def test_linear_schedule_decays_with_the_time_budget(tmp_path, corpus_files, monkeypatch, caplog):  # noqa: F811
     # A clock that advances 20 ms each time the loop reads it: the same number of updates fits the
     # 0.6 s budget on any machine, however slow or busy.
     ticks = itertools.count()
@@ -143,6 +143,12 @@ def test_linear_schedule_decays_with_the_time_budget(tmp_path, corpus_files, mon
     after_warmup = lrs[1:]
     assert all(b <= a for a, b in itertools.pairwise(after_warmup)), lrs
     assert len(lrs) >= 4 and lrs[-1] < 0.5 * peak, lrs  # the budget, not the 100,000 updates, sets the decay
+    # Resumed with its budget spent: no update, and the advice is a new run, not a larger budget (which
+    # a resume of this schedule refuses).
+    with caplog.at_level("WARNING", logger=training.__name__):
+        again = train(parse_config([*args, "--resume_from_checkpoint", "latest"]))
+    assert again["metrics"]["steps"] == result["metrics"]["steps"]
+    assert "start a new run in another --output_dir" in caplog.text and "Raise it" not in caplog.text
 
 
 def test_default_vocabulary_grows_with_the_corpus_within_bounds():

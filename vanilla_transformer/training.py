@@ -1456,6 +1456,11 @@ RECIPE_OVERRIDE_FIELDS = ("attention_dropout", "activation_dropout", "qkv_init_g
 BUDGET_FLAGS = ("max_steps", "max_train_minutes")
 
 
+def budget_sets_lr(config: TrainingConfig) -> bool:
+    """Whether the run's length (`BUDGET_FLAGS`) shapes its learning rate: a linear schedule or a cooldown."""
+    return config.lr_schedule == "linear" or config.lr_cooldown > 0
+
+
 def training_recipe(config: TrainingConfig, mixed_precision: str) -> dict[str, Any]:
     """The settings of `config` that decide how the weights learn (`RECIPE_FLAGS` and the model fields
     the flags and --config_overrides set, as `build_model` resolves them), and the precision the
@@ -1465,7 +1470,7 @@ def training_recipe(config: TrainingConfig, mixed_precision: str) -> dict[str, A
     )
     recipe = {name: getattr(config, name) for name in RECIPE_FLAGS}
     recipe |= {name: getattr(model, name) for name in RECIPE_MODEL_FIELDS + RECIPE_OVERRIDE_FIELDS}
-    if config.lr_schedule == "linear" or config.lr_cooldown > 0:  # the budget shapes the learning rate
+    if budget_sets_lr(config):
         recipe |= {name: getattr(config, name) for name in BUDGET_FLAGS}
     return recipe | {"mixed_precision": mixed_precision}
 
@@ -1757,7 +1762,13 @@ def train_loop(run: Run) -> bool:
     if stopped and accelerator.is_main_process:
         logger.warning(
             f"This run already trained for {state['train_time_s'] / 60:.1f} minutes, its --max_train_minutes "
-            f"({config.max_train_minutes}): no further update. Raise it (0: no limit) to train on."
+            f"({config.max_train_minutes}): no further update. "
+            + (
+                "Its learning rate fell to 0 with that budget (--lr_schedule linear or an --lr_cooldown), "
+                "which a resume keeps: to train longer, start a new run in another --output_dir."
+                if budget_sets_lr(config)
+                else "Raise it (0: no limit) to train on."
+            )
         )
     elif state["step"] > config.max_steps and accelerator.is_main_process:
         logger.warning(  # a way to finish a run now; said, so that a lowered --max_steps is not a surprise
