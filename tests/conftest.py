@@ -4,9 +4,12 @@ size; running a script in this process."""
 
 import copy
 import io
+import logging
 import math
 import runpy
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +123,23 @@ def keeping_spaces_at_the_ends():
         return kept
 
     return copy_of
+
+
+@contextmanager
+def logged_messages(name: str) -> Iterator[list[str]]:
+    """The messages logged through logger `name` (and its children) inside the block, warnings that
+    transformers gives once per process included (`warning_once`'s memory is cleared first): transformers'
+    loggers do not propagate to the root logger, where pytest's caplog listens."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        logging.Logger.warning_once.cache_clear()
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def count_returns(monkeypatch, cls: type, method: str) -> list[int]:

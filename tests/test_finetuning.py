@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import logged_messages
 from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
@@ -683,7 +684,6 @@ def test_trainer_label_smoothing_says_the_unlikelihood_term_is_dropped(tmp_path,
     """Trainer's `label_smoothing_factor` computes the loss from the logits, without the model's
     unlikelihood term (which the tiny recipe's models carry, weight 2): it is said, once; the model's own
     loss (the factor at 0) keeps the term, and says nothing."""
-    import logging
 
     from datasets import Dataset
     from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
@@ -705,15 +705,7 @@ def test_trainer_label_smoothing_says_the_unlikelihood_term_is_dropped(tmp_path,
         train_dataset=data,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
     )
-    warnings = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    model_logger = logging.getLogger(VanillaTransformerForConditionalGeneration.__module__)
-    model_logger.addHandler(handler)
-    try:
-        logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
+    with logged_messages(VanillaTransformerForConditionalGeneration.__module__) as warnings:
         trainer.train()
-    finally:
-        model_logger.removeHandler(handler)
     dropped = [w for w in warnings if "without its unlikelihood term" in w]
     assert len(dropped) == (1 if label_smoothing_factor else 0), warnings

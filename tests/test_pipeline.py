@@ -10,6 +10,7 @@ import textwrap
 import datasets
 import pytest
 import torch
+from conftest import logged_messages
 from transformers import MarianConfig, MarianMTModel, pipeline
 from transformers.pipelines.pt_utils import KeyDataset
 
@@ -356,14 +357,8 @@ def test_loading_a_folder_with_the_package_imported_overwrites_nothing(saved, tm
     folder = tmp_path / f"model_{tmp_path.name}"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    with logged_messages("transformers") as messages:
         translator = pipeline("translation", model=str(folder), trust_remote_code=True, device=model.device)
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
     assert not [message for message in messages if "already registered" in message], messages
     expected = translate(model, tokenizer, SENTENCES[:1], num_beams=1, max_new_tokens=5)
     assert translator(SENTENCES[0], num_beams=1, max_new_tokens=5) == [{"translation_text": expected[0]}]

@@ -1,13 +1,13 @@
 """Saving, loading (also without this package installed), Auto classes, tying and checkpointing."""
 
 import json
-import logging
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from conftest import logged_messages
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, GenerationConfig
 
@@ -254,19 +254,11 @@ def test_a_model_switched_to_greedy_search_saves_and_keeps_its_beam_settings(tmp
     model.save_pretrained(tmp_path / "greedy")
     # Loaded without transformers' warning that they "are not valid and may be ignored" (it validates
     # the file as a plain GenerationConfig first); a warning about another flag still shows.
-    warnings = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    generation_logger = logging.getLogger(GenerationConfig.__module__)
-    generation_logger.addHandler(handler)
-    try:
-        logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
+    with logged_messages(GenerationConfig.__module__) as warnings:
         loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "greedy")
         assert not [w for w in warnings if "generation flags are not valid" in w], warnings
         GenerationConfig(num_beams=1, length_penalty=0.6, temperature=0.5)
         assert any("not valid and may be ignored: ['temperature', 'length_penalty']" in w for w in warnings)
-    finally:
-        generation_logger.removeHandler(handler)
     config = loaded.generation_config
     assert (config.num_beams, config.early_stopping, config.length_penalty) == (1, *paper)
     source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
