@@ -1364,13 +1364,18 @@ def build_model(
     return model, optimizer, peak_lr
 
 
+def read_state(resume_path: Path) -> dict[str, Any]:
+    """The loop's state saved with checkpoint `resume_path`, with its records of the run's settings."""
+    return json.loads((resume_path / STATE_FILE).read_text())
+
+
 def changes_since(
-    resume_path: Path, record: str, current: dict[str, Any], before: dict[str, Any] | None = None
+    recorded: dict[str, Any], current: dict[str, Any], before: dict[str, Any] | None = None
 ) -> list[str]:
-    """ "name old -> new" for each value of the checkpoint's `record` that `current` changes (none for
-    checkpoints from before that record, or that value, was kept: they are resumed as they are, but for
-    the values `before` gives: what a checkpoint without them meant, with or without the record)."""
-    saved = {**(before or {}), **json.loads((resume_path / STATE_FILE).read_text()).get(record, {})}
+    """ "name old -> new" for each value of a checkpoint's record (`recorded`, {} for checkpoints from
+    before the record was kept) that `current` changes; values the record lacks are resumed as they are,
+    but for those `before` gives: what a checkpoint without them meant."""
+    saved = {**(before or {}), **recorded}
     return [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
 
 
@@ -1388,7 +1393,7 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
     resumed epoch skips the batches already trained on by count, so with other batches (another process
     count, batch size, seed or training set) some pairs of that epoch would be trained on twice and
     others never, and each update would have another size, without a word."""
-    changed = changes_since(resume_path, "data_order", data_order)
+    changed = changes_since(read_state(resume_path).get("data_order", {}), data_order)
     if changed:
         meanings = {
             "processes": "'processes' is the number of launched processes",
@@ -1420,9 +1425,9 @@ def check_architecture(resume_path: Path, architecture: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint into another network (`--config_overrides`, `--preset`): weights of
     the same shapes would load without a word and be trained as a different model (ReLU weights under
     GELU, positions in another layout); other shapes would fail deep inside the weight loading."""
-    changed = changes_since(resume_path, "architecture", architecture, ARCHITECTURE_BEFORE)
+    recorded = read_state(resume_path).get("architecture", {})
+    changed = changes_since(recorded, architecture, ARCHITECTURE_BEFORE)
     if changed:
-        recorded = json.loads((resume_path / STATE_FILE).read_text()).get("architecture", {})
         earlier = (  # the default since the field came: such a checkpoint was never given an override
             " (a checkpoint from before attention_bias was a field has the biases: --config_overrides "
             "attention_bias=true)"
@@ -1479,10 +1484,11 @@ def check_recipe(resume_path: Path, recipe: dict[str, Any]) -> None:
     """Refuse to resume where the training recipe (`training_recipe`) differs from the checkpoint's,
     naming each changed flag with its old and new value (checkpoints written before the recipe was
     recorded are resumed as they are: there is nothing to compare)."""
-    step = json.loads((resume_path / STATE_FILE).read_text()).get("step", 0)
+    state = read_state(resume_path)
+    step = state.get("step", 0)
     if recipe.get("max_steps", step + 1) <= step:  # no further update: the run is finished as it is
         recipe = {name: value for name, value in recipe.items() if name not in BUDGET_FLAGS}
-    changed = changes_since(resume_path, "recipe", recipe)
+    changed = changes_since(state.get("recipe", {}), recipe)
     if changed:
         flags = [
             f"--config_overrides {change}" if change.split()[0] in RECIPE_OVERRIDE_FIELDS else f"--{change}"
@@ -1518,7 +1524,7 @@ def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dic
             accelerator.load_state(str(resume_path))
     except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
         raise InputError(f"Could not load checkpoint {resume_path}: {error}") from error
-    return json.loads((resume_path / STATE_FILE).read_text())
+    return read_state(resume_path)
 
 
 @contextmanager
