@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
 from tools.bible_corpus import build_corpus, write_corpus
+from vanilla_transformer.cli import check_output_file
 from vanilla_transformer.corpus import SPLITS, default_corpus_path
 
 PACKAGES = ("sword-text-web", "sword-text-sparv")
@@ -63,13 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sword_dir is not None and not (args.sword_dir / "mods.d").is_dir():
         parser.error(f"--sword-dir {args.sword_dir} is not an unpacked usr/share/sword (no mods.d folder)")
     # The output too, before the download and the build: a folder there once failed only at the write.
-    if args.output.is_dir():
-        parser.error(f"--output {args.output} is a folder; name the file to write")
-    existing = next(p for p in args.output.absolute().parents if p.exists())
-    if not existing.is_dir():
-        parser.error(f"--output {args.output}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK):  # the file is written beside its name: found only after the build
-        parser.error(f"--output {args.output}: {existing} is not writable; name a file in a writable folder")
+    try:  # a folder, a missing or read-only folder: found only at the write, after the build
+        check_output_file(args.output)
+    except ValueError as error:
+        parser.error(f"--output {error}")
 
     with tempfile.TemporaryDirectory() as tmp:
         sword_dir = args.sword_dir or fetch_sword_dir(Path(tmp))
