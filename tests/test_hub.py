@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import transformers.utils.hub
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, RepoUrl
 
@@ -304,6 +305,35 @@ def test_push_and_load_by_repo_id_without_the_package(model_folder, local_hub, t
     assert [t.strip() for t in outputs["generated"]] == expected
     assert outputs["piped"] == expected
     assert any((tmp_path / "hf_home").rglob("model.safetensors")), "the weights came over HTTP into the cache"
+
+
+def test_a_sharded_save_is_published_and_loads_back(model_folder, local_hub, tmp_path):
+    """`save_pretrained(..., max_shard_size=...)` writes an index and shards, no model.safetensors: such a
+    folder, which transformers loads, was refused as "missing model.safetensors". A shard missing is
+    named before anything is sent."""
+    endpoint, mirrors = local_hub
+    folder = tmp_path / "sharded"
+    shutil.copytree(model_folder, folder, ignore=shutil.ignore_patterns("checkpoints", "model.safetensors"))
+    model = tiny_model(seed=4)  # the folder's model
+    model.save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(path.name for path in folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and not (folder / "model.safetensors").exists()
+    push_model_folder(folder, REPO_ID, token="hf_dummy", endpoint=endpoint)
+    uploaded = set(git(mirrors / "models" / REPO_ID, "ls-files").splitlines())
+    assert {*shards, "model.safetensors.index.json"} <= uploaded
+    from huggingface_hub import snapshot_download
+    from transformers import AutoModelForSeq2SeqLM
+
+    snapshot = snapshot_download(REPO_ID, endpoint=endpoint, token="hf_dummy", cache_dir=tmp_path / "cache")
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(snapshot)
+    source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded.generate(source, max_new_tokens=8), model.generate(source, max_new_tokens=8))
+
+    (folder / shards[1]).unlink()
+    commits = git(mirrors / "models" / REPO_ID, "rev-list", "--count", "HEAD")
+    with pytest.raises(FileNotFoundError, match=rf"missing {shards[1]} \(named in model\.safetensors\.index"):
+        push_model_folder(folder, REPO_ID, token="hf_dummy", endpoint=endpoint)
+    assert git(mirrors / "models" / REPO_ID, "rev-list", "--count", "HEAD") == commits
 
 
 def test_push_refuses_bad_input_before_uploading(model_folder, tmp_path, monkeypatch):

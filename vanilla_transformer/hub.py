@@ -11,12 +11,12 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-# What a folder written by the training script holds and a Hub user needs: weights, configuration
-# with auto_map and custom_pipelines, the code they point to, tokenizer, generation defaults, card.
+# What a folder written by the training script holds and a Hub user needs: weights (`WEIGHTS`),
+# configuration with auto_map and custom_pipelines, the code they point to, tokenizer, generation
+# defaults, card.
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
-    "model.safetensors",
     "configuration_vanilla_transformer.py",
     "modeling_vanilla_transformer.py",
     "kernels_vanilla_transformer.py",
@@ -26,6 +26,8 @@ REQUIRED_FILES = (
 )
 # A tokenizer's files: a fast tokenizer's, or the sentencepiece models of a converted OPUS-MT one.
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("source.spm", "target.spm", "vocab.json"))
+# The weights: one file, or (`save_pretrained(..., max_shard_size=...)`) an index naming its shards.
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 # By-products that stay local, as patterns of top-level names: the training script's checkpoints, logs
 # and tokenizer working copy; Seq2SeqTrainer's checkpoints, TensorBoard runs and arguments (finetune.py).
 # What a file browser or a shell leaves in a folder, which nobody would miss or publish: hidden files
@@ -121,6 +123,24 @@ def resolve_token(token: str | None = None, flag: str | None = "--token") -> str
     return token
 
 
+def missing_weights(folder: Path) -> list[str]:
+    """What `folder` lacks of its weights: `WEIGHTS`, or the shards that `WEIGHTS_INDEX` names (a sharded
+    save, which transformers loads as well); the index unreadable is a ValueError."""
+    if (folder / WEIGHTS).is_file():
+        return []
+    if not (folder / WEIGHTS_INDEX).is_file():
+        return [f"{WEIGHTS} (or a sharded save's {WEIGHTS_INDEX} and its shards)"]
+    try:
+        index = json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))
+        shards = sorted(set(index["weight_map"].values()))
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError) as error:
+        raise ValueError(
+            f"{folder}/{WEIGHTS_INDEX} is not a readable index of weight shards ({type(error).__name__}: "
+            f"{error})."
+        ) from None
+    return [f"{name} (named in {WEIGHTS_INDEX})" for name in shards if not (folder / name).is_file()]
+
+
 def check_model_folder(folder: str | Path) -> ModelCard:
     """Raise unless `folder` is a complete trained model folder; returns its parsed model card.
 
@@ -130,7 +150,7 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"No model folder at {folder}.")
-    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()] + missing_weights(folder)
     if not any(all((folder / name).is_file() for name in names) for names in TOKENIZER_FILE_SETS):
         missing.append("tokenizer.json (or an OPUS-MT tokenizer's source.spm, target.spm and vocab.json)")
     if missing:
