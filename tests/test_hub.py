@@ -349,10 +349,18 @@ def test_push_refuses_bad_input_before_uploading(model_folder, tmp_path, monkeyp
     # Malformed files are named, not answered with a parser's traceback.
     broken = tmp_path / "broken"
     shutil.copytree(model_folder, broken, ignore=shutil.ignore_patterns("checkpoints"))
-    card = (model_folder / "README.md").read_text()
+    card, config = ((model_folder / name).read_text() for name in ("README.md", "config.json"))
     for name, content, message in (
         ("config.json", "[1, 2]", r"config\.json holds a JSON list, not an object"),
         ("config.json", "{bad", r"config\.json is not valid JSON"),
+        # Loading would refuse it; published, the repo would not load.
+        (
+            "config.json",
+            config.replace('"num_heads": 4', '"num_heads": 5'),
+            r"config\.json: `d_model` \(32\)",
+        ),
+        # transformers loads the model with none of its generation settings, without a word.
+        ("generation_config.json", "{bad", r"generation_config\.json is not valid JSON"),
         ("README.md", card.replace("language:", "language: [unclosed", 1), "malformed YAML metadata"),
     ):
         (broken / name).write_text(content)

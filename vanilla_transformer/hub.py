@@ -11,6 +11,8 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from .configuration_vanilla_transformer import VanillaTransformerConfig
+
 # What a folder written by the training script holds and a Hub user needs: weights (`WEIGHTS`),
 # configuration with auto_map and custom_pipelines, the code they point to, tokenizer, generation
 # defaults, card.
@@ -141,6 +143,17 @@ def missing_weights(folder: Path) -> list[str]:
     return [f"{name} (named in {WEIGHTS_INDEX})" for name in shards if not (folder / name).is_file()]
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file `path`; a ValueError says what it holds instead."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object.")
+    return value
+
+
 def check_model_folder(folder: str | Path) -> ModelCard:
     """Raise unless `folder` is a complete trained model folder; returns its parsed model card.
 
@@ -166,12 +179,9 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         raise FileNotFoundError(
             f"{folder} is not a complete trained model folder (missing {', '.join(missing)}).{card}"
         )
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{folder}/config.json is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{folder}/config.json holds a JSON {type(config).__name__}, not an object.")
+    # A generation_config.json that is not valid JSON loads without a word as none of the model's
+    # generation settings (greedy search instead of its beam search, the paper's length penalty gone).
+    config, _ = (read_json_object(folder / name) for name in ("config.json", "generation_config.json"))
     if config.get("model_type") != "vanilla_transformer":
         raise ValueError(
             f"{folder} holds a {config.get('model_type')!r} model, not a vanilla_transformer one."
@@ -180,6 +190,10 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         config.get("auto_map") or {}
     ):
         raise ValueError(f"{folder}/config.json lacks auto_map or custom_pipelines; re-save the model.")
+    try:  # the checks loading makes: a hand-edited value ("num_heads": 5, "dropout": "0.1") fails there
+        VanillaTransformerConfig.from_dict(config)
+    except ValueError as error:
+        raise ValueError(f"{folder}/config.json: {error}") from None
     try:
         card = ModelCard((folder / "README.md").read_text(encoding="utf-8"))
     except Exception as error:  # bytes that are not UTF-8, malformed YAML metadata (PyYAML's errors)
