@@ -367,6 +367,11 @@ def test_push_refuses_bad_input_before_uploading(model_folder, tmp_path, monkeyp
         with pytest.raises(ValueError, match=message):
             push_model_folder(broken, REPO_ID, token="hf_dummy")
         shutil.copy(model_folder / name, broken / name)
+    # Weights cut short (a save or a copy interrupted): the repo would not load.
+    weights = (model_folder / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not readable \(.*not fully covered"):
+        push_model_folder(broken, REPO_ID, token="hf_dummy")
     # huggingface_hub refuses an empty commit message only after creating the repo: refused here first.
     with pytest.raises(ValueError, match="commit message is empty"):
         push_model_folder(model_folder, REPO_ID, token="hf_dummy", commit_message=" ")

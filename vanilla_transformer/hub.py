@@ -10,6 +10,7 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, constants, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError, safe_open
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 
@@ -125,22 +126,22 @@ def resolve_token(token: str | None = None, flag: str | None = "--token") -> str
     return token
 
 
-def missing_weights(folder: Path) -> list[str]:
-    """What `folder` lacks of its weights: `WEIGHTS`, or the shards that `WEIGHTS_INDEX` names (a sharded
-    save, which transformers loads as well); the index unreadable is a ValueError."""
+def weight_files(folder: Path) -> list[str]:
+    """The files of `folder`'s weights: `WEIGHTS`, else the shards that `WEIGHTS_INDEX` names (a sharded
+    save, which transformers loads as well), present or not; none where it has neither. The index
+    unreadable is a ValueError."""
     if (folder / WEIGHTS).is_file():
-        return []
+        return [WEIGHTS]
     if not (folder / WEIGHTS_INDEX).is_file():
-        return [f"{WEIGHTS} (or a sharded save's {WEIGHTS_INDEX} and its shards)"]
+        return []
     try:
         index = json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))
-        shards = sorted(set(index["weight_map"].values()))
+        return sorted(set(index["weight_map"].values()))
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError) as error:
         raise ValueError(
             f"{folder}/{WEIGHTS_INDEX} is not a readable index of weight shards ({type(error).__name__}: "
             f"{error})."
         ) from None
-    return [f"{name} (named in {WEIGHTS_INDEX})" for name in shards if not (folder / name).is_file()]
 
 
 def read_json_object(path: Path) -> dict:
@@ -163,7 +164,11 @@ def check_model_folder(folder: str | Path) -> ModelCard:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"No model folder at {folder}.")
-    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()] + missing_weights(folder)
+    weights = weight_files(folder)
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if not weights:
+        missing.append(f"{WEIGHTS} (or a sharded save's {WEIGHTS_INDEX} and its shards)")
+    missing += [f"{name} (named in {WEIGHTS_INDEX})" for name in weights if not (folder / name).is_file()]
     if not any(all((folder / name).is_file() for name in names) for names in TOKENIZER_FILE_SETS):
         missing.append("tokenizer.json (or an OPUS-MT tokenizer's source.spm, target.spm and vocab.json)")
     if missing:
@@ -194,6 +199,15 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         VanillaTransformerConfig.from_dict(config)
     except ValueError as error:
         raise ValueError(f"{folder}/config.json: {error}") from None
+    for name in weights:  # the header and the file's size, which must match it: no weights are read
+        try:
+            with safe_open(folder / name, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ValueError(
+                f"{folder}/{name} is not readable ({error}): a save or a copy cut short leaves such a "
+                "file, and the repo would not load. Save or copy the model again."
+            ) from None
     try:
         card = ModelCard((folder / "README.md").read_text(encoding="utf-8"))
     except Exception as error:  # bytes that are not UTF-8, malformed YAML metadata (PyYAML's errors)
