@@ -114,7 +114,7 @@ except RuntimeError as error:  # torch lists every mismatched weight: name the f
     shapes = next((line for line in lines if line.startswith("size mismatch")), lines[0] if lines else "")
     parser.error(f"the checkpoints' weights do not fit {args.model}'s model: {shapes[:300]}")
 try:
-    with publish_folder(output) as staging:  # the folder appears complete or not at all
+    with publish_folder(output, keep_other_files=False) as staging:  # complete or not at all
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if no_card is None:

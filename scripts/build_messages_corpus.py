@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     if empty:  # too few catalogs: whole catalogs go to validation and test
         print(f"warning: {len(catalogs)} catalogs left no pairs for {', '.join(empty)}", file=sys.stderr)
     try:
-        with publish_folder(args.output_dir) as staging:  # all three files, or none: an interrupted run
+        # All three files, or none (an interrupted run leaves no split half written); nothing of an
+        # earlier run into the same name.
+        with publish_folder(args.output_dir, keep_other_files=False) as staging:
             for split, pairs in splits.items():
                 write_jsonl(pairs, staging / f"{split}.jsonl", args.language)
     except OSError as error:  # a full disk

@@ -122,7 +122,7 @@ if args.tokenizer:
             f"--no-tokenizer converts the model alone): {first_line(error)}"
         )
 try:
-    with publish_folder(args.output) as staging:  # the folder appears complete or not at all
+    with publish_folder(args.output, keep_other_files=False) as staging:  # complete or not at all
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)

@@ -9,6 +9,7 @@ from pathlib import Path
 from test_marian_conversion import marian_model
 
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
+from vanilla_transformer.publishing import staging_paths
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "convert_marian.py")
 
@@ -54,6 +55,11 @@ def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path, run_in_proces
     (tmp_path / "taken" / "tokenizer.json").write_text("{}")
     taken = convert(tmp_path / "taken", "--no-tokenizer")
     assert taken.returncode == 2 and "is not an empty folder" in taken.stderr
+    # An earlier run into the same folder, killed once its folder was complete but before the swap: its
+    # files are not carried into this run's folder (its tokenizer beside this model once was).
+    _, earlier_ready, _ = staging_paths(tmp_path / "out")
+    earlier_ready.mkdir()
+    (earlier_ready / "tokenizer.json").write_text("{}")
     alone = convert(tmp_path / "out", "--no-tokenizer")
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors").is_file() and not (

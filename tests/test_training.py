@@ -29,6 +29,7 @@ from vanilla_transformer.cli import InputError, check_output_file
 from vanilla_transformer.corpus import default_corpus_path, load_default_corpus
 from vanilla_transformer.hub import check_model_folder
 from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
+from vanilla_transformer.publishing import staging_paths
 from vanilla_transformer.training import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -276,6 +277,9 @@ def test_average_checkpoints_script_rebuilds_the_runs_average(trained, tmp_path,
     assert earlier.returncode == 0, earlier.stderr[-2000:]
     text = " ".join((tmp_path / "earlier" / "README.md").read_text().split())
     assert f"training steps | {steps.split(', ')[1]} |" in text and "training time" not in text
+    _, earlier_ready, _ = staging_paths(tmp_path / "bare")  # an earlier run killed before its swap
+    earlier_ready.mkdir()
+    (earlier_ready / "README.md").write_text("an earlier average's card")
     bare = average(output_dir, tmp_path / "bare", *checkpoints, "--no-card")
     assert bare.returncode == 0 and not (tmp_path / "bare" / "README.md").exists()
 
