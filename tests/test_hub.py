@@ -329,8 +329,18 @@ def test_a_sharded_save_is_published_and_loads_back(model_folder, local_hub, tmp
     source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(loaded.generate(source, max_new_tokens=8), model.generate(source, max_new_tokens=8))
 
-    (folder / shards[1]).unlink()
     commits = git(mirrors / "models" / REPO_ID, "rev-list", "--count", "HEAD")
+    # A sharded save over a folder with one weights file leaves that file, which loading prefers to the
+    # new shards without a word: a folder with both is ambiguous, and refused.
+    tiny_model(seed=5).save_pretrained(tmp_path / "single")
+    shutil.copy(tmp_path / "single" / "model.safetensors", folder)
+    assert not torch.equal(
+        AutoModelForSeq2SeqLM.from_pretrained(folder).generate(source), model.generate(source)
+    )
+    with pytest.raises(ValueError, match=r"both model\.safetensors and a sharded save"):
+        push_model_folder(folder, REPO_ID, token="hf_dummy", endpoint=endpoint)
+    (folder / "model.safetensors").unlink()
+    (folder / shards[1]).unlink()
     with pytest.raises(FileNotFoundError, match=rf"missing {shards[1]} \(named in model\.safetensors\.index"):
         push_model_folder(folder, REPO_ID, token="hf_dummy", endpoint=endpoint)
     assert git(mirrors / "models" / REPO_ID, "rev-list", "--count", "HEAD") == commits

@@ -129,8 +129,13 @@ def resolve_token(token: str | None = None, flag: str | None = "--token") -> str
 def weight_files(folder: Path) -> list[str]:
     """The files of `folder`'s weights: `WEIGHTS`, else the shards that `WEIGHTS_INDEX` names (a sharded
     save, which transformers loads as well), present or not; none where it has neither. The index
-    unreadable is a ValueError."""
+    unreadable, or both forms in one folder (which loads the single file), is a ValueError."""
     if (folder / WEIGHTS).is_file():
+        if (folder / WEIGHTS_INDEX).is_file():  # a sharded save over a single file leaves the file
+            raise ValueError(
+                f"{folder} holds both {WEIGHTS} and a sharded save's {WEIGHTS_INDEX}; transformers loads "
+                f"{WEIGHTS} and ignores the shards. Remove whichever is stale."
+            )
         return [WEIGHTS]
     if not (folder / WEIGHTS_INDEX).is_file():
         return []
