@@ -296,6 +296,22 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "empty.tsv", ""), validation_file=good)
 
 
+def test_blank_lines_before_the_header_are_skipped_as_the_reader_skips_them(tmp_path):
+    """A delimited file that starts with blank lines, which pandas reads (it skips them), was refused as
+    "line 3: 2 fields where the header has 1 ([''])", blaming a tab inside a sentence; a file of blank
+    lines only was said to have "a header row and no sentence pairs under it"."""
+    for name, text in (("a.tsv", "\n\nen\tes\nHi\tHola\n"), ("a.csv", "\r\n\r\nen,es\r\nHi,Hola\r\n")):
+        data, _ = load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
+        assert data["test"][:] == {"source": ["Hi"], "target": ["Hola"]}
+    with pytest.raises(DataError, match=r"a\.tsv, line 5: 3 fields where the header has 2"):  # lines counted
+        load_parallel_data(
+            test_file=write(tmp_path / "a.tsv", "\n\nen\tes\nHi\tHola\nA\tB\tC\n"), for_training=False
+        )
+    for name, text in (("b.tsv", "\n\n\n"), ("b.csv", "\r\n\r\n")):
+        with pytest.raises(DataError, match=rf"{name} is empty: it needs a header row"):
+            load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
+
+
 def test_delimited_fields_that_look_like_numbers_stay_text(tmp_path):
     """pandas read a column (or a 10,000-row chunk of one, as datasets reads a file) that looked numeric
     as numbers: a file of such targets was refused as "not text", and the last rows of a longer one

@@ -121,10 +121,10 @@ def _check_delimited(path: Path) -> list[str]:
         header: list[str] | None = None
         pairs = 0
         for line, row in rows:
+            if row == [""] or not row:  # a blank line: the reader skips it, before the header too
+                continue
             if header is None:
                 header = row
-                continue
-            if row == [""] or not row:  # a blank line
                 continue
             pairs += 1
             if [row[0].removeprefix("\ufeff"), *row[1:]] == header:  # with its own mark, after `cat`
