@@ -1406,6 +1406,13 @@ def test_bad_flags_are_rejected(tmp_path):
         TrainingConfig(train_file=__file__, validation_file="/nonexistent/v.tsv")
     with pytest.raises(ValueError, match="either --dataset_name or data files"):
         TrainingConfig(dataset_name="wmt/wmt14", train_file=__file__)
+    # A dataset configuration without a dataset was ignored: the embedded corpus (or the files) trained.
+    with pytest.raises(ValueError, match="--dataset_config de-en is a configuration of a Hub dataset: it "):
+        TrainingConfig(dataset_config="de-en")
+    with pytest.raises(
+        ValueError, match=r"needs --dataset_name \(without it the run trains on the data files"
+    ):
+        TrainingConfig(dataset_config="de-en", train_file=__file__)
     with pytest.raises(ValueError, match="--test_samples must be positive"):
         TrainingConfig(test_samples=-5)  # it once failed only after training, when scoring nothing
     # A mistyped tracker was a traceback from Accelerate; an uninstalled one logged nothing, silently.

@@ -426,6 +426,13 @@ class TrainingConfig:
         files = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
         if self.dataset_name and any(files.values()):
             raise ValueError("Pass either --dataset_name or data files (--train_file ...), not both.")
+        # A flag that only means something with another: without it, it would be ignored without a word.
+        if self.dataset_config and not self.dataset_name:
+            raise ValueError(
+                f"--dataset_config {self.dataset_config} is a configuration of a Hub dataset: it needs "
+                "--dataset_name (without it the run trains on "
+                + ("the data files)." if any(files.values()) else "the embedded corpus).")
+            )
         if self.tokenizer_name and looks_local(self.tokenizer_name):
             folder = Path(self.tokenizer_name)
             if not folder.is_dir():
