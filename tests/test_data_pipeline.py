@@ -1,6 +1,7 @@
 """Tokenizer, data loading and token-based batching."""
 
 import csv
+import json
 import random
 
 import pytest
@@ -259,6 +260,17 @@ def test_bad_data_gives_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"j\.jsonl, line 2: not valid JSON"):
         load_parallel_data(
             train_file=write(tmp_path / "j.jsonl", '{"en": "a", "es": "b"}\n{"en": "a", "es": \n')
+        )
+    # Half of a character (a lone surrogate escape) was "Could not parse s.jsonl: An error occurred while
+    # generating the dataset"; an escaped pair is one character, and an escaped backslash no escape.
+    pair = '{"en": "smile \\ud83d\\ude00", "es": "sonrisa \\\\ud800"}\n'
+    assert json.loads(pair) == {"en": "smile \U0001f600", "es": "sonrisa \\ud800"}
+    data, _ = load_parallel_data(test_file=write(tmp_path / "s.jsonl", pair), for_training=False)
+    assert data["test"][0] == {"source": "smile \U0001f600", "target": "sonrisa \\ud800"}
+    with pytest.raises(DataError, match=r"s\.jsonl, line 2: a \\u escape of half a character"):
+        load_parallel_data(
+            test_file=write(tmp_path / "s.jsonl", pair + '{"en": "cut \\ud83d", "es": "cortado"}\n'),
+            for_training=False,
         )
     with pytest.raises(ValueError, match=r"k\.jsonl, line 1: a JSON list, not an object"):
         load_parallel_data(train_file=write(tmp_path / "k.jsonl", '["a", "b"]\n'))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import csv
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +169,9 @@ def _csv_quoted(field: str) -> bool:
     return len(field) >= 4 and field[0] == field[-1] == '"' and '""' in field[1:-1]
 
 
+LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate's escape: alone, or half of a pair
+
+
 def check_jsonl(path: Path) -> None:
     """Raise a ValueError naming file and line unless every non-blank line is one JSON object."""
     with path.open(encoding="utf-8-sig") as handle:  # a byte-order mark, as datasets' reader skips it
@@ -181,6 +185,17 @@ def check_jsonl(path: Path) -> None:
                 raise DataError(f"{path}, line {number}: not valid JSON ({error}).") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}, line {number}: a JSON {type(row).__name__}, not an object.")
+            # A \uD800-\uDFFF escape alone (half of a character, as text cut by UTF-16 code units is): valid
+            # JSON, but not text, which datasets' reader then failed on as "An error occurred while
+            # generating the dataset".
+            if LONE_SURROGATE.search(line):
+                try:
+                    json.dumps(row, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError:
+                    raise DataError(
+                        f"{path}, line {number}: a \\u escape of half a character (a lone UTF-16 surrogate), "
+                        "which is not text; fix or remove the row."
+                    ) from None
             rows += 1
     if rows == 0:
         raise DataError(f"{path} is empty: it needs one JSON object per line.")
