@@ -306,6 +306,10 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
         load_parallel_data(train_file=lists, validation_file=lists)
     with pytest.raises(ValueError, match="is empty: it needs a header row"):
         load_parallel_data(train_file=write(tmp_path / "empty.tsv", ""), validation_file=good)
+    # pandas read the second "es" as "es.1": the first column was trained on, whichever was meant.
+    for name, text in (("twice.tsv", "en\tes\tes\nHi\tHola\tBuenas\n"), ("twice.csv", "es,en,es\na,b,c\n")):
+        with pytest.raises(DataError, match=rf"{name}, line 1: the header names 'es' more than once"):
+            load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
 
 
 def test_blank_lines_before_the_header_are_skipped_as_the_reader_skips_them(tmp_path):

@@ -126,6 +126,13 @@ def _check_delimited(path: Path) -> list[str]:
                 continue
             if header is None:
                 header = row
+                # pandas renames a repeated name ("es", "es.1"): the run would read the first column of
+                # the name without a word, whichever of them the user meant.
+                if repeated := sorted({name for name in header if header.count(name) > 1}):
+                    raise DataError(
+                        f"{path}, line {line}: the header names {repeated[0]!r} more than once ({header}); "
+                        "name each column once."
+                    )
                 continue
             pairs += 1
             if [row[0].removeprefix("\ufeff"), *row[1:]] == header:  # with its own mark, after `cat`
