@@ -365,6 +365,23 @@ def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     assert tokenized["train"][0]["source_length"] == len(tokenized["train"][0]["input_ids"])
 
 
+def test_a_validation_split_drawn_from_train_is_length_filtered_as_train_is(tokenizer, tmp_path):
+    """Held out of train, a long pair was skipped as a training pair by some seeds, and by others kept as a
+    validation pair, which stopped the run as longer than a batch (`check_evaluation_lengths`)."""
+    rows = "".join(f"short {i}\tcorto {i}\n" for i in range(40)) + "long " * 40 + "\tlargo\n"
+    tsv = write(tmp_path / "t.tsv", "en\tes\n" + rows)
+    held_out = []
+    for seed in range(8):
+        data, report = load_parallel_data(train_file=tsv, validation_size=10, seed=seed)
+        held_out.append("long " * 39 + "long" in data["validation"]["source"])
+        tokenized = tokenize_parallel_data(data, tokenizer, max_length=16, report=report)
+        kept = [*tokenized["train"]["source"], *tokenized["validation"]["source"]]
+        assert sorted(kept) == sorted(f"short {i}" for i in range(40))  # every short pair, once
+        assert report.too_long == {"train": int(not held_out[-1]), "validation": int(held_out[-1])}
+    assert True in held_out and False in held_out  # both cases met
+    assert "skipped 1 validation pairs longer than max_length" in report.lines() or not held_out[-1]
+
+
 def test_special_token_spellings_in_the_data_are_text(tokenizer, tmp_path):
     """ "<s>here</s>" (HTML strikethrough, markup in software messages) became the start and end tokens:
     a training target ended where "</s>" stood, and decoding dropped the words' markup. Spelled in the

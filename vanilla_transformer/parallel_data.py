@@ -488,8 +488,9 @@ def tokenize_parallel_data(
 ) -> DatasetDict:
     """Add `input_ids`, `attention_mask`, `labels` and their lengths; drop training pairs over `max_length`.
 
-    Only the train split is length-filtered; validation and test keep every pair so that scores
-    cover the whole split (long ones are still translated in full).
+    Only the training data is length-filtered: the train split, and a validation split drawn from it at
+    random (`report.validation_held_out`), a sample of the same pairs. A validation or test split of its
+    own keeps every pair so that scores cover the whole split (long ones are still translated in full).
     """
     if max_length <= 1:
         raise DataError(f"max_length must be at least 2 tokens, got {max_length}.")
@@ -503,16 +504,21 @@ def tokenize_parallel_data(
         return encoded
 
     tokenized = data.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
-    train = tokenized["train"]
-    kept = train.filter(
-        lambda row: row["source_length"] <= max_length and row["target_length"] <= max_length,
-        num_proc=num_proc,
-    )
-    if report is not None:
-        report.too_long["train"] = len(train) - len(kept)
-    if len(kept) == 0:
-        raise DataError(f"No training pair is within max_length={max_length} tokens.")
-    tokenized["train"] = kept
+    # Held out of train, a long pair was skipped as a training pair by some seeds and by others kept as a
+    # validation pair, which then stopped the run as too long for a batch.
+    held_out = report is not None and report.validation_held_out
+    for split in ["train", "validation"] if held_out else ["train"]:
+        pairs = tokenized[split]
+        kept = pairs.filter(
+            lambda row: row["source_length"] <= max_length and row["target_length"] <= max_length,
+            num_proc=num_proc,
+        )
+        if report is not None:
+            report.too_long[split] = len(pairs) - len(kept)
+        if len(kept) == 0:
+            what = "training" if split == "train" else "held-out validation"
+            raise DataError(f"No {what} pair is within max_length={max_length} tokens.")
+        tokenized[split] = kept
     return tokenized
 
 
