@@ -323,7 +323,12 @@ def test_blank_lines_before_the_header_are_skipped_as_the_reader_skips_them(tmp_
         load_parallel_data(
             test_file=write(tmp_path / "a.tsv", "\n\nen\tes\nHi\tHola\nA\tB\tC\n"), for_training=False
         )
-    for name, text in (("b.tsv", "\n\n\n"), ("b.csv", "\r\n\r\n")):
+    # A line of spaces (at the end of a file, say), which pandas skips too, was "1 fields where the header
+    # has 2 ... a tab inside a sentence splits it".
+    for name, text in (("w.tsv", " \nen\tes\nHi\tHola\n  \n"), ("w.csv", "en,es\n \nHi,Hola\n\t\n")):
+        data, _ = load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
+        assert data["test"][:] == {"source": ["Hi"], "target": ["Hola"]}
+    for name, text in (("b.tsv", "\n \n\n"), ("b.csv", "\r\n  \r\n")):
         with pytest.raises(DataError, match=rf"{name} is empty: it needs a header row"):
             load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
 

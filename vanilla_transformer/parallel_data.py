@@ -122,7 +122,9 @@ def _check_delimited(path: Path) -> list[str]:
         header: list[str] | None = None
         pairs = 0
         for line, row in rows:
-            if row == [""] or not row:  # a blank line: the reader skips it, before the header too
+            # A blank line, or one of spaces only (no field separator): the reader skips it, before the
+            # header too.
+            if len(row) <= 1 and not "".join(row).strip():
                 continue
             if header is None:
                 header = row
