@@ -766,7 +766,7 @@ def test_a_resume_with_another_training_recipe_is_refused_naming_each_changed_fl
         (["--warmup_steps", "4"], "--warmup_steps 8 -> 4"),
         (["--stutter_rate", "0"], "--stutter_rate 0.25 -> 0.0"),
         (["--unlikelihood_weight", "0"], "--unlikelihood_weight 2.0 -> 0.0"),
-        (["--lr_schedule", "linear"], "--lr_schedule 'inverse_sqrt' -> 'linear'"),
+        (["--lr_schedule", "linear", "--max_steps", "9"], "--lr_schedule 'inverse_sqrt' -> 'linear'"),
         (["--max_grad_norm", "1"], "--max_grad_norm None -> 1.0"),
         (["--vocab_size", "500"], "--vocab_size 400 -> 500"),  # the checkpoint's tokenizer stays
         (
@@ -1377,6 +1377,11 @@ def test_bad_flags_are_rejected(tmp_path):
         TrainingConfig(max_steps=0)
     with pytest.raises(ValueError, match="--average_checkpoints cannot exceed"):
         TrainingConfig(average_checkpoints=6, keep_checkpoints=5)
+    # A linear schedule whose warm-up lasts the whole run only rose: its card said it fell to 0.
+    with pytest.raises(ValueError, match=r"--warmup_steps \(600\) is not below --max_steps \(100\)"):
+        TrainingConfig(lr_schedule="linear", max_steps=100)
+    assert TrainingConfig(lr_schedule="linear", max_steps=601).warmup_steps == 600
+    assert TrainingConfig(max_steps=100).lr_schedule == "inverse_sqrt"  # the paper's: no end to reach
     with pytest.raises(ValueError, match="--max_train_minutes must be positive, or 0 for no limit"):
         TrainingConfig(max_train_minutes=-1)
     assert TrainingConfig(preset="base").max_train_minutes is None  # the paper's recipe has no time limit

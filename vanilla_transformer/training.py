@@ -423,6 +423,17 @@ class TrainingConfig:
             raise ValueError("--lr_scale must be positive.")
         if not 0 <= self.lr_cooldown <= 1:  # NaN included
             raise ValueError(f"--lr_cooldown must be between 0 and 1, got {self.lr_cooldown}.")
+        # The rate would rise to the last update and never decay. (A resume keeps the run's budget, or
+        # names one the run has reached: it then only finishes the run as it is.)
+        if (
+            self.lr_schedule == "linear"
+            and not self.resume_from_checkpoint
+            and self.warmup_steps >= self.max_steps
+        ):
+            raise ValueError(
+                f"--lr_schedule linear decays to 0 after the warm-up, but --warmup_steps "
+                f"({self.warmup_steps}) is not below --max_steps ({self.max_steps}); lower --warmup_steps."
+            )
         files = {"train": self.train_file, "validation": self.validation_file, "test": self.test_file}
         if self.dataset_name and any(files.values()):
             raise ValueError("Pass either --dataset_name or data files (--train_file ...), not both.")
