@@ -157,14 +157,19 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 8
     # No start token at all (a bos_token_id alone left unset is a MarianConfig's, and exports: the decoder
     # start token serves): what to set, where.
-    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    saved = {
+        name: (tmp_path / "model" / name).read_text() for name in ("config.json", "generation_config.json")
+    }
     unset = {"bos_token_id": None, "decoder_start_token_id": None}
-    (tmp_path / "model" / "config.json").write_text(json.dumps(config | unset))
+    for name, text in saved.items():
+        (tmp_path / "model" / name).write_text(json.dumps(json.loads(text) | unset))
     with pytest.raises(
-        ValueError, match=r"decoder_start_token_id is None; .* set `decoder_start_token_id` in the model"
+        ValueError,
+        match=r"decoder_start_token_id is None \(config.json\); .* set `decoder_start_token_id` in",
     ):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2-unset")
-    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    for name, text in saved.items():
+        (tmp_path / "model" / name).write_text(text)
     too_long = r"sentences\[1\] has \d+ tokens; .* position table holds 8"
     with pytest.raises(SentenceError, match=too_long) as error:
         CTranslate2Translator(tmp_path / "ct2").translate(
@@ -218,17 +223,26 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         export_ctranslate2(tmp_path / "mode", tmp_path / "ct2-typo", max_positions=10**9)
     asked.assert_not_called()
     # An end token given as a list (the configuration allows it): one is exported, several are refused.
+    # generate() reads the generation config's (config.json's is what it was made from).
     listed = tmp_path / "listed"
     shutil.copytree(tmp_path / "model", listed)
-    config = json.loads((listed / "config.json").read_text())
-    eos = config["eos_token_id"]
-    (listed / "config.json").write_text(json.dumps(config | {"eos_token_id": [eos]}))
+    generation = json.loads((listed / "generation_config.json").read_text())
+    eos = generation["eos_token_id"]
+    (listed / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": [eos]}))
     export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
     assert CTranslate2Translator(tmp_path / "listed-ct2").translate(["short"]) == (
         CTranslate2Translator(tmp_path / "ct2").translate(["short"])
     )
-    (listed / "config.json").write_text(json.dumps(config | {"eos_token_id": [eos, 3]}))
-    with pytest.raises(ValueError, match=r"eos_token_id is \[2, 3\]; a CTranslate2 export needs exactly one"):
+    (listed / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": [eos, 3]}))
+    with pytest.raises(
+        ValueError, match=r"eos_token_id is \[2, 3\] \(generation_config.json\); a CTranslate2 export needs"
+    ):
+        export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
+    # An id outside the vocabulary: named, not an IndexError (or, negative, another token silently).
+    (listed / "generation_config.json").write_text(json.dumps(generation | {"decoder_start_token_id": -1}))
+    with pytest.raises(
+        ValueError, match=r"decoder_start_token_id is -1 \(generation_config.json\); .* of the"
+    ):
         export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
 
 
@@ -384,6 +398,28 @@ def test_a_model_without_a_bos_token_id_exports(tmp_path, corpus):
     sources = ["In the beginning", "Jesus wept."]
     expected = translate(model, tokenizer, sources, num_beams=1)
     assert CTranslate2Translator(tmp_path / "ct2").translate(sources, num_beams=1) == expected
+
+
+def test_the_token_ids_generate_reads_are_exported(tmp_path, corpus):
+    """generate() reads the start and end tokens from the generation config (generation_config.json);
+    the export read config.json's: a model whose generation config starts from another token (the
+    padding token, as Marian's do) or stops at several translated alike in both engines, silently not."""
+    model, tokenizer = trained_folder(tmp_path / "model", corpus)
+    model.generation_config.num_beams = 1
+    sources = list(corpus["test"]["en"][:8])
+    before = translate(model, tokenizer, sources)
+    model.generation_config.decoder_start_token_id = tokenizer.pad_token_id
+    assert model.config.decoder_start_token_id == tokenizer.bos_token_id  # config.json keeps its own
+    expected = translate(model, tokenizer, sources)
+    assert expected != before  # the start token matters to this model
+    model.save_pretrained(tmp_path / "model")
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
+    assert CTranslate2Translator(tmp_path / "ct2").translate(sources) == expected
+    # Stopping at either of two tokens: CTranslate2's export has one end token, so it is refused.
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.unk_token_id]
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"eos_token_id is \[2, 3\] \(generation_config.json\)"):
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
 
 
 def test_translating_with_beams_names_the_papers_length_penalty_form(tmp_path, corpus, caplog):

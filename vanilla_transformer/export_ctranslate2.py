@@ -12,7 +12,7 @@ weights and tokenizer directly:
   concatenated) up to `max_positions` positions: the exported model translates sources of at most
   that many tokens and stops every output there (this model itself has no maximum length);
 - one vocabulary for source and target, the tokenizer's tokens in id order, and the decoder start and
-  end tokens of the model's configuration.
+  end tokens that generate() reads (the generation config's; config.json's where it sets none).
 
 What CTranslate2 cannot represent exactly (separate source and target vocabularies, an activation it
 does not have) is refused with the reason; the layer-norm epsilon is carried. Float32 exports translate
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .configuration_vanilla_transformer import VanillaTransformerConfig, is_integer
 from .modeling_vanilla_transformer import (
     DEFAULT_MAX_LENGTH_OFFSET,
     VanillaTransformerForConditionalGeneration,
@@ -165,11 +165,13 @@ def ctranslate2_spec(
     spec.register_target_vocabulary(list(tokens))
     # CTranslate2 starts each output with the decoder start token (generate() with the beginning-of-
     # sequence token where none is set); its own bos_token serves only where that is absent, and to begin
-    # sources if asked (add_source_bos, off): a converted Marian model has no bos_token_id.
-    start = _one_token_id(config, "decoder_start_token_id", "bos_token_id")
-    bos = start if config.bos_token_id is None else _one_token_id(config, "bos_token_id")
+    # sources if asked (add_source_bos, off): a converted Marian model has no bos_token_id. The ids are
+    # those generate() reads, its generation config's (config.json's where that sets none).
+    start = _one_token_id(model, "decoder_start_token_id", "bos_token_id")
+    unset = all(getattr(c, "bos_token_id", None) is None for c in (model.generation_config, config))
+    bos = start if unset else _one_token_id(model, "bos_token_id")
     spec.config.bos_token = tokens[bos]
-    spec.config.eos_token = tokens[_one_token_id(config, "eos_token_id")]
+    spec.config.eos_token = tokens[_one_token_id(model, "eos_token_id")]
     spec.config.decoder_start_token = tokens[start]
     if tokenizer.unk_token is not None:
         spec.config.unk_token = tokenizer.unk_token
@@ -177,21 +179,28 @@ def ctranslate2_spec(
     return spec
 
 
-def _one_token_id(config: Any, field: str, fallback: str | None = None) -> int:
-    """The configuration's `field` (else its `fallback` field, where `field` is unset) as one token id (a
-    one-element list too): an export has one of each."""
-    value = getattr(config, field)
-    if value is None and fallback is not None and getattr(config, fallback) is not None:
-        field, value = fallback, getattr(config, fallback)
+def _one_token_id(model: Any, field: str, fallback: str | None = None) -> int:
+    """The model's `field` (else its `fallback` field, where `field` is unset) as one token id (a
+    one-element list too): an export has one of each. Read as generate() reads it, from the generation
+    config (generation_config.json: where it differs from config.json, generate() follows it), else from
+    the configuration."""
+    places = ((model.generation_config, "generation_config.json"), (model.config, "config.json"))
+    fields = (field,) if fallback is None else (field, fallback)
+    value, place = None, "config.json"
+    for settings, name in places:
+        named = next((f for f in fields if getattr(settings, f, None) is not None), None)
+        if named is not None:
+            field, value, place = named, getattr(settings, named), name
+            break
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
-    if not isinstance(value, int):
+    if not is_integer(value) or not 0 <= value < model.config.vocab_size:
         raise ValueError(
-            f"The model's {field} is {value!r}; a CTranslate2 export needs exactly one such token id: "
-            f"set `{field}` in the model folder's config.json to that token's id in its tokenizer, and "
-            "export again."
+            f"The model's {field} is {value!r} ({place}); a CTranslate2 export needs exactly one such "
+            f"token id, of the {model.config.vocab_size} of its vocabulary: set `{field}` in the model "
+            f"folder's {place} to that token's id in its tokenizer, and export again."
         )
-    return value
+    return int(value)
 
 
 def check_position_table(max_positions: int, width: int) -> None:
