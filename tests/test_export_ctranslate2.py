@@ -186,6 +186,15 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         CTranslate2Translator(tmp_path / "ct2").translate([3])
     with pytest.raises(ValueError, match="not a folder written by export_ctranslate2"):
         CTranslate2Translator(tmp_path / "model")
+    # A device with its number as torch names it (translate.py's --device, for either engine): CTranslate2
+    # refused "cuda:1" as an unsupported device; it takes the number as device_index.
+    numbered = CTranslate2Translator(tmp_path / "ct2", device="cpu:0")
+    assert (numbered.translator.device, numbered.translator.device_index) == ("cpu", [0])
+    assert numbered.translate(["short"]) == CTranslate2Translator(tmp_path / "ct2").translate(["short"])
+    with pytest.raises(ValueError, match="Invalid CPU device index: 1"):  # CTranslate2's, on the number
+        CTranslate2Translator(tmp_path / "ct2", device="cpu:1")
+    with pytest.raises(ValueError, match=r"Device 'cuda:x': name a device and its number as 'cuda:1'"):
+        CTranslate2Translator(tmp_path / "ct2", device="cuda:x")
     # Exporting into the model folder once replaced its config.json with CTranslate2's.
     config = (tmp_path / "model" / "config.json").read_text()
     with pytest.raises(ValueError, match="is not a CTranslate2 export of this package"):

@@ -417,6 +417,16 @@ class CTranslate2Translator:
         self.settings = json.loads(settings_file.read_text())
         self.warned: set[str] = set()  # each difference from generate() once
         self.tokenizer = AutoTokenizer.from_pretrained(export_dir)
+        # A device named with its number as torch names it ("cuda:1", translate.py's --device for either
+        # engine): CTranslate2 takes the number apart, and refused the name ("unsupported device cuda:1").
+        kind, numbered, number = device.partition(":")
+        if numbered:
+            if not number.isdigit() or "device_index" in kwargs:
+                raise ValueError(
+                    f"Device {device!r}: name a device and its number as 'cuda:1' (or give device_index, "
+                    "not both)."
+                )
+            device, kwargs["device_index"] = kind, int(number)
         self.translator = ctranslate2.Translator(
             str(export_dir), device=device, compute_type=compute_type, **kwargs
         )
