@@ -140,6 +140,22 @@ def test_decoding_settings_the_export_drops_are_named():
     ]  # its max_length is carried (test_a_fixed_length_limit_is_carried)
     neutral = GenerationConfig(num_beams=4, length_penalty=0.6, min_length=0, repetition_penalty=1.0)
     assert uncarried_generation_settings(neutral) == []
+    # Each of these changed a small trained model's greedy translations (all six sentences, or the one
+    # repeating its source, for the encoder n-grams), and the export left them out without a word.
+    others = GenerationConfig(
+        encoder_no_repeat_ngram_size=1,
+        sequence_bias={(5,): -10.0},
+        exponential_decay_length_penalty=(2, 1.5),
+        watermarking_config={"bias": 5.0},
+    )
+    assert uncarried_generation_settings(others) == [
+        "encoder_no_repeat_ngram_size",
+        "sequence_bias",
+        "exponential_decay_length_penalty",
+        "watermarking_config",
+    ]
+    off = GenerationConfig(encoder_no_repeat_ngram_size=0, sequence_bias={}, suppress_tokens=[])
+    assert uncarried_generation_settings(off) == []
 
 
 def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):

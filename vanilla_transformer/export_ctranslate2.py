@@ -322,6 +322,10 @@ UNCARRIED_GENERATION_FIELDS = (
     "min_new_tokens",
     "repetition_penalty",
     "encoder_repetition_penalty",
+    "encoder_no_repeat_ngram_size",
+    "sequence_bias",
+    "exponential_decay_length_penalty",
+    "watermarking_config",
     "renormalize_logits",
     "do_sample",
     "num_return_sequences",
@@ -330,6 +334,7 @@ _NEUTRAL = {
     "min_length": 0,
     "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
     "renormalize_logits": False,
     "do_sample": False,
     "num_return_sequences": 1,
@@ -363,7 +368,7 @@ def uncarried_generation_settings(generation: Any) -> list[str]:
         name
         for name in UNCARRIED_GENERATION_FIELDS
         if (value := getattr(generation, name, None)) is not None
-        and value != []
+        and value not in ([], {})
         and value != _NEUTRAL.get(name)
     ]
 
