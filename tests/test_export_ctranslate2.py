@@ -9,6 +9,7 @@ import math
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -490,3 +491,32 @@ def test_a_model_of_another_kind_is_refused_with_what_exports_it(tmp_path):
     ):
         export_ctranslate2(tmp_path / "marian", tmp_path / "ct2")
     assert not (tmp_path / "ct2").exists()
+
+
+def test_a_second_export_of_a_folder_being_written_is_refused(tmp_path, corpus):
+    """Two exports of one folder at once (another terminal, a script run twice): the second removed the
+    first's half-written folder as an interrupted run's, and the first then published what it wrote after
+    that alone, a tokenizer and settings without the model, and both said they had succeeded."""
+    from transformers import PreTrainedTokenizerBase
+
+    trained_folder(tmp_path / "model", corpus, steps=0)
+    save, second = PreTrainedTokenizerBase.save_pretrained, []
+
+    def racing(self, *args, **kwargs):  # the second starts while the first writes its folder
+        if not second:
+            second.append("started")
+            with pytest.raises(ValueError, match=r"ct2 is being written by another export .*\.ct2\.lock"):
+                export_ctranslate2(tmp_path / "model", tmp_path / "ct2", quantization="int8")
+            second.append("refused")
+        return save(self, *args, **kwargs)
+
+    with mock.patch.object(PreTrainedTokenizerBase, "save_pretrained", racing):
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=64)
+    assert second == ["started", "refused"]
+    written = {p.name for p in (tmp_path / "ct2").iterdir()}
+    assert {"model.bin", "config.json", "shared_vocabulary.json", "tokenizer.json", SETTINGS_FILE} <= written
+    assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["quantization"] == "float32"
+    assert CTranslate2Translator(tmp_path / "ct2").translate(["Jesus wept."])  # loads and translates
+    # Once it is done, the folder is an earlier export to replace, as before.
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", quantization="int8", max_positions=64)
+    assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["quantization"] == "int8"

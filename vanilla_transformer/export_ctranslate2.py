@@ -44,7 +44,13 @@ from .modeling_vanilla_transformer import (
     check_beam_settings,
     sinusoidal_position_encoding,
 )
-from .publishing import check_not_current_folder, check_writable_place, publish_folder
+from .publishing import (
+    check_not_current_folder,
+    check_writable_place,
+    hidden_sibling,
+    lock_folder,
+    publish_folder,
+)
 from .translation import SentenceError, checked_sentences, one_line
 
 logger = logging.getLogger(__name__)
@@ -251,61 +257,72 @@ def export_ctranslate2(
         width = None
     if isinstance(width, int) and width > 0:
         check_position_table(max_positions, width)
-    model, tokenizer = load_model_folder(str(model_dir), "cpu")
-    if model.config.model_type != "vanilla_transformer":  # read as one, it failed with an AttributeError
+    # Two exports of one folder at once: the second removed the first's half-written folder as an
+    # interrupted one's, and the first then published its remaining files alone (a tokenizer and settings,
+    # no model). One at a time: a second is refused before it reads the model.
+    try:
+        lock = lock_folder(target)
+    except BlockingIOError:
         raise ValueError(
-            f"{model_dir} holds a {model.config.model_type!r} model, not this package's: this export reads "
-            "this package's configuration and weights. CTranslate2's own converters "
-            "(ct2-transformers-converter) export MarianMTModel and other transformers models."
-        )
-    model = model.float()
-    check_position_table(max_positions, model.config.d_model)
-    spec = ctranslate2_spec(model, tokenizer, max_positions)
-    spec.validate()
-    spec.optimize(quantization=quantization)
-    generation = model.generation_config
-    not_carried = uncarried_generation_settings(generation)
-    if not_carried:
-        logger.warning(
-            f"The model's generation config sets {', '.join(not_carried)}, which the export does not carry "
-            "(it keeps the beam size, the length penalty, n-gram blocking and the length limit): its "
-            "translations may differ from generate()'s."
-        )
-    offset = getattr(generation, "max_length_offset", None)
-    settings = {
-        "max_positions": max_positions,
-        "quantization": quantization or "float32",
-        # unset fields: transformers' defaults (greedy, length penalty 1)
-        "num_beams": generation.num_beams or 1,
-        "length_penalty": 1.0 if generation.length_penalty is None else generation.length_penalty,
-        "max_length_offset": DEFAULT_MAX_LENGTH_OFFSET if offset is None else offset,  # 0 stays 0
-        # a fixed limit of new tokens instead of the offset rule (its max_length, transformers' default)
-        "max_new_tokens": fixed_new_tokens(generation),
-        "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
-        # transformers' default is False; CTranslate2's beam search always stops as True does
-        "early_stopping": "never"
-        if generation.early_stopping == "never"
-        else bool(generation.early_stopping),
-        # CTranslate2 has transformers' form only: recorded so that translating with beams says so
-        "length_penalty_form": getattr(generation, "length_penalty_form", None) or "power",
-        "not_carried": not_carried,
-        "source_model": str(model_dir),
-    }
-    for difference in beam_search_differences(
-        settings["num_beams"],
-        settings["early_stopping"],
-        settings["no_repeat_ngram_size"],
-        settings["length_penalty_form"],
-    ):
-        logger.warning(difference)
-    output_dir = Path(output_dir)
-    # An earlier export's files that this one lacks (another tokenizer's, two vocabularies where this has
-    # one) would be read with it: replaced as a whole.
-    with publish_folder(output_dir, keep_other_files=False) as staging:
-        spec.save(str(staging))
-        tokenizer.save_pretrained(staging)
-        (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
-    return output_dir
+            f"{output_dir} is being written by another export (it holds {hidden_sibling(target, 'lock')}): "
+            "wait for it to end, or name another folder."
+        ) from None
+    with lock:
+        model, tokenizer = load_model_folder(str(model_dir), "cpu")
+        if model.config.model_type != "vanilla_transformer":  # read as one, it failed with an AttributeError
+            raise ValueError(
+                f"{model_dir} holds a {model.config.model_type!r} model, not this package's: this export "
+                "reads this package's configuration and weights. CTranslate2's own converters "
+                "(ct2-transformers-converter) export MarianMTModel and other transformers models."
+            )
+        model = model.float()
+        check_position_table(max_positions, model.config.d_model)
+        spec = ctranslate2_spec(model, tokenizer, max_positions)
+        spec.validate()
+        spec.optimize(quantization=quantization)
+        generation = model.generation_config
+        not_carried = uncarried_generation_settings(generation)
+        if not_carried:
+            logger.warning(
+                f"The model's generation config sets {', '.join(not_carried)}, which the export does not "
+                "carry (it keeps the beam size, the length penalty, n-gram blocking and the length limit): "
+                "its translations may differ from generate()'s."
+            )
+        offset = getattr(generation, "max_length_offset", None)
+        settings = {
+            "max_positions": max_positions,
+            "quantization": quantization or "float32",
+            # unset fields: transformers' defaults (greedy, length penalty 1)
+            "num_beams": generation.num_beams or 1,
+            "length_penalty": 1.0 if generation.length_penalty is None else generation.length_penalty,
+            "max_length_offset": DEFAULT_MAX_LENGTH_OFFSET if offset is None else offset,  # 0 stays 0
+            # a fixed limit of new tokens instead of the offset rule (its max_length, transformers' default)
+            "max_new_tokens": fixed_new_tokens(generation),
+            "no_repeat_ngram_size": generation.no_repeat_ngram_size or 0,
+            # transformers' default is False; CTranslate2's beam search always stops as True does
+            "early_stopping": "never"
+            if generation.early_stopping == "never"
+            else bool(generation.early_stopping),
+            # CTranslate2 has transformers' form only: recorded so that translating with beams says so
+            "length_penalty_form": getattr(generation, "length_penalty_form", None) or "power",
+            "not_carried": not_carried,
+            "source_model": str(model_dir),
+        }
+        for difference in beam_search_differences(
+            settings["num_beams"],
+            settings["early_stopping"],
+            settings["no_repeat_ngram_size"],
+            settings["length_penalty_form"],
+        ):
+            logger.warning(difference)
+        output_dir = Path(output_dir)
+        # An earlier export's files that this one lacks (another tokenizer's, two vocabularies where this has
+        # one) would be read with it: replaced as a whole.
+        with publish_folder(output_dir, keep_other_files=False) as staging:
+            spec.save(str(staging))
+            tokenizer.save_pretrained(staging)
+            (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
+        return output_dir
 
 
 # Decoding settings of a generation config that change what `generate()` outputs but that the export
