@@ -359,6 +359,9 @@ def test_empty_translations_length_offset_0_and_beam_differences(tmp_path, corpu
     for bad, message in (
         ({"num_beams": 0}, "num_beams must be a positive integer"),
         ({"length_penalty": math.nan}, "length_penalty must be a finite number"),
+        # CTranslate2 refused these with a TypeError listing its whole signature
+        ({"no_repeat_ngram_size": 2.5}, r"no_repeat_ngram_size must be a non-negative integer .* got 2\.5"),
+        ({"no_repeat_ngram_size": -1}, r"no_repeat_ngram_size must be a non-negative integer .* got -1"),
     ):
         with pytest.raises(ValueError, match=message):  # once taken silently, as generate() now refuses them
             CTranslate2Translator(tmp_path / "ct2").translate(sources[:1], **bad)

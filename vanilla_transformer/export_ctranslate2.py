@@ -467,6 +467,12 @@ class CTranslate2Translator:
         limit per call)."""
         sentences = checked_sentences(sentences, batch_size)
         check_beam_settings(num_beams, length_penalty)
+        if no_repeat_ngram_size is not None and not (
+            is_integer(no_repeat_ngram_size) and no_repeat_ngram_size >= 0
+        ):  # CTranslate2's own error is a TypeError listing its whole signature
+            raise ValueError(
+                f"no_repeat_ngram_size must be a non-negative integer (0: off), got {no_repeat_ngram_size!r}."
+            )
         if not sentences:
             return []
         sentences = [one_line(sentence) for sentence in sentences]  # as `translate` reads them
