@@ -501,6 +501,25 @@ def test_mismatched_masks_and_empty_inputs_raise(model, batch):
         )
     with pytest.raises(ValueError, match="`decoder_attention_mask` has shape"):
         model(**batch, decoder_attention_mask=torch.ones(2, 3))
+    # A mask without its batch dimension (or with one too many) failed with an IndexError inside
+    # transformers' mask builder where it held a 0, and was taken whole, whatever its length, where not.
+    sequence_mask = batch["attention_mask"][1]  # (9,), padded
+    with pytest.raises(
+        ValueError, match=r"`attention_mask` must be \(batch, length\).*\(9,\).*`mask\[None\]`"
+    ):
+        model(input_ids=batch["input_ids"], attention_mask=sequence_mask, labels=batch["labels"])
+    with pytest.raises(ValueError, match=r"`attention_mask` must be \(batch, length\).*\(18,\)"):
+        model(input_ids=batch["input_ids"], attention_mask=torch.ones(18), labels=batch["labels"])
+    with pytest.raises(ValueError, match=r"`attention_mask` must be \(batch, length\).*\(2, 1, 9\)\.$"):
+        model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"][:, None],
+            labels=batch["labels"],
+        )
+    with pytest.raises(ValueError, match=r"`attention_mask` must be \(batch, length\).*\(9,\)"):
+        model.generate(batch["input_ids"], attention_mask=sequence_mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"`decoder_attention_mask` must be \(batch, length\).*\(7,\)"):
+        model(**batch, decoder_attention_mask=torch.ones(7))
     with pytest.raises(ValueError, match="source sequence is empty"):
         model(input_ids=torch.empty(2, 0, dtype=torch.long), labels=batch["labels"])
     # A 0-row batch once ended in a reshape RuntimeError deep inside the attention.

@@ -1110,6 +1110,14 @@ EMPTY_BATCH = "The batch is empty (0 sequences): pass at least one."
 
 
 def check_mask(name: str, mask: torch.Tensor | None, batch_size: int, length: int) -> None:
+    """A (batch, length) mask of that sequence's shape, or a 4-D one prepared for attention (as
+    transformers' mask builders take it; `generate` makes them for static caches). Any other would fail
+    inside the mask builder, or be taken whole whatever its length."""
+    if mask is not None and mask.dim() not in (2, 4):
+        raise ValueError(
+            f"`{name}` must be (batch, length), 1 for tokens and 0 for padding, got shape {tuple(mask.shape)}"
+            + (": for one sequence, add the batch dimension (`mask[None]`)." if mask.dim() == 1 else ".")
+        )
     if mask is not None and mask.dim() == 2 and tuple(mask.shape) != (batch_size, length):
         raise ValueError(
             f"`{name}` has shape {tuple(mask.shape)}, but the sequence it masks has shape "
