@@ -490,6 +490,29 @@ def test_out_of_vocabulary_ids_raise(model, batch):
         model(input_ids=batch["input_ids"], labels=bad_labels)
     with pytest.raises(ValueError, match="integer token ids"):
         model(input_ids=batch["input_ids"].float(), labels=batch["labels"])
+    # Integer types the embedding does not index with ("Expected tensor for argument #1 'indices' to have
+    # one of the following scalar types: Long, Int", naming no argument) are refused by name.
+    for dtype in (torch.int16, torch.int8, torch.uint8):
+        with pytest.raises(ValueError, match=rf"`input_ids` must hold int64 or int32 token ids, got {dtype}"):
+            model(input_ids=batch["input_ids"].to(dtype), labels=batch["labels"])
+        with pytest.raises(ValueError, match=rf"`decoder_input_ids` must hold int64 or int32 .* {dtype}"):
+            model.generate(
+                batch["input_ids"], decoder_input_ids=torch.ones(2, 1, dtype=dtype), max_new_tokens=2
+            )
+        with pytest.raises(ValueError, match=rf"`labels` must hold int64 or int32 token ids, got {dtype}"):
+            model(input_ids=batch["input_ids"], labels=batch["labels"].to(dtype))
+
+
+def test_int32_token_ids_give_what_int64_ones_give(model, batch):
+    """int32 ids (numpy's default integer on Windows before numpy 2) index the embedding as int64 ones;
+    as labels they failed in the loss ("expected target dtype to be Long or Byte, but got Int")."""
+    expected = model(**batch)
+    as_int32 = {name: tensor.to(torch.int32) for name, tensor in batch.items()}
+    got = model(**as_int32)
+    torch.testing.assert_close(got.loss, expected.loss)
+    torch.testing.assert_close(got.logits, expected.logits)
+    model.train()
+    torch.testing.assert_close(model(**as_int32).loss, model(**batch).loss)  # the loss without logits
 
 
 def test_mismatched_masks_and_empty_inputs_raise(model, batch):

@@ -1079,19 +1079,26 @@ def unlikelihood_loss(logits: torch.Tensor, candidates: torch.Tensor) -> torch.T
 
 
 def check_token_ids(name: str, ids: torch.Tensor | None, vocab_size: int, allow_ignore: bool = False) -> None:
-    """Raise a clear error for ids outside [0, vocab_size) instead of an index error inside the embedding.
+    """Raise a clear error for ids outside [0, vocab_size), or of a type the embedding does not index
+    with, instead of an error inside the embedding.
 
-    On an accelerator the check would make the host wait for the device; there the embedding's own
+    On an accelerator the range check would make the host wait for the device; there the embedding's own
     device-side assertion reports such ids."""
     if ids is not None and ids.dim() != 2:  # the shape costs no read: checked on every device
         raise ValueError(
             f"`{name}` must be a (batch, length) tensor, got shape {tuple(ids.shape)}"
             + (": for one sequence, add the batch dimension (`ids[None]`)." if ids.dim() == 1 else ".")
         )
-    if ids is None or ids.numel() == 0 or not reads_are_free(ids):
+    if ids is None or ids.numel() == 0:
         return
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"`{name}` must hold integer token ids, got dtype {ids.dtype}.")
+    if ids.dtype not in (torch.int64, torch.int32):  # the embedding indexes with no other
+        raise ValueError(
+            f"`{name}` must hold int64 or int32 token ids, got {ids.dtype}: convert with `.long()`."
+        )
+    if not reads_are_free(ids):
+        return
     invalid = (ids < 0) | (ids >= vocab_size)
     if allow_ignore:
         invalid &= ids != -100
