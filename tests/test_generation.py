@@ -969,6 +969,15 @@ def test_arguments_generate_cannot_use_are_named(source):
         model.generate(source[0])
     with pytest.raises(ValueError, match="num_beams must be a positive integer, got 0"):
         model.generate(source, num_beams=0)
+    # transformers checks neither: beam search gave 6 rows for 2 sentences at -1 and failed in a reduction
+    # ("max(): Expected reduction dim") at 0; sampling gave one sequence per sentence at 0.
+    for count, options in ((-1, {}), (0, {}), (0, {"num_beams": 1, "do_sample": True}), (1.5, {})):
+        with pytest.raises(ValueError, match=f"num_return_sequences must be a positive integer, got {count}"):
+            model.generate(source, num_return_sequences=count, max_new_tokens=3, **options)
+    model.generation_config.num_return_sequences = 0  # a saved configuration's value as well
+    with pytest.raises(ValueError, match="num_return_sequences must be a positive integer, got 0"):
+        model.generate(source, max_new_tokens=3)
+    model.generation_config.num_return_sequences = 1
     for alpha in (float("nan"), float("-inf")):
         with pytest.raises(ValueError, match="length_penalty must be a finite number"):
             model.generate(source, num_beams=2, length_penalty=alpha)

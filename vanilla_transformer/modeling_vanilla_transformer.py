@@ -1555,14 +1555,19 @@ def pad_finished(
 
 
 def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: dict[str, Any]) -> None:
-    """What `generate` would otherwise meet as an IndexError, a ZeroDivisionError or cut-off output:
-    token ids without a batch dimension, a beam count below 1, a length penalty that is not finite
-    (NaN ranks every finished beam alike). Raises ValueError naming the argument."""
+    """What `generate` would otherwise meet as an IndexError, a ZeroDivisionError, a count of outputs
+    other than asked for or cut-off output: token ids without a batch dimension, a beam count below 1, a
+    count of sequences per input below 1 (beam search gave 3 per input at -1, sampling 1 at 0), a length
+    penalty that is not finite (NaN ranks every finished beam alike). Raises ValueError naming the
+    argument."""
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() != 2:
         raise ValueError(
             f"input_ids must be (batch, length) token ids, got shape {tuple(input_ids.shape)}"
             + (": add a batch dimension (`ids[None]`)." if input_ids.dim() == 1 else ".")
         )
+    sequences = kwargs.get("num_return_sequences", config.num_return_sequences)
+    if sequences is not None and (not is_integer(sequences) or sequences < 1):
+        raise ValueError(f"num_return_sequences must be a positive integer, got {sequences!r}.")
     check_beam_settings(
         kwargs.get("num_beams", config.num_beams), kwargs.get("length_penalty", config.length_penalty)
     )
