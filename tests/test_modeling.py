@@ -335,6 +335,19 @@ def test_eager_and_sdpa_agree(batch):
         assert_same_up_to_rounding(eager(**batch).logits, sdpa(**batch).logits, TINY_TERMS)
 
 
+def test_a_4d_boolean_mask_masks_as_its_2d_mask_does_under_both_attentions(batch):
+    """A prepared 4-D mask goes to attention as it is (transformers' mask builders return it): a boolean
+    one, True where attention is allowed as SDPA reads it, was added to the eager attention's scores
+    (+1 for each allowed key, +0 for padding), so the eager model attended to the padding."""
+    mask = batch["attention_mask"]
+    for implementation in ("eager", "sdpa"):
+        model = tiny_model(implementation)
+        with torch.no_grad():
+            expected = model(**batch).logits
+            got = model(**{**batch, "attention_mask": mask[:, None, None, :].bool()}).logits
+        assert_same_up_to_rounding(got, expected, TINY_TERMS, msg=implementation)
+
+
 def test_output_attentions_needs_eager(batch):
     with pytest.raises(ValueError, match="attn_implementation='eager'"):
         tiny_model("sdpa")(**batch, output_attentions=True)

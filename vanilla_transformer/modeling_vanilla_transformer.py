@@ -130,11 +130,14 @@ def eager_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (Section 3.2.1, Equation 1).
 
-    `attention_mask` is additive (0 where allowed, a large negative number where masked).
+    `attention_mask` is additive (0 where allowed, a large negative number where masked), or boolean
+    (True where allowed, as SDPA reads it: a 4-D mask given by hand reaches attention as it is).
     Returns the output as (B, T, H, Dh) and the attention probabilities as (B, H, T, S).
     """
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, H, T, S)
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif attention_mask is not None:
         scores = scores + attention_mask
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
