@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -978,6 +979,18 @@ def test_arguments_generate_cannot_use_are_named(source):
     with pytest.raises(ValueError, match="num_return_sequences must be a positive integer, got 0"):
         model.generate(source, max_new_tokens=3)
     model.generation_config.num_return_sequences = 1
+    # An id outside the vocabulary failed with an IndexError of the forcing processor's ("index 500 is out
+    # of bounds for dimension 1 with size 99"), naming no setting.
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):
+        for value in (99, -1, [2, 500]):
+            with pytest.raises(
+                ValueError, match=rf"{name} {re.escape(repr(value))} is outside the vocabulary"
+            ):
+                model.generate(source, num_beams=1, max_new_tokens=3, **{name: value})
+    model.generation_config.forced_eos_token_id = 500  # a saved configuration's value as well
+    with pytest.raises(ValueError, match="forced_eos_token_id 500 is outside the vocabulary"):
+        model.generate(source, num_beams=1)
+    model.generation_config.forced_eos_token_id = None
     for alpha in (float("nan"), float("-inf")):
         with pytest.raises(ValueError, match="length_penalty must be a finite number"):
             model.generate(source, num_beams=2, length_penalty=alpha)

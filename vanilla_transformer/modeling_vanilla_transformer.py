@@ -1406,6 +1406,8 @@ class VanillaTransformerForConditionalGeneration(
             generation_config.unset_default_max_length()
         config = generation_config if generation_config is not None else self.generation_config
         check_generate_arguments(inputs if inputs is not None else kwargs.get("input_ids"), config, kwargs)
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            check_forced_token(name, self._setting(name, config, kwargs), self.config.decoder_vocab_size)
         if isinstance(kwargs.get("encoder_outputs"), dict):  # a ModelOutput is a dict
             # transformers expands it for beams or sequences in place: the caller's object, reused for
             # another decoding, would then hold num_beams copies of each row (and give that many rows).
@@ -1574,6 +1576,18 @@ def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: d
     check_beam_settings(
         kwargs.get("num_beams", config.num_beams), kwargs.get("length_penalty", config.length_penalty)
     )
+
+
+def check_forced_token(name: str, value: Any, vocab_size: int) -> None:
+    """A forced token (`forced_bos_token_id`, `forced_eos_token_id`: an id or a list of ids) inside the
+    vocabulary, where set: the forcing processors index the scores with it (an IndexError naming no
+    setting otherwise). Raises ValueError naming the setting."""
+    if value is None:
+        return
+    ids = value.flatten().tolist() if isinstance(value, torch.Tensor) else value
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    if not all(is_integer(i) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"{name} {value!r} is outside the vocabulary [0, {vocab_size}).")
 
 
 def check_beam_settings(num_beams: Any, length_penalty: Any) -> None:
