@@ -261,6 +261,18 @@ def test_encoder_outputs_given_to_generate_are_left_as_they_were(source):
     assert several.shape[0] == 2 * source.shape[0] and encoder_outputs.last_hidden_state is states
 
 
+def test_encoder_outputs_given_as_a_tuple_generate_as_a_model_output_does(source):
+    """`forward` takes `encoder_outputs` as a tuple too; transformers expands only a ModelOutput for beam
+    search or several sequences, and indexed the tuple by its keys ("TypeError: only integer tensors of a
+    single element can be converted to an index"); greedy search took it."""
+    model = tiny_model("sdpa")
+    encoder_outputs = model.get_encoder()(input_ids=source)
+    for options in ({"num_beams": 1}, {"num_beams": 3}, {"num_beams": 3, "num_return_sequences": 2}):
+        expected = model.generate(encoder_outputs=encoder_outputs, max_new_tokens=5, **options)
+        for given in (tuple(encoder_outputs.values()), [encoder_outputs.last_hidden_state]):
+            assert torch.equal(model.generate(encoder_outputs=given, max_new_tokens=5, **options), expected)
+
+
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_finished_rows_are_filled_with_padding_as_greedy_search_and_marian_fill_them(source, num_beams):
     """transformers' beam search fills a finished row with `pad_token_id or eos_token_id`: with this

@@ -1408,7 +1408,11 @@ class VanillaTransformerForConditionalGeneration(
         check_generate_arguments(inputs if inputs is not None else kwargs.get("input_ids"), config, kwargs)
         for name in ("forced_bos_token_id", "forced_eos_token_id"):
             check_forced_token(name, self._setting(name, config, kwargs), self.config.decoder_vocab_size)
-        if isinstance(kwargs.get("encoder_outputs"), dict):  # a ModelOutput is a dict
+        if isinstance(kwargs.get("encoder_outputs"), (tuple, list)):  # as `forward` takes them
+            # transformers reads the batch size from a ModelOutput's `last_hidden_state` and expands it
+            # by its keys for beams or sequences; a tuple it read as a batch of 1, and indexed by keys.
+            kwargs["encoder_outputs"] = BaseModelOutput(*kwargs["encoder_outputs"])
+        elif isinstance(kwargs.get("encoder_outputs"), dict):  # a ModelOutput is a dict
             # transformers expands it for beams or sequences in place: the caller's object, reused for
             # another decoding, would then hold num_beams copies of each row (and give that many rows).
             kwargs["encoder_outputs"] = copy.copy(kwargs["encoder_outputs"])
