@@ -2,6 +2,7 @@
 
 import importlib
 import math
+import warnings
 from pathlib import Path
 
 import jinja2
@@ -101,6 +102,28 @@ def test_bleu_tokenises_as_sacrebleu_does_for_the_target_language(monkeypatch):
     with pytest.warns(UserWarning, match=r"computed on characters \(tok:char\), not with ja-mecab"):
         result = score_translations(["猫が好き"], ["猫が好きです"], target_lang="ja")
     assert "tok:char" in result["bleu_signature"]
+
+
+def test_bleu_tokeniser_for_three_letter_language_codes():
+    """ISO 639-2/3 codes ("zho", "cmn", "yue") and FLORES-200's ("zho_Hans", the NLLB data's column and
+    config names) name Chinese, Japanese and Korean too: they got 13a, which scored Chinese references as
+    whole sentences (BLEU 0 for a translation one character off)."""
+    references = ["我喜欢吃香蕉。", "今天天气很好。"]
+    predictions = ["我喜欢吃苹果。", "今天天气很好。"]
+    expected = sacrebleu.corpus_bleu(predictions, [references], tokenize="zh").score
+    for language in ("zho", "chi", "cmn", "yue", "zho_Hans", "yue_Hant", "ZHO-Hant"):
+        result = score_translations(predictions, references, target_lang=language)
+        assert "tok:zh" in result["bleu_signature"], language
+        assert result["bleu"] == pytest.approx(expected)
+    with warnings.catch_warnings():  # MeCab's tokenisers, or characters where sacrebleu[ja]/[ko] is not here
+        warnings.simplefilter("ignore")
+        for language, short in (("jpn", "ja"), ("jpn_Jpan", "ja"), ("kor", "ko"), ("kor_Hang", "ko")):
+            signature = score_translations(["猫が好き"], ["猫です"], target_lang=language)["bleu_signature"]
+            assert "tok:13a" not in signature, language
+            assert signature == score_translations(["猫が"], ["猫"], target_lang=short)["bleu_signature"]
+    for language in ("spa_Latn", "tha_Thai", "por"):  # sacreBLEU's 13a for the others, as for "es"
+        result = score_translations(PREDICTIONS, REFERENCES, target_lang=language)
+        assert "tok:13a" in result["bleu_signature"], language
 
 
 def test_evaluate_model_scores_with_the_target_languages_tokeniser(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ Args:
         works on characters and ignores it. Default: the WMT standard for `target_lang`, as sacreBLEU's
         command line chooses it: "zh" for Chinese, "ja-mecab" for Japanese, "ko-mecab" for Korean
         ("char" where sacrebleu[ja] or sacrebleu[ko] is not installed, with a warning), else "13a".
-    target_lang (str): language code of the references ("zh", "zh-CN", "es", ...), which picks the
+    target_lang (str): language code of the references ("zh", "zh-CN", "zho_Hans", "es", ...), which picks the
         default `tokenize`: 13a splits on spaces and punctuation only, so text without spaces between
         words would be scored as whole sentences.
     lowercase (bool): lowercase predictions and references before scoring (default False).
@@ -125,11 +125,17 @@ class BleuChrf(evaluate.Metric):
         }
 
 
-# sacreBLEU's own choice for a target language (its command line's `-l`), 13a for the others.
-LANGUAGE_TOKENIZERS = {"zh": "zh", "ja": "ja-mecab", "ko": "ko-mecab"}
+# sacreBLEU's own choice for a target language (its command line's `-l`), 13a for the others; also under
+# the languages' ISO 639-2/3 codes (FLORES-200 and NLLB name them so: "zho_Hans", "jpn_Jpan", "kor_Hang"),
+# Mandarin's and Cantonese's included, which are written in Chinese characters without spaces too.
+LANGUAGE_TOKENIZERS = {
+    **dict.fromkeys(("zh", "zho", "chi", "cmn", "yue"), "zh"),
+    **dict.fromkeys(("ja", "jpn"), "ja-mecab"),
+    **dict.fromkeys(("ko", "kor"), "ko-mecab"),
+}
 
 
 def default_tokenize(target_lang: str | None) -> str:
-    """The BLEU tokeniser for references in `target_lang` ("zh", "zh-TW", "zh_Hans", "ja", ...)."""
+    """The BLEU tokeniser for references in `target_lang` ("zh", "zh-TW", "zh_Hans", "zho_Hans", "ja")."""
     primary = (target_lang or "").replace("_", "-").split("-")[0].lower()
     return LANGUAGE_TOKENIZERS.get(primary, BLEU.TOKENIZER_DEFAULT)
