@@ -397,6 +397,22 @@ def card_kwargs(**overrides):
     return {**values, **overrides}
 
 
+def test_model_card_language_metadata_takes_language_codes_with_regions_and_scripts():
+    """The Hub's `language` metadata takes ISO 639 codes only, lowercase (a card with "pt-BR" or "sr-Latn"
+    showed a YAML metadata error, and the languages were not indexed); language tags with a region or a
+    script go to `language_bcp47`, as the Hub asks, and the language list names each language once."""
+    cases = [
+        (("sr-Latn", "pt_BR"), ["sr", "pt"], ["sr-Latn", "pt-BR"]),
+        (("zh-Hant", "zh-Hans"), ["zh"], ["zh-Hant", "zh-Hans"]),
+        (("eng_Latn", "zho_Hans"), ["eng", "zho"], ["eng-Latn", "zho-Hans"]),
+        (("EN", "de"), ["en", "de"], None),
+    ]
+    for (source, target), language, bcp47 in cases:
+        data = ModelCard(str(build_model_card(**card_kwargs(source_lang=source, target_lang=target)))).data
+        assert data.to_dict()["language"] == language, (source, target)
+        assert data.to_dict().get("language_bcp47") == bcp47, (source, target)
+
+
 def test_model_card_shows_metrics_in_text_and_model_index():
     card = build_model_card(**card_kwargs())
     text = str(card)

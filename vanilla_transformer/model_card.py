@@ -225,6 +225,17 @@ def _template_variables(
     return variables
 
 
+def _hub_languages(*codes: str) -> tuple[list[str], list[str] | None]:
+    """The metadata's `language` and `language_bcp47` for language codes as given ("en", "pt-BR",
+    "zh_Hant", "zho_Hans"). The Hub takes ISO 639 codes only, lowercase, in `language` (a region or a
+    script is an error there): each code's language, once; the codes with a region or a script go to
+    `language_bcp47` ("_" written "-"), None where there are none."""
+    tags = [code.replace("_", "-") for code in codes]
+    languages = [tag.split("-")[0].lower() for tag in tags]
+    bcp47 = [tag for tag, language in zip(tags, languages, strict=True) if tag.lower() != language]
+    return list(dict.fromkeys(languages)), (list(dict.fromkeys(tags)) if bcp47 else None)
+
+
 def _card_data(
     *,
     model_name: str,
@@ -267,9 +278,11 @@ def _card_data(
             metric_config=str(metrics["chrf_signature"]) if metrics.get("chrf_signature") else None,
         ),
     ]
+    language, language_bcp47 = _hub_languages(source_lang, target_lang)
     return ModelCardData(
         model_name=model_name,
-        language=[source_lang, target_lang],
+        language=language,
+        **({"language_bcp47": language_bcp47} if language_bcp47 else {}),
         license=license,
         base_model=base_model,
         **({"base_model_relation": base_model_relation} if base_model_relation else {}),
