@@ -78,6 +78,14 @@ def test_tokenizer_shares_one_vocabulary_across_languages(tokenizer):
         train_bpe_tokenizer(SENTENCES, vocab_size=4)
 
 
+def test_characters_unseen_in_training_are_unk_and_vanish_when_decoded(tokenizer):
+    """As README says: one `<unk>` per character no training text (nor the base alphabet) has, and none
+    of them in a decoded translation."""
+    ids = tokenizer("Jesus 😀 wept 東京 7%")["input_ids"]
+    assert ids.count(tokenizer.unk_token_id) == 3  # 😀, 東, 京; the digit and "%" are in the base alphabet
+    assert tokenizer.decode(ids, skip_special_tokens=True).split() == ["Jesus", "wept", "7%"]
+
+
 # Loading and cleaning ---------------------------------------------------------------------------
 
 

@@ -31,7 +31,9 @@ def train_bpe_tokenizer(
     Every encoded sequence ends with `</s>`; the decoder starts from `<s>`. The special tokens'
     spellings in text ("<s>", "</s>" as HTML's strikethrough, say) are text, not those tokens
     (`split_special_tokens`, saved with the tokenizer): otherwise a sentence would end, or a token
-    vanish from it, where one stands.
+    vanish from it, where one stands. A character that no training text has, nor `BASE_ALPHABET`, is
+    `<unk>` (one per character; there is no byte fallback), which decoding with `skip_special_tokens`
+    drops: a model reads it as an unknown token and never writes that character.
     """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(
