@@ -40,7 +40,8 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
 
     Keyword arguments go to the metric: `target_lang` (the references' language code, which picks
     sacreBLEU's BLEU tokeniser for it: "zh" for Chinese, MeCab's for Japanese and Korean, else "13a"),
-    `tokenize` (a BLEU tokeniser of your choice instead) and `lowercase` (default False).
+    `tokenize` (a BLEU tokeniser of your choice instead) and `lowercase` (default False). Both sides are
+    NFC-normalised first (canonically equivalent spellings match; sacreBLEU's scores on NFC text).
     Returns the metric's dict: "bleu", "chrf", "bleu_signature", "chrf_signature",
     "bleu_precisions", "brevity_penalty", "sys_len", "ref_len".
     """

@@ -7,6 +7,7 @@ copied by `evaluate` into its modules cache and imported from there, so it impor
 
 from __future__ import annotations
 
+import unicodedata
 import warnings
 from typing import Any
 
@@ -23,7 +24,8 @@ they were computed (tokenisation, casing, smoothing, sacreBLEU version) and shou
 _KWARGS_DESCRIPTION = """\
 Args:
     predictions (list of str): detokenised system outputs, one per segment.
-    references (list of str): detokenised references, one per prediction.
+    references (list of str): detokenised references, one per prediction. Both are NFC-normalised first,
+        so canonically equivalent spellings (composed or decomposed accents) match; NFC text is unchanged.
     tokenize (str): BLEU tokeniser, one of sacreBLEU's ("13a", "intl", "zh", "char", "none", ...). chrF
         works on characters and ignores it. Default: the WMT standard for `target_lang`, as sacreBLEU's
         command line chooses it: "zh" for Chinese, "ja-mecab" for Japanese, "ko-mecab" for Korean
@@ -85,7 +87,10 @@ class BleuChrf(evaluate.Metric):
         lowercase: bool = False,
         target_lang: str | None = None,
     ) -> dict[str, Any]:
-        predictions, references = list(predictions), list(references)
+        # Canonically equivalent spellings are one text (a decomposed "ệ", Hangul written as jamo), which
+        # sacreBLEU, comparing code points, scored as different: NFC on both sides, a no-op on NFC text. (A
+        # missing line is left to sacreBLEU, which names it.)
+        predictions, references = ([nfc(text) for text in texts] for texts in (predictions, references))
         if len(predictions) != len(references):
             raise ValueError(
                 f"Got {len(predictions)} predictions but {len(references)} references; "
@@ -123,6 +128,11 @@ class BleuChrf(evaluate.Metric):
             "sys_len": int(bleu_score.sys_len),
             "ref_len": int(bleu_score.ref_len),
         }
+
+
+def nfc(text: Any) -> Any:
+    """`text` NFC-normalised; anything else as it is."""
+    return unicodedata.normalize("NFC", text) if isinstance(text, str) else text
 
 
 # sacreBLEU's own choice for a target language (its command line's `-l`), 13a for the others; also under
