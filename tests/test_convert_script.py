@@ -2,6 +2,7 @@
 tests are); in this process, but for a full disk and the check of a written folder's scores by
 evaluate_model.py in another process (which picks its own kernels)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,11 +165,13 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
     results = {r.metric_type: r for r in card.data.eval_results}
     assert results["bleu"].dataset_name == "pairs.tsv" and results["bleu"].dataset_split == "test"
     assert "(6 sentence pairs) of pairs.tsv" in text
-    # Marian's generation config sets no length: transformers' 20 tokens cut the scored translations.
-    assert (
-        "at most 20 tokens per output, the decoder's start token included (transformers' default"
-        in " ".join(text.split())
-    )
+    # Marian's generation config sets no length: transformers' default cut the scored translations, at the
+    # length MarianMTModel's generate() stops at when it never ends a sentence (20 tokens after the
+    # decoder's start token; the card once said 20 with the start token included).
+    stated = re.search(r"at most (\d+) output tokens \(transformers' default", " ".join(text.split()))
+    assert stated, text
+    never_ending = marian.generate(**tokenizer(test["en"][:1], return_tensors="pt"), min_new_tokens=10**4)
+    assert never_ending.shape[1] == 1 + int(stated[1])
     # The same scores as the evaluation script gives the written folder, in another process.
     evaluate = str(Path(SCRIPT).parent / "evaluate_model.py")
     assert results["chrf"].metric_value > 10  # (the random model writes one word: BLEU, on 4-grams, is 0)

@@ -647,7 +647,9 @@ def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generat
     assert (set_["num_beams"], set_["length_penalty"], set_["no_repeat_ngram_size"]) == (6, 0.6, 4)
     # No length at all: transformers' 20 tokens, which cut a converted model's translations short
     # while its card stated no limit; this package's offset rule where it is set, and no other.
-    assert (set_["max_length"], set_["max_length_is_default"], set_["max_length_offset"]) == (20, True, None)
+    # (transformers' default `max_length` counts the tokens after the decoder's start token)
+    assert (set_["max_new_tokens"], set_["max_length_is_default"], set_["max_length"]) == (20, True, None)
+    assert set_["max_length_offset"] is None
     offset = GenerationConfig(num_beams=4)
     offset.max_length_offset = 50
     assert (
@@ -667,7 +669,7 @@ def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generat
         )
     }
     assert (
-        "at most 20 tokens per output, the decoder's start token included (transformers' default"
+        "at most 20 output tokens (transformers' default where the generation config sets no length"
         in cards["default"]
     )
     assert "at most 30 output tokens." in cards["new tokens"]

@@ -401,8 +401,8 @@ def decoding_settings(generation: GenerationConfig) -> dict[str, Any]:
         settings["max_length"] = generation.max_length
     elif offset is not None:
         settings["max_length_offset"] = offset
-    else:
-        settings |= {"max_length": TRANSFORMERS_DECODING["max_length"], "max_length_is_default": True}
+    else:  # transformers' default `max_length` counts new tokens only: 20 after the decoder's start token
+        settings |= {"max_new_tokens": TRANSFORMERS_DECODING["max_length"], "max_length_is_default": True}
     return settings
 
 
