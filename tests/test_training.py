@@ -1833,6 +1833,28 @@ def test_translate_script_never_destroys_or_half_writes_a_file(
     assert good.returncode == 0 and len(earlier.read_text().splitlines()) == 2
 
 
+def test_a_model_folder_without_its_generation_config_is_said_to_decode_otherwise(tmp_path, caplog):
+    """A folder lacking generation_config.json loaded with transformers' generation config derived from
+    config.json: greedy search instead of the model's beam 4 and length penalty 0.6, without a word, so
+    evaluate_model.py's scores silently differed from the card's (scored with the saved settings)."""
+    from vanilla_transformer.evaluation import load_model_folder
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["hello world", "hola mundo"] * 10, 60)
+    config = VanillaTransformerConfig(vocab_size=len(tokenizer), d_model=16, d_ff=32, num_heads=2)
+    VanillaTransformerForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with caplog.at_level("WARNING", logger="vanilla_transformer.evaluation"):
+        saved, _ = load_model_folder(tmp_path / "model", "cpu")
+    assert saved.generation_config.num_beams == 4 and "generation_config.json" not in caplog.text
+    (tmp_path / "model" / "generation_config.json").unlink()
+    with caplog.at_level("WARNING", logger="vanilla_transformer.evaluation"):
+        model, _ = load_model_folder(tmp_path / "model", "cpu")
+    assert model.generation_config.num_beams in (None, 1)  # transformers' greedy search: worth a word
+    assert f"{tmp_path / 'model'} has no generation_config.json" in caplog.text
+    assert "greedy search" in caplog.text and "--num_beams" in caplog.text
+
+
 def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypatch):
     from vanilla_transformer.evaluation import load_model_folder
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,13 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from .cli import first_line
+from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
 from .parallel_data import load_parallel_data
 from .translation import translate
+
+logger = logging.getLogger(__name__)
 
 # A tokenizer that AutoTokenizer loads from a folder: a fast tokenizer, or a configuration naming one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -74,6 +78,19 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         raise ValueError(
             f"The weights in {folder} lack {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): they would be random."
+        )
+    if folder.exists() and not (folder / "generation_config.json").is_file():
+        # transformers then derives the generation config from config.json, which holds no decoding
+        # settings: greedy search, where the model was saved (and its card scored) with its own.
+        beams = model.generation_config.num_beams or 1
+        decoding = "greedy search" if beams == 1 else f"beam search with {beams} beams"
+        own = model.config.model_type == VanillaTransformerConfig.model_type
+        own = " (this package's models: 4 beams, length penalty 0.6)" if own else ""
+        logger.warning(
+            f"{folder} has no generation_config.json: it decodes with what transformers derives from its "
+            f"config.json ({decoding}), not with the settings it was saved with{own}, so scores may differ "
+            "from its card's. Copy generation_config.json from the folder the model came from, or choose "
+            "the decoding (--num_beams, --length_penalty)."
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.to(target).eval(), tokenizer
