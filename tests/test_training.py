@@ -1855,6 +1855,33 @@ def test_a_model_folder_without_its_generation_config_is_said_to_decode_otherwis
     assert "greedy search" in caplog.text and "--num_beams" in caplog.text
 
 
+def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, caplog):
+    """evaluate_model.py without --test_file scores the embedded English-Spanish corpus: a converted
+    German-English model was scored on it (BLEU near 0) without a word, and so were pairs of another
+    direction than the card's."""
+    from vanilla_transformer.evaluation import evaluate_model
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["hello world", "hola mundo"] * 10, 60)
+    config = VanillaTransformerConfig(vocab_size=len(tokenizer), d_model=16, d_ff=32, num_heads=2)
+    model = tmp_path / "model"
+    VanillaTransformerForConditionalGeneration(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("en\tes\nhello world\thola mundo\n", encoding="utf-8")
+    card = "---\nlanguage:\n- {}\n- {}\ntags:\n- translation\n- vanilla-transformer\n---\n# model\n"
+    for languages, said in ((("en", "es"), None), (("de", "en"), "German into English"), (("es", "en"), "")):
+        (model / "README.md").write_text(card.format(*languages), encoding="utf-8")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vanilla_transformer.evaluation"):
+            evaluate_model(model, device="cpu", data_options={"test_file": str(pairs)}, num_beams=1)
+        if said is None:
+            assert "model card" not in caplog.text
+        else:
+            assert f"{model}'s model card says it translates {said}" in caplog.text, caplog.text
+            assert "the pairs scored are English to Spanish (en-es)" in caplog.text
+
+
 def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypatch):
     from vanilla_transformer.evaluation import load_model_folder
 

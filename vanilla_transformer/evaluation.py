@@ -7,13 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import ModelCard
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from .cli import first_line
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
-from .parallel_data import load_parallel_data
+from .model_card import LANGUAGE_NAMES
+from .parallel_data import DEFAULT_LANGUAGES, load_parallel_data
 from .translation import translate
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,22 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
     return model.to(target).eval(), tokenizer
 
 
+def model_card_languages(path: str | Path) -> list[str] | None:
+    """The [source, target] language codes a local model folder's card (written by this package, whose
+    `language` metadata is that pair in order) names; None for any other folder or card."""
+    readme = Path(path) / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        data = ModelCard.load(readme).data
+    except Exception:  # a malformed card: nothing to compare with
+        return None
+    languages, tags = data.language, data.tags or []
+    if "vanilla-transformer" not in tags or not isinstance(languages, list) or len(languages) != 2:
+        return None
+    return [str(code) for code in languages]
+
+
 def evaluate_model(
     model_path: str | Path,
     *,
@@ -119,6 +137,18 @@ def evaluate_model(
     split_pairs = len(rows)
     if max_samples is not None:
         rows = rows.select(range(min(max_samples, len(rows))))
+    options = data_options or {}
+    languages = [options.get(f"{side}_lang") or DEFAULT_LANGUAGES[side] for side in ("source", "target")]
+    card_languages = model_card_languages(model_path)
+    if card_languages is not None and card_languages != languages:
+        # The embedded corpus (no --test_file) is English-Spanish whatever the model translates.
+        named = [f"{LANGUAGE_NAMES.get(code, code)}" for code in (*card_languages, *languages)]
+        logger.warning(
+            f"{model_path}'s model card says it translates {named[0]} into {named[1]} "
+            f"({'-'.join(card_languages)}), but the pairs scored are {named[2]} to {named[3]} "
+            f"({'-'.join(languages)}): name the card's languages (--source_lang, --target_lang) and a "
+            "file of them (--test_file), or the scores describe another task."
+        )
     model, tokenizer = load_model_folder(model_path, device)
     hypotheses = translate(model, tokenizer, rows["source"], batch_size=batch_size, **generate_kwargs)
     # The references' language picks sacreBLEU's BLEU tokeniser (zh, ja, ko: not 13a).
