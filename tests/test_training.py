@@ -1859,7 +1859,10 @@ def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, ca
     """evaluate_model.py without --test_file scores the embedded English-Spanish corpus: a converted
     German-English model was scored on it (BLEU near 0) without a word, and so were pairs of another
     direction than the card's."""
+    import yaml
+
     from vanilla_transformer.evaluation import evaluate_model
+    from vanilla_transformer.model_card import _hub_languages
     from vanilla_transformer.tokenization import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(["hello world", "hola mundo"] * 10, 60)
@@ -1880,6 +1883,19 @@ def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, ca
         else:
             assert f"{model}'s model card says it translates {said}" in caplog.text, caplog.text
             assert "the pairs scored are English to Spanish (en-es)" in caplog.text
+    # A code with a region: the card's `language` holds its language alone, `language_bcp47` the code.
+    language, bcp47 = _hub_languages("en", "pt_BR")  # as the package's cards write them
+    metadata = {"language": language, "language_bcp47": bcp47, "tags": ["translation", "vanilla-transformer"]}
+    (model / "README.md").write_text(f"---\n{yaml.safe_dump(metadata)}---\n# model\n", encoding="utf-8")
+    pairs.write_text("en\tpt_BR\nhello world\thola mundo\n", encoding="utf-8")
+    for target, said in (("pt_BR", False), ("pt", True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vanilla_transformer.evaluation"):
+            options = {"test_file": str(pairs), "source_lang": "en", "target_lang": target}
+            if target == "pt":
+                pairs.write_text("en\tpt\nhello world\thola mundo\n", encoding="utf-8")
+            evaluate_model(model, device="cpu", data_options=options, num_beams=1)
+        assert ("model card says" in caplog.text) == said, caplog.text
 
 
 def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypatch):

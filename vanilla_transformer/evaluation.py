@@ -108,10 +108,21 @@ def model_card_languages(path: str | Path) -> list[str] | None:
         data = ModelCard.load(readme).data
     except Exception:  # a malformed card: nothing to compare with
         return None
-    languages, tags = data.language, data.tags or []
-    if "vanilla-transformer" not in tags or not isinstance(languages, list) or len(languages) != 2:
+    # A code with a region or a script ("pt-BR") is in `language_bcp47`, its language alone in `language`.
+    metadata = data.to_dict()
+    languages = metadata.get("language_bcp47") or metadata.get("language")
+    if (
+        "vanilla-transformer" not in (data.tags or [])
+        or not isinstance(languages, list)
+        or len(languages) != 2
+    ):
         return None
     return [str(code) for code in languages]
+
+
+def same_language(first: str, second: str) -> bool:
+    """Whether two language codes are one ("pt_BR" and "pt-br" are)."""
+    return first.replace("_", "-").lower() == second.replace("_", "-").lower()
 
 
 def evaluate_model(
@@ -140,7 +151,7 @@ def evaluate_model(
     options = data_options or {}
     languages = [options.get(f"{side}_lang") or DEFAULT_LANGUAGES[side] for side in ("source", "target")]
     card_languages = model_card_languages(model_path)
-    if card_languages is not None and card_languages != languages:
+    if card_languages is not None and not all(map(same_language, card_languages, languages)):
         # The embedded corpus (no --test_file) is English-Spanish whatever the model translates.
         named = [f"{LANGUAGE_NAMES.get(code, code)}" for code in (*card_languages, *languages)]
         logger.warning(
