@@ -495,6 +495,18 @@ def recorded(self, prediction):
 
 
 finetuning.BleuMetric.__call__ = recorded
+save = finetuning.FinetuneTrainer.save_model
+
+
+def saved(self, output_dir=None, _internal_call=False):
+    if not _internal_call:  # the fine-tuned model, saved by every process: its weights there
+        with open(SCORED, "a") as log:
+            total = sum(float(p.double().sum()) for p in self.model.parameters())
+            print(json.dumps({"weights": total, "wrapped": type(self.model_wrapped).__name__}), file=log)
+    return save(self, output_dir, _internal_call)
+
+
+finetuning.FinetuneTrainer.save_model = saved
 sys.argv[0] = SCRIPT
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -521,9 +533,16 @@ def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
     # Every evaluation (before, at step 2, after; on each process) scored the 21 pairs once each, in
     # order: the processes' last batches are filled up with repeated pairs, which were scored too (32
     # outputs), and batches grouped by length scored the outputs against the labels decoded.
-    evaluations = [json.loads(line) for line in scored.read_text().splitlines()]
+    records = [json.loads(line) for line in scored.read_text().splitlines()]
+    evaluations = [record for record in records if "outputs" in record]
     expected = {"outputs": 21, "pairs": 21, "in_order": True}
     assert len(evaluations) == 6 and all(e == expected for e in evaluations), evaluations
+    # One model, trained under DistributedDataParallel: after the evaluation before training, which
+    # prepared the model for evaluation only, Accelerate left it unwrapped and each process trained its
+    # own copy on its share of the batches (the processes ended with different weights).
+    weights = [record for record in records if "weights" in record]
+    assert len(weights) == 2 and weights[0] == weights[1], weights
+    assert weights[0]["wrapped"] == "DistributedDataParallel", weights
     text = " ".join((output / "README.md").read_text(encoding="utf-8").split())
     assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
     assert "2 processes |" in text

@@ -370,6 +370,24 @@ class FinetuneTrainer(Seq2SeqTrainer):
         super().__init__(*args, **kwargs)
         self.flags = flags  # `resume_flags`, written into each checkpoint
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        # An evaluation before training (finetune's "before" scores) prepares the bare model for
+        # evaluation, which Accelerate marks as prepared: the training's `prepare` then returned it as it
+        # was, without DistributedDataParallel, and each process trained a copy of its own on its share of
+        # the batches (the main process's, on half the data, was saved; the others' evaluations used
+        # theirs). The evaluation's preparation is undone here, so the training wraps the model.
+        model = self.model
+        if (
+            self.args.world_size > 1
+            and self.model_wrapped is model
+            and not (self.is_fsdp_enabled or self.is_deepspeed_enabled)  # prepared there as for training
+            and getattr(model, "_is_accelerate_prepared", False)
+        ):
+            for name in ("_is_accelerate_prepared", "forward", "_original_forward"):  # autocast's forward
+                model.__dict__.pop(name, None)
+            self.accelerator._models = [m for m in self.accelerator._models if m is not model]
+        return super().train(*args, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
         # A checkpoint's weights (`_save_checkpoint` saves them first): its flags go with them, before its
