@@ -547,6 +547,15 @@ def test_two_cpu_processes_fine_tune_as_one_data_parallel_run(start, tmp_path):
     assert "16 sentence pairs per update" in text  # 8 per process x 2 processes
     assert "2 processes |" in text
     assert result.stdout.count("bleu     before") == 1, result.stdout  # one report, not one per process
+    # The evaluation after the last update measured the loss one process measures on the saved model: the
+    # processes' last batches, filled up with repeated pairs, counted those pairs' losses too.
+    history = json.loads((output / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    two = [record["eval_loss"] for record in history if "eval_loss" in record]
+    one = small_config(
+        output, data, tmp_path / "one", max_eval_samples=21, per_device_eval_batch_size=8, num_beams=1
+    )
+    alone = build_trainer(one, use_cpu=True).evaluate()["eval_loss"]
+    assert two == [pytest.approx(alone, rel=1e-6)], (two, alone)
 
 
 @pytest.mark.parametrize("device, on_cpus", [(None, True), ("mps", True), ("xpu", False)])
@@ -608,6 +617,33 @@ def test_accumulated_loss_is_the_mean_over_the_whole_update(start, marian_start,
             ).logits.flatten(0, 1)
             total += torch.nn.functional.cross_entropy(logits, batch["labels"].flatten(), reduction="sum")
     torch.testing.assert_close(reported, total / items, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["ours", "marian"])
+def test_evaluation_loss_is_the_token_mean_over_the_split(start, marian_start, tmp_path, kind):
+    """The evaluation loss is the label-smoothed loss per target token over every validation pair, as
+    train.py's. Trainer averaged its batches' means, the last (short) batch weighted as a full one, and on
+    several processes that batch was filled up with repeated pairs whose losses counted (21 pairs in
+    batches of 8: 6.555 on two processes, 6.548 on one)."""
+    model_dir, data = start
+    model = model_dir if kind == "ours" else marian_start
+    config = small_config(
+        model, data, tmp_path / "out", max_eval_samples=21, per_device_eval_batch_size=8, num_beams=1
+    )
+    trainer = build_trainer(config, use_cpu=True)
+    reported = trainer.evaluate()["eval_loss"]
+    pairs = trainer.data_collator([trainer.eval_dataset[i] for i in range(len(trainer.eval_dataset))])
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(
+            input_ids=pairs["input_ids"],
+            attention_mask=pairs["attention_mask"],
+            decoder_input_ids=pairs["decoder_input_ids"],
+        ).logits.flatten(0, 1)
+    labels = pairs["labels"].flatten()
+    total = torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum")
+    assert len(trainer.eval_dataset) == 21
+    assert reported == pytest.approx(float(total / (labels != -100).sum()), rel=1e-5)
 
 
 def test_short_references_are_scored_as_written(start, tmp_path, monkeypatch):

@@ -413,13 +413,65 @@ class FinetuneTrainer(Seq2SeqTrainer):
         # Several processes: Accelerate shards these batches and gathers them back in this order.
         return SequentialSampler(eval_dataset) if has_length(eval_dataset) else None
 
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
         # Seq2SeqTrainer.evaluate gathers the processes' outputs with `accelerator.gather`, which keeps the
         # pairs Accelerate repeats to give every process as many batches: 21 pairs on 2 processes in
         # batches of 8 were scored as 32 (BLEU, chrF and the loss counted 11 pairs twice).
         # `gather_for_metrics` drops them.
         self.gather_function = self.accelerator.gather_for_metrics
-        return super().evaluation_loop(*args, **kwargs)
+        self._loss_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)  # loss, tokens
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
+        # Trainer's loss is the mean of its batches' means, the last (short) batch weighted as a full
+        # one, and the batch filled up with repeated pairs keeps their losses in its mean
+        # (`gather_for_metrics` drops the repeated outputs, not their share of a loss): the loss changed
+        # with the process count. Here it is the loss per target token of the pairs evaluated, each once.
+        loss, tokens = self.accelerator.reduce(self._loss_sums, "sum").tolist()
+        if f"{metric_key_prefix}_loss" in output.metrics and tokens:
+            output.metrics[f"{metric_key_prefix}_loss"] = loss / tokens
+        return output
+
+    def prediction_step(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **gen_kwargs: Any,
+    ) -> Any:
+        """Seq2SeqTrainer's, adding the loss and the target tokens of the batch's pairs that
+        `gather_for_metrics` keeps to `_loss_sums`: on the last batch of several processes, the first
+        pairs of each process's batch (all, some or none), the others repeated ones. (Only where the
+        loss is the batch's token mean: with generation; Trainer's own path scales it across processes.)"""
+        loss, generated, labels = super().prediction_step(
+            model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs
+        )
+        generating = self.args.predict_with_generate and not prediction_loss_only
+        if loss is None or "labels" not in inputs or not generating:
+            return loss, generated, labels
+        rows = len(inputs["labels"])
+        mine = torch.full((rows,), self.accelerator.process_index, device=inputs["labels"].device)
+        kept = int((self.accelerator.gather_for_metrics(mine) == self.accelerator.process_index).sum())
+        tokens = int((inputs["labels"][:kept] != -100).sum())
+        counted = loss
+        if kept < rows and tokens:  # the kept pairs' loss alone, as Seq2SeqTrainer computes a batch's
+            some = {name: value[:kept] if torch.is_tensor(value) else value for name, value in inputs.items()}
+            with torch.no_grad(), self.compute_loss_context_manager():
+                outputs = model(**some)
+            smoother = self.label_smoother
+            counted = smoother(outputs, some["labels"]) if smoother is not None else outputs["loss"]
+        if tokens:
+            counted = counted.detach().double().mean()
+            self._loss_sums += torch.stack([counted * tokens, counted.new_tensor(tokens)]).to(self._loss_sums)
+        return loss, generated, labels
 
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
