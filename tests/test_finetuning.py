@@ -685,6 +685,28 @@ def test_a_resume_with_another_learning_rate_is_refused(tmp_path):
     FinetuneConfig(**options, learning_rate=1e-3, resume_from_checkpoint="latest")
 
 
+def test_a_resume_under_another_process_count_is_refused(tmp_path, monkeypatch):
+    """The process count shapes the updates as the batch size does (per-process batches times processes)
+    and the batches Trainer skips on resume: a fine-tune checkpointed by two processes and resumed by one
+    went on with half the update size and another data order, and its card stated one process's batch."""
+    from vanilla_transformer.finetuning import FLAGS_FILE, resume_flags
+
+    options = {"model": "m", "train_file": "t", "output_dir": str(tmp_path / "tuned")}
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as accelerate launch and torchrun set it for each process
+    flags = resume_flags(FinetuneConfig(**options))
+    checkpoint = tmp_path / "tuned" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 4}')
+    (checkpoint / FLAGS_FILE).write_text(json.dumps(flags))
+    FinetuneConfig(**options, resume_from_checkpoint="latest")  # two processes again: resumed
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match=r"other flags \(2 processes -> 1, launched with --num_processes"):
+        FinetuneConfig(**options, resume_from_checkpoint="latest")
+    del flags["processes"]  # a checkpoint from before the count was recorded: resumed as it is
+    (checkpoint / FLAGS_FILE).write_text(json.dumps(flags))
+    FinetuneConfig(**options, resume_from_checkpoint="latest")
+
+
 def test_a_checkpoint_records_its_flags_before_it_counts_as_whole(start, tmp_path, monkeypatch):
     """A checkpoint is whole once Trainer wrote its trainer_state.json (`complete_checkpoints`); its
     finetune_flags.json was written after that, in `on_save`, past the old checkpoints' deletion: a fine-tune

@@ -259,12 +259,14 @@ PATH_FLAGS = ("model", "train_file", "validation_file")
 
 
 def resume_flags(config: FinetuneConfig) -> dict[str, Any]:
-    """The flags a resumed fine-tune must keep, local paths made absolute (a resume may run elsewhere)."""
+    """The flags a resumed fine-tune must keep, local paths made absolute (a resume may run elsewhere),
+    and the number of processes launched, which shapes the updates and the batches a resume skips as the
+    batch size does."""
     flags = {name: getattr(config, name) for name in RESUME_FLAGS}
     for name in PATH_FLAGS:
         if flags[name] is not None and Path(flags[name]).exists():
             flags[name] = str(Path(flags[name]).resolve())
-    return flags
+    return flags | {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
 def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
@@ -274,11 +276,17 @@ def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
     except (OSError, ValueError):  # a checkpoint written before flags were recorded: not checked here
         return []
     now = resume_flags(config)
-    return [
+    changed = [
         f"--{name} {recorded[name]} -> {now[name]}"
         for name in RESUME_FLAGS
         if name in recorded and recorded[name] != now[name]
     ]
+    if recorded.get("processes", now["processes"]) != now["processes"]:
+        changed.append(
+            f"{recorded['processes']} processes -> {now['processes']}, launched with --num_processes "
+            "(accelerate launch) or --nproc_per_node (torchrun)"
+        )
+    return changed
 
 
 def complete_checkpoints(output: Path) -> list[Path]:
