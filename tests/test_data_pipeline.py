@@ -318,6 +318,11 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
     for name, text in (("twice.tsv", "en\tes\tes\nHi\tHola\tBuenas\n"), ("twice.csv", "es,en,es\na,b,c\n")):
         with pytest.raises(DataError, match=rf"{name}, line 1: the header names 'es' more than once"):
             load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
+    # Columns without a name (a spreadsheet's trailing empty ones) are no name said twice: pandas reads
+    # them as "Unnamed: 2", "Unnamed: 3", and they were read so before that check.
+    for name, text in (("blank.tsv", "en\tes\t\t\nHi\tHola\t\t\n"), ("blank.csv", "en,es,,\nHi,Hola,,\n")):
+        data, _ = load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
+        assert data["test"][:] == {"source": ["Hi"], "target": ["Hola"]}
 
 
 def test_blank_lines_before_the_header_are_skipped_as_the_reader_skips_them(tmp_path):

@@ -129,8 +129,9 @@ def _check_delimited(path: Path) -> list[str]:
             if header is None:
                 header = row
                 # pandas renames a repeated name ("es", "es.1"): the run would read the first column of
-                # the name without a word, whichever of them the user meant.
-                if repeated := sorted({name for name in header if header.count(name) > 1}):
+                # the name without a word, whichever of them the user meant. Columns without a name (a
+                # spreadsheet's trailing empty ones, "en,es,,") it calls "Unnamed: 2", ...: none is read.
+                if repeated := sorted({name for name in header if name and header.count(name) > 1}):
                     raise DataError(
                         f"{path}, line {line}: the header names {repeated[0]!r} more than once ({header}); "
                         "name each column once."
