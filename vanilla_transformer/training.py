@@ -1312,7 +1312,8 @@ def start(config: TrainingConfig) -> Run:
 
 def check_evaluation_lengths(tokenized: Any, max_tokens: int, test_samples: int | None) -> None:
     """Refuse, before training, evaluation pairs too long for the run's batches. Validation and test
-    pairs are not filtered by --max_length (scores cover the whole split), but each validation pair must
+    pairs are not filtered by --max_length (scores cover the whole split; a validation split drawn from
+    train is, as training data, so its pairs always fit), but each validation pair must
     fit one validation-loss batch of `max_tokens` source + target tokens, and each test source that
     will be translated (the first `test_samples`) one batch's `max_tokens`, which keeps translation
     within the memory training uses (a 60,000-token line once asked for 57 GB after training ended)."""
