@@ -666,8 +666,14 @@ def test_decoding_settings_fill_what_a_generation_config_leaves_unset_as_generat
             ("default", decoding_settings(GenerationConfig(num_beams=4))),
             ("new tokens", decoding_settings(offset)),
             ("length", decoding_settings(GenerationConfig(num_beams=4, max_length=512))),
+            # a metrics.json of before the default was stated in new tokens keeps its note when rendered
+            ("old record", {"max_length": 20, "max_length_is_default": True, "max_length_offset": None}),
         )
     }
+    assert (
+        "at most 20 tokens per output, the decoder's start token included (transformers' default where"
+        in cards["old record"]
+    )
     assert (
         "at most 20 output tokens (transformers' default where the generation config sets no length"
         in cards["default"]
