@@ -1381,6 +1381,7 @@ def test_bad_flags_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"--warmup_steps \(600\) is not below --max_steps \(100\)"):
         TrainingConfig(lr_schedule="linear", max_steps=100)
     assert TrainingConfig(lr_schedule="linear", max_steps=601).warmup_steps == 600
+    assert TrainingConfig(lr_schedule="linear", max_steps=100, lr_cooldown=0.2).lr_cooldown == 0.2  # decays
     assert TrainingConfig(max_steps=100).lr_schedule == "inverse_sqrt"  # the paper's: no end to reach
     with pytest.raises(ValueError, match="--max_train_minutes must be positive, or 0 for no limit"):
         TrainingConfig(max_train_minutes=-1)
@@ -1852,7 +1853,7 @@ def test_a_model_folder_without_its_generation_config_is_said_to_decode_otherwis
         model, _ = load_model_folder(tmp_path / "model", "cpu")
     assert model.generation_config.num_beams in (None, 1)  # transformers' greedy search: worth a word
     assert f"{tmp_path / 'model'} has no generation_config.json" in caplog.text
-    assert "greedy search" in caplog.text and "--num_beams" in caplog.text
+    assert "greedy search" in caplog.text and "Copy generation_config.json" in caplog.text
 
 
 def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, caplog):

@@ -87,12 +87,14 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         beams = model.generation_config.num_beams or 1
         decoding = "greedy search" if beams == 1 else f"beam search with {beams} beams"
         own = model.config.model_type == VanillaTransformerConfig.model_type
-        own = " (this package's models: 4 beams, length penalty 0.6)" if own else ""
+        own = (
+            " (this package's training writes the paper's beam 4 and length penalty 0.6 there)" if own else ""
+        )
         logger.warning(
             f"{folder} has no generation_config.json: it decodes with what transformers derives from its "
-            f"config.json ({decoding}), not with the settings it was saved with{own}, so scores may differ "
-            "from its card's. Copy generation_config.json from the folder the model came from, or choose "
-            "the decoding (--num_beams, --length_penalty)."
+            f"config.json ({decoding}), not with the settings it was saved with{own}, so its outputs and "
+            "scores may differ from its card's. Copy generation_config.json from the folder the model came "
+            "from."
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.to(target).eval(), tokenizer

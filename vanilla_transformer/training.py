@@ -424,9 +424,11 @@ class TrainingConfig:
         if not 0 <= self.lr_cooldown <= 1:  # NaN included
             raise ValueError(f"--lr_cooldown must be between 0 and 1, got {self.lr_cooldown}.")
         # The rate would rise to the last update and never decay. (A resume keeps the run's budget, or
-        # names one the run has reached: it then only finishes the run as it is.)
+        # names one the run has reached: it then only finishes the run as it is. A cooldown brings the
+        # rate down to 0 all the same.)
         if (
             self.lr_schedule == "linear"
+            and not self.lr_cooldown
             and not self.resume_from_checkpoint
             and self.warmup_steps >= self.max_steps
         ):
