@@ -185,6 +185,13 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         match=r"decoder_start_token_id is None \(config.json\); .* set `decoder_start_token_id` in",
     ):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2-unset")
+    # A length that leaves no new token: generate() refuses it; the export's translator failed in
+    # CTranslate2 at the first call ("The maximum decoding length must be > 0").
+    (tmp_path / "model" / "generation_config.json").write_text(
+        json.dumps(json.loads(saved["generation_config.json"]) | {"max_length": 1})
+    )
+    with pytest.raises(ValueError, match=r"max_length 1, which leaves no new token"):
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2-no-tokens")
     for name, text in saved.items():
         (tmp_path / "model" / name).write_text(text)
     too_long = r"sentences\[1\] has \d+ tokens; .* position table holds 8"

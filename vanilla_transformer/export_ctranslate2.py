@@ -288,6 +288,12 @@ def export_ctranslate2(
                 "carry (it keeps the beam size, the length penalty, n-gram blocking and the length limit): "
                 "its translations may differ from generate()'s."
             )
+        if fixed_new_tokens(generation) == 0:  # generate() refuses it; CTranslate2 only when translating
+            name = "max_new_tokens" if generation.max_new_tokens is not None else "max_length"
+            raise ValueError(
+                f"{model_dir}'s generation config sets {name} {getattr(generation, name)}, which leaves no "
+                "new token (max_length counts the decoder's start token): set a larger one, and export again."
+            )
         offset = getattr(generation, "max_length_offset", None)
         settings = {
             "max_positions": max_positions,
