@@ -12,6 +12,7 @@ from vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     VanillaTransformerModel,
 )
+from vanilla_transformer import modeling_vanilla_transformer as modeling
 from vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerAttention,
     eager_attention_forward,
@@ -275,6 +276,67 @@ def test_stacks_match_torch_nn_transformer(attn_implementation, norm_first, atte
 
     keep = source_mask.bool()
     assert_same_up_to_rounding(ours.encoder_last_hidden_state[keep], memory[keep], TINY_TERMS)
+    assert_same_up_to_rounding(ours.last_hidden_state, out, TINY_TERMS)
+
+
+class NumberedDropout(nn.Module):
+    """Dropout whose k-th call (counted in `calls`, shared) keeps the elements a generator seeded with k
+    keeps, so that two computations calling it in the same order drop the same elements."""
+
+    def __init__(self, p: float, calls: list[int]):
+        super().__init__()
+        self.p, self.calls = p, calls
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(len(self.calls))
+        self.calls.append(inputs.numel())
+        kept = torch.rand(inputs.numel(), generator=generator) >= self.p
+        return inputs * kept.view(inputs.shape).to(inputs.dtype) / (1 - self.p)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_dropout_sits_on_embeddings_and_sublayer_outputs_as_in_torch_nn_transformer(norm_first, monkeypatch):
+    """Section 5.4: dropout on each sub-layer's output before the residual addition (and normalisation),
+    and on the sums of embeddings and positions; nowhere else (attention and feed-forward hidden
+    dropouts are 0). The reference is torch's layers, whose `dropout1/2/3` sit on the sub-layer outputs,
+    given the same masks there and none on their feed-forward hidden layer."""
+    p = 0.3
+    model = tiny_model(dropout=p, norm_first=norm_first).train()
+    ours_calls, reference_calls = [], []
+    ours_dropout = NumberedDropout(p, ours_calls)
+
+    def recorded(inputs: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+        if not training or rate == 0:
+            return inputs
+        assert rate == p
+        return ours_dropout(inputs)
+
+    monkeypatch.setattr(modeling, "dropout", recorded)
+    config, base = model.config, model.model
+    encoder, decoder = torch_reference_stacks(config, base)
+    reference_dropout = NumberedDropout(p, reference_calls)
+    for layer in [*encoder.layers, *decoder.layers]:
+        layer.dropout = nn.Identity()  # the feed-forward hidden layer's
+        for name in ("dropout1", "dropout2", "dropout3"):
+            if hasattr(layer, name):
+                setattr(layer, name, reference_dropout)
+    encoder.train(), decoder.train()
+    generator = torch.Generator().manual_seed(5)
+    source, target = torch.randint(3, 99, (2, 9), generator=generator), torch.randint(3, 99, (2, 7))
+    scale = math.sqrt(config.d_model)
+    positions = sinusoidal_position_encoding(torch.arange(9), 32)
+
+    with torch.no_grad():
+        ours = base(input_ids=source, decoder_input_ids=target, use_cache=False)
+        memory = encoder(reference_dropout(base.shared(source) * scale + positions))
+        tgt = reference_dropout(base.shared(target) * scale + positions[:7])
+        causal = nn.Transformer.generate_square_subsequent_mask(7)
+        out = decoder(tgt, memory, tgt_mask=causal, tgt_is_causal=True)
+
+    # Embeddings, then 2 sub-layers in each encoder layer, embeddings, 3 in each decoder layer.
+    assert len(reference_calls) == 2 + 2 * config.num_encoder_layers + 3 * config.num_decoder_layers
+    assert ours_calls == reference_calls
+    assert_same_up_to_rounding(ours.encoder_last_hidden_state, memory, TINY_TERMS)
     assert_same_up_to_rounding(ours.last_hidden_state, out, TINY_TERMS)
 
 
