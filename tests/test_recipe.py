@@ -57,6 +57,34 @@ def test_paper_recipes_checkpoint_every_ten_minutes_of_the_papers_training():
         assert config.label_smoothing == 0.1 and config.dropout is None  # the preset's: 0.1 / 0.3
 
 
+class JointVocabulary:
+    """What `build_model` reads of a tokenizer: its size and special ids."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+    def __len__(self) -> int:
+        return 64
+
+
+@pytest.mark.parametrize(("preset", "dropout"), [("base", 0.1), ("big", 0.3)])
+def test_paper_recipes_build_the_papers_model_and_adam(preset, dropout):
+    """Sections 5.3-5.4 and 6.1 in what training actually runs: Adam with beta1 0.9, beta2 0.98 and
+    eps 1e-9 at the peak d_model^-0.5 * warmup^-0.5 (about 7e-4 for base), the preset's dropout, label
+    smoothing 0.1, beam 4 with length penalty 0.6."""
+    config = TrainingConfig(preset=preset, report_to="none")
+    model, optimizer, peak = training.build_model(config, JointVocabulary())
+    d_model = {"base": 512, "big": 1024}[preset]
+    assert peak == pytest.approx(d_model**-0.5 * 4000**-0.5, rel=1e-12)
+    (group,) = optimizer.param_groups
+    assert (group["betas"], group["eps"], group["lr"]) == ((0.9, 0.98), 1e-9, peak)
+    assert group["weight_decay"] == 0 and not group["amsgrad"]
+    assert sum(p.numel() for p in group["params"]) == sum(p.numel() for p in model.parameters())
+    built = model.config
+    assert (built.d_model, built.dropout, built.label_smoothing) == (d_model, dropout, 0.1)
+    generation = model.generation_config
+    assert (generation.num_beams, generation.length_penalty, generation.early_stopping) == (4, 0.6, True)
+
+
 def test_linear_schedule_warms_up_then_ends_at_zero():
     factors = [
         lr_factor("linear", step, 4, progress=(step - 1) / 10, warmup_progress=0.4) for step in range(1, 11)
