@@ -547,16 +547,6 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             raise ValueError(
                 "The source sequence is empty: every input needs at least one token (e.g. </s>)."
             )
-        if attention_mask is not None and attention_mask.dim() == 2 and reads_are_free(attention_mask):
-            # A row of padding alone, the same empty source as above within a batch: it was translated
-            # from nothing, without a word.
-            empty = (attention_mask == 0).all(dim=-1).nonzero().flatten().tolist()
-            if empty:
-                raise ValueError(
-                    f"`attention_mask` masks every token of row {empty[0]}"
-                    + (f" (and {len(empty) - 1} more)" if len(empty) > 1 else "")
-                    + ": every input needs at least one token (e.g. </s>)."
-                )
 
         positions = self.position_table(0, length, inputs_embeds.device, inputs_embeds.dtype)  # (S, D)
         shift = leading_padding(attention_mask)
