@@ -292,6 +292,33 @@ def test_weight_copies_register_one_finalizer_per_tensor_and_drop_idempotently()
     assert len(copies) == 0 and not copies._watched
 
 
+def test_converting_a_model_frees_the_copies_kept_of_its_matrices(each_linear_kernel):
+    """A model decoded in float32 and then converted (`.to(torch.bfloat16)`, `.half()`, a move to the GPU)
+    kept the float32 copies of its decoder's matrices (stacked Q/K/V, oneDNN's or packed MKL's layouts)
+    until its next float32 decoding on the CPU, which may never come: about 200 MB of resident memory
+    for a 32,000-token model in bfloat16. They go with the conversion; converted back, the model decodes
+    as before."""
+    import gc
+    import weakref
+
+    stores = (kernels.linear_kernel().layouts, kernels.linear_kernel().packed, kernels._CONCATENATIONS)
+    before = {id(entry[2]) for store in stores for entry in store._copies.values()}
+    model = tiny_model("sdpa")
+    source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # not inference mode: copies of the weights may be kept
+        expected = model.generate(source, num_beams=2, max_new_tokens=6)
+    kept = [entry[2] for store in stores for entry in store._copies.values()]
+    copies = [weakref.ref(copy) for copy in kept if id(copy) not in before]
+    del kept
+    assert copies, "the decoding kept no copy"
+    model.to(torch.bfloat16)
+    gc.collect()
+    assert [copy for copy in copies if copy() is not None] == []
+    model.float()
+    with torch.no_grad():
+        assert torch.equal(model.generate(source, num_beams=2, max_new_tokens=6), expected)
+
+
 def test_kept_copies_see_edits_through_data_under_autocast():
     """A decoding inside `torch.autocast("cpu", dtype=torch.bfloat16)` checked its kept copies (the
     stacked Q/K/V) with checksum products autocast to bfloat16: a 5% edit of every element through

@@ -46,12 +46,12 @@ and only where it costs nothing else:
 - Both read a matrix fastest in their own layout. A matrix that runs at every decoding step (the
   decoder's, the output projection: `Linear(..., per_step=True)`) is converted once into that layout for
   the row count in use and the copy is kept (`WeightCopies`: one per matrix and kernel, dropped when
-  the matrix changes or is freed, or when the class is decided for another kernel), so decoding holds
-  one more copy of those matrices; only decodings with a cache use the copies (`kept_copies`): a
-  forward without one (an evaluation loss) computes on the matrices themselves. The others (the
-  encoder's, used once per input) may run on oneDNN,
-  which then reorders at each call, but never on packed MKL, whose packing would be paid at every call;
-  training runs on neither.
+  the matrix changes, is converted (`.to()`, `.half()`) or is freed, or when the class is decided for
+  another kernel), so decoding holds one more copy of those matrices; only decodings with a cache use
+  the copies (`kept_copies`): a forward without one (an evaluation loss) computes on the matrices
+  themselves. The others (the encoder's, used once per input) may run on oneDNN, which then reorders
+  at each call, but never on packed MKL, whose packing would be paid at every call; training runs on
+  neither.
 - The first product of a class (padded rows, weight shape, bias or not, kept layout or not) times the
   kernels in turns on its own inputs and keeps the fastest, which must also give the same result; any
   exception means torch's kernel. The decisions are kept in `linear_kernel().decisions`.
@@ -538,6 +538,13 @@ class Linear(nn.Linear):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return linear(inputs, self.weight, self.bias, self.per_step)
 
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Linear:
+        # A conversion (`.to(dtype)`, `.half()`, a move to another device) replaces the matrices' values:
+        # the copies kept of them go now, not at the next float32 decoding on the CPU, which after
+        # `.to(torch.bfloat16)` or `.cuda()` may never come (they held the old matrices' memory).
+        forget_kept_copies(*self._parameters.values())
+        return super()._apply(fn, *args, **kwargs)
+
 
 def unwrapped(module: nn.Module, *classes: type) -> bool:
     """Whether `module` is exactly one of `classes` with nothing wrapped around its forward (forward or
@@ -589,6 +596,15 @@ def global_module_hooks() -> bool:
 
 
 _CONCATENATIONS = WeightCopies()
+
+
+def forget_kept_copies(*sources: torch.Tensor | None) -> None:
+    """Drop every copy kept of these tensors (other kernels' layouts, stacked matrices; copies made from
+    a stacked matrix go with it)."""
+    for copies in (_POLICY.layouts, _POLICY.packed, _CONCATENATIONS):
+        for source in sources:
+            if source is not None:
+                copies.drop(source)
 
 
 def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...] | None:
