@@ -1367,6 +1367,15 @@ def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_pairs_that_cannot_be_cut_into_a_batch_per_process_are_the_inputs_error():
+    """Three pairs that fill a batch each cannot give two processes as many batches each: the sampler's
+    ValueError came as a traceback from every process, past `check_split_sizes` (enough pairs)."""
+    lengths = {"source_length": [30, 30, 30], "target_length": [30, 30, 30]}
+    with pytest.raises(InputError, match=r"Cannot split 3 examples into a multiple of 2 batches"):
+        make_loader(lengths, None, 100, shuffle=True, seed=0, num_shards=2)
+    assert len(TokenBatchSampler(*lengths.values(), 100, num_shards=3)) == 3  # one batch per process
+
+
 def test_bad_flags_are_rejected(tmp_path):
     # A tokenizer path that is not one: refused with the flags, not by a traceback after loading the data.
     with pytest.raises(ValueError, match="--tokenizer_name: no tokenizer folder at /nope"):

@@ -945,14 +945,18 @@ def write_averaged_card(
 def make_loader(
     dataset: Any, collator: Any, max_tokens: int, *, shuffle: bool, seed: int, num_shards: int
 ) -> DataLoader:
-    sampler = TokenBatchSampler(
-        dataset["source_length"],
-        dataset["target_length"],
-        max_tokens,
-        shuffle=shuffle,
-        seed=seed,
-        num_shards=num_shards,
-    )
+    try:
+        sampler = TokenBatchSampler(
+            dataset["source_length"],
+            dataset["target_length"],
+            max_tokens,
+            shuffle=shuffle,
+            seed=seed,
+            num_shards=num_shards,
+        )
+    except ValueError as error:  # pairs that fill a batch each, one short of a batch per process: the
+        # input's, said once per process without a traceback (`check_split_sizes` catches fewer pairs)
+        raise InputError(str(error)) from None
     # Its own generator: starting an epoch's iterator must not draw from the global RNG (dropout's), or a
     # resumed run, which starts its iterator after restoring that RNG, would drop out different units.
     return DataLoader(
