@@ -210,6 +210,11 @@ def test_repetition_counts_outputs_with_a_4gram_seen_three_times():
     assert repeats_ngram(looping)
     assert not repeats_ngram("de la casa de la casa de la casa")  # each 4-gram twice only
     assert not repeats_ngram("a b c")  # shorter than a 4-gram
+    # Scripts without spaces: a sentence was one word, and a Chinese or Thai model's loops counted none.
+    assert repeats_ngram("我们的的的的的的的") and repeats_ngram("ไปไปไปไปไปไป")
+    assert repeats_ngram("他说我们走吧我们走吧我们走吧。") and not repeats_ngram("他说我们走吧，我们走吧。")
+    assert not repeats_ngram("我们今天去北京，明天去上海，后天回家。")  # a sentence without a loop
+    assert repeats_ngram("東京の東京の東京の東京の") and not repeats_ngram("Tokyo 東京 Tokyo 東京")
     assert repetition_rate([looping, "ok", "a b c d a b c d a b c d"]) == pytest.approx(2 / 3)
     assert repetition_rate([]) == 0.0
     with pytest.raises(ValueError, match="not a single string"):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,12 +54,23 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
     )
 
 
+# Characters of scripts written without spaces between words (Han, kana, Thai, Lao, Myanmar, Khmer): each
+# is a word of its own to the repetition check, as sacreBLEU's Chinese tokeniser splits Han characters.
+UNSPACED_CHARACTER = (
+    "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"  # kana, Han
+    "\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff"  # Thai and Lao, Myanmar, Khmer
+)
+WORDS = re.compile(f"[{UNSPACED_CHARACTER}]|[^\\s{UNSPACED_CHARACTER}]+")
+
+
 def repeats_ngram(text: str, n: int = 4, times: int = 3) -> bool:
     """Whether some word n-gram occurs at least `times` times in `text` (a decoding loop's signature:
     with n = 4 and 3 times, "más más más más más más", or a 3-word phrase said four times, "de la casa
     de la casa de la casa de la casa"; three times is not enough there, each 4-gram occurs twice).
-    Words are what whitespace separates: a run of punctuation without spaces (",,,,,,") is one word."""
-    words = text.split()
+    Words are what whitespace separates (a run of punctuation without spaces, ",,,,,,", is one word),
+    and each character of a script written without spaces (`UNSPACED_CHARACTER`: Chinese, Japanese,
+    Thai, ...), whose sentence would otherwise be one word and never repeat."""
+    words = WORDS.findall(text)
     counts = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
     return any(count >= times for count in counts.values())
 
