@@ -316,8 +316,13 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
         load_parallel_data(train_file=write(tmp_path / "empty.tsv", ""), validation_file=good)
     # pandas read the second "es" as "es.1": the first column was trained on, whichever was meant.
     for name, text in (("twice.tsv", "en\tes\tes\nHi\tHola\tBuenas\n"), ("twice.csv", "es,en,es\na,b,c\n")):
-        with pytest.raises(DataError, match=rf"{name}, line 1: the header names 'es' more than once"):
+        with pytest.raises(DataError, match=rf"{name}: the header names 'es' more than once"):
             load_parallel_data(test_file=write(tmp_path / name, text), for_training=False)
+    # A name the run does not read may repeat, as it could before that check.
+    data, _ = load_parallel_data(
+        test_file=write(tmp_path / "notes.tsv", "en\tes\tnote\tnote\nHi\tHola\ta\tb\n"), for_training=False
+    )
+    assert data["test"][:] == {"source": ["Hi"], "target": ["Hola"]}
     # Columns without a name (a spreadsheet's trailing empty ones) are no name said twice: pandas reads
     # them as "Unnamed: 2", "Unnamed: 3", and they were read so before that check.
     for name, text in (("blank.tsv", "en\tes\t\t\nHi\tHola\t\t\n"), ("blank.csv", "en,es,,\nHi,Hola,,\n")):

@@ -128,14 +128,6 @@ def _check_delimited(path: Path) -> list[str]:
                 continue
             if header is None:
                 header = row
-                # pandas renames a repeated name ("es", "es.1"): the run would read the first column of
-                # the name without a word, whichever of them the user meant. Columns without a name (a
-                # spreadsheet's trailing empty ones, "en,es,,") it calls "Unnamed: 2", ...: none is read.
-                if repeated := sorted({name for name in header if name and header.count(name) > 1}):
-                    raise DataError(
-                        f"{path}, line {line}: the header names {repeated[0]!r} more than once ({header}); "
-                        "name each column once."
-                    )
                 continue
             pairs += 1
             if [row[0].removeprefix("\ufeff"), *row[1:]] == header:  # with its own mark, after `cat`
@@ -218,7 +210,9 @@ def _empty_json(path: Path, head: int = 4096) -> bool:
     return len(text) < head and text.replace(b"[", b"", 1).replace(b"]", b"", 1).strip() == b""
 
 
-def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
+def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDict:
+    """The data files' splits; `columns`, the names the run reads, must each name one column of a
+    delimited file."""
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
     fields: dict[str, int] = {}  # a delimited file's number of columns
@@ -233,7 +227,17 @@ def _load_files(files: Mapping[str, str | Path]) -> DatasetDict:
             )
         check_utf8(path)
         if FILE_BUILDERS[path.suffix] == "csv":
-            fields[split] = len(check_delimited(path))
+            header = check_delimited(path)
+            fields[split] = len(header)
+            # pandas renames a repeated name ("es", "es.1"): the run would read the first column of the
+            # name without a word, whichever of them the user meant. (A name the run does not read, or
+            # columns without a name, a spreadsheet's trailing empty ones, read as "Unnamed: 2", are none
+            # of its business.)
+            if repeated := sorted({name for name in header if name in columns and header.count(name) > 1}):
+                raise DataError(
+                    f"{path}: the header names {repeated[0]!r} more than once ({header}); name each column "
+                    "once."
+                )
         elif path.suffix == ".jsonl":
             check_jsonl(path)
         elif _empty_json(path):  # datasets said "Could not parse F: " with no reason, or "... no data!"
@@ -431,7 +435,7 @@ def load_parallel_data(
                 "Without Hub access, pass local --train_file/--validation_file/--test_file instead."
             ) from None
     elif files:
-        data = _load_files(files)
+        data = _load_files(files, {source_column or source_lang, target_column or target_lang})
     else:
         data = load_default_corpus()
         wanted = {source_column or source_lang, target_column or target_lang}
