@@ -205,3 +205,35 @@ def test_frozen_parameters_stay_frozen():
                 assert parameter.requires_grad == expected[name], (overrides, name)
         assert not ours.model.encoder.embed_tokens.weight.requires_grad
         assert any(p.requires_grad for p in ours.parameters())
+
+
+def test_gradients_reach_the_hidden_states_in_training_as_in_marian():
+    """`retain_grad()` on the hidden states an output reports, then `backward()` (transformers'
+    `test_retain_grad_hidden_states_attentions`; gradient saliency): in training mode a padded batch
+    runs on packed tokens, and the reported (padded) states were copies beside the computation, which
+    got no gradient. Compared with MarianMTModel's, entry by entry, with the loss Trainer computes (no
+    logits) and with logits."""
+    marian = marian_model(activation_function="relu", dropout=0.0).train()  # no dropout: one function
+    ours = convert_from_marian(marian).train()
+    batch = inputs(marian.config)
+    labels = batch.pop("decoder_input_ids")
+    labels[1, 4:] = -100  # trailing target padding: positions the loss path skips
+
+    def gradients(model, **options):
+        model.zero_grad()
+        out = model(**batch, labels=labels, output_hidden_states=True, **options)
+        states = [*out.encoder_hidden_states, *out.decoder_hidden_states]
+        for state in states:
+            state.retain_grad()
+        out.loss.backward()
+        assert all(state.grad is not None for state in states)
+        return out.loss, [state.grad for state in states]
+
+    expected_loss, expected = gradients(marian)
+    scale = max(float(g.abs().max()) for g in expected)
+    for options in ({}, {"return_logits": True}):
+        loss, got = gradients(ours, **options)
+        assert_same_up_to_rounding(loss, expected_loss, TINY_TERMS)
+        assert len(got) == len(expected) == 6
+        for index, (ours_grad, marian_grad) in enumerate(zip(got, expected, strict=True)):
+            assert_same_up_to_rounding(ours_grad, marian_grad, TINY_TERMS, scale, msg=f"{options} {index}")

@@ -62,6 +62,24 @@ def test_last_hidden_state_is_the_last_of_the_hidden_states(batch, norm_first):
     assert torch.equal(out.decoder_hidden_states[-1], out.last_hidden_state)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_gradients_reach_every_reported_hidden_state_in_training(batch, norm_first):
+    """`retain_grad()` on an output's hidden states gets their gradients in training mode, where a padded
+    batch runs on packed tokens (Marian's post-LN reference: tests/test_marian_conversion.py). The
+    encoder's last entry gets what the decoder and loss send back, computed here separately from the
+    encoder output given as a leaf tensor."""
+    model = tiny_model(norm_first=norm_first).train()  # dropout 0: one function in both modes
+    out = model(**batch, output_hidden_states=True)
+    states = [*out.encoder_hidden_states, *out.decoder_hidden_states]
+    for state in states:
+        state.retain_grad()
+    out.loss.backward()
+    assert all(state.grad is not None and state.grad.any() for state in states)
+    leaf = out.encoder_last_hidden_state.detach().requires_grad_()
+    model(**batch, encoder_outputs=(leaf,)).loss.backward()
+    assert_same_up_to_rounding(out.encoder_hidden_states[-1].grad, leaf.grad, TINY_TERMS)
+
+
 def test_return_dict_false_gives_tuples_as_transformers_models_do(model, batch):
     """`return_dict=False` (or `config.return_dict = False`) returns the output's `to_tuple()`, as
     MarianMTModel does, from the full model, the base model and the encoder; generation is unchanged."""

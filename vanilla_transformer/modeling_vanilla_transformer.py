@@ -69,7 +69,6 @@ from .kernels_vanilla_transformer import (
     decoding_attention,
     dropout,
     global_module_hooks,
-    identity,
     joint_projection,
     kept_copies,
     layer_norm_of,
@@ -512,6 +511,38 @@ class VanillaTransformerStack(nn.Module):
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
         )
 
+    @staticmethod
+    def _reported(
+        hidden_states: torch.Tensor, packing: TokenPacking | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's output as `hidden_states` reports it, (B, L, D), and the states the next layer takes.
+
+        Packed tokens (N, D) go on packed again from the report (the same values): the reported tensors
+        stay in the computation, so that gradients reach them (`retain_grad()` on an output's hidden
+        states), as in transformers' models, where the next layer takes the very tensor reported.
+        """
+        if packing is None:
+            return hidden_states, hidden_states
+        reported = packing.unpack(hidden_states)
+        return reported, packing.pack(reported)
+
+    def _stack_output(
+        self,
+        hidden_states: torch.Tensor,
+        all_hidden_states: tuple[torch.Tensor, ...] | None,
+        packing: TokenPacking | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The stack's output (B, L, D), after the final LayerNorm with pre-LN, and the hidden states,
+        whose last entry is that very tensor, as in transformers' models (pre-LN ones included)."""
+        if self.layer_norm is None and all_hidden_states is not None:
+            return all_hidden_states[-1], all_hidden_states
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+        output = hidden_states if packing is None else packing.unpack(hidden_states)
+        if all_hidden_states is not None:
+            all_hidden_states = (*all_hidden_states[:-1], output)
+        return output, all_hidden_states
+
 
 class VanillaTransformerEncoder(VanillaTransformerStack):
     """The encoder: embeddings x sqrt(d_model) + positions, dropout, then N encoder layers (Section 3.1)."""
@@ -566,22 +597,22 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             allow_is_bidirectional_skip=may_read(attention_mask),  # (it reads whether all are 1)
         )
 
-        padded = packing.unpack if packing is not None else identity
-        all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
+        all_hidden_states = None
+        if output_hidden_states:
+            reported, hidden_states = self._reported(hidden_states, packing)
+            all_hidden_states = (reported,)
         all_attentions = () if output_attentions else None
         for layer in self.layers:
             hidden_states, weights = layer(hidden_states, mask, packing=packing)
             if output_hidden_states:
-                all_hidden_states += (padded(hidden_states),)
+                reported, hidden_states = self._reported(hidden_states, packing)
+                all_hidden_states += (reported,)
             if output_attentions:
                 all_attentions += (weights,)
-        if self.layer_norm is not None:
-            hidden_states = self.layer_norm(hidden_states)
-            if output_hidden_states:  # the last entry is the stack's output, as in transformers' pre-LN
-                all_hidden_states = (*all_hidden_states[:-1], padded(hidden_states))
+        output, all_hidden_states = self._stack_output(hidden_states, all_hidden_states, packing)
 
         return BaseModelOutput(
-            last_hidden_state=padded(hidden_states),
+            last_hidden_state=output,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
         )
@@ -709,8 +740,10 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             )
         cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
 
-        padded = packing.unpack if packing is not None else identity
-        all_hidden_states = (padded(hidden_states),) if output_hidden_states else None
+        all_hidden_states = None
+        if output_hidden_states:
+            reported, hidden_states = self._reported(hidden_states, packing)
+            all_hidden_states = (reported,)
         all_self_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions else None
         with kept_copies(cache is not None):
@@ -726,17 +759,15 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                     encoder_packing=encoder_packing,
                 )
                 if output_hidden_states:
-                    all_hidden_states += (padded(hidden_states),)
+                    reported, hidden_states = self._reported(hidden_states, packing)
+                    all_hidden_states += (reported,)
                 if output_attentions:
                     all_self_attentions += (self_weights,)
                     all_cross_attentions += (cross_weights,)
-        if self.layer_norm is not None:
-            hidden_states = self.layer_norm(hidden_states)
-            if output_hidden_states:  # as the encoder's: the last entry is `last_hidden_state`
-                all_hidden_states = (*all_hidden_states[:-1], padded(hidden_states))
+        output, all_hidden_states = self._stack_output(hidden_states, all_hidden_states, packing)
 
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=padded(hidden_states),
+            last_hidden_state=output,
             cache=cache if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_self_attentions,
