@@ -237,3 +237,43 @@ def test_gradients_reach_the_hidden_states_in_training_as_in_marian():
         assert len(got) == len(expected) == 6
         for index, (ours_grad, marian_grad) in enumerate(zip(got, expected, strict=True)):
             assert_same_up_to_rounding(ours_grad, marian_grad, TINY_TERMS, scale, msg=f"{options} {index}")
+
+
+def test_encoder_and_decoder_called_alone_answer_as_marians_do():
+    """`get_encoder()` and `get_decoder()` called alone (feature extraction, a decoding loop of one's
+    own) take `output_hidden_states`, `output_attentions` and `use_cache` from the configuration where
+    not given, and `return_dict=False`, as MarianMTModel's do: the encoder ignored the configuration's
+    flags, and the decoder refused `return_dict` and returned no cache by default."""
+    marian = marian_model(activation_function="relu")
+    ours = convert_from_marian(marian)
+    batch = inputs(marian.config)
+    for model in (marian, ours):
+        model.config.output_hidden_states = model.config.output_attentions = True
+    with torch.no_grad():
+        outputs = {}
+        for name, model in (("marian", marian), ("ours", ours)):
+            encoder = model.get_encoder()(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            )
+            decoder = model.get_decoder()(
+                input_ids=batch["decoder_input_ids"],
+                encoder_hidden_states=encoder.last_hidden_state,
+                encoder_attention_mask=batch["attention_mask"],
+                return_dict=False,
+            )
+            outputs[name] = (encoder, decoder)
+    (marian_encoder, marian_decoder), (our_encoder, our_decoder) = outputs["marian"], outputs["ours"]
+    assert len(our_encoder.hidden_states) == len(our_encoder.attentions) + 1 == 3
+    # Padding positions: Marian computes them, this model leaves them out (nothing attends to them).
+    kept = batch["attention_mask"].bool()
+    for got, expected in zip(our_encoder.hidden_states, marian_encoder.hidden_states, strict=True):
+        assert_same_up_to_rounding(got[kept], expected[kept], TINY_TERMS)
+    for got, expected in zip(our_encoder.attentions, marian_encoder.attentions, strict=True):
+        # (B, H, S, S) -> the rows of real queries, (N, H, S)
+        assert_same_up_to_rounding(got.transpose(1, 2)[kept], expected.transpose(1, 2)[kept], TINY_TERMS)
+    assert isinstance(our_decoder, tuple) and len(our_decoder) == len(marian_decoder) == 5
+    assert_same_up_to_rounding(our_decoder[0], marian_decoder[0], TINY_TERMS)
+    assert our_decoder[1].get_seq_length() == marian_decoder[1].get_seq_length() == 6  # the cache
+    for got_group, expected_group in zip(our_decoder[2:], marian_decoder[2:], strict=True):
+        for got, expected in zip(got_group, expected_group, strict=True):
+            assert_same_up_to_rounding(got, expected, TINY_TERMS)

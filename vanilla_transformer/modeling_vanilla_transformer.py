@@ -477,6 +477,24 @@ class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
             init.zeros_(module.final_logits_bias)
 
 
+def requested_outputs(
+    config: VanillaTransformerConfig, output_attentions: bool | None, output_hidden_states: bool | None
+) -> tuple[bool, bool]:
+    """Whether to return attentions and hidden states: the arguments, else the configuration's fields.
+    Attentions need the eager attention (the others compute no weights): a ValueError otherwise."""
+    output_attentions = config.output_attentions if output_attentions is None else output_attentions
+    output_hidden_states = (
+        config.output_hidden_states if output_hidden_states is None else output_hidden_states
+    )
+    if output_attentions and config._attn_implementation not in ("eager", None):
+        raise ValueError(
+            f"`output_attentions=True` needs the eager attention, but this model uses "
+            f"{config._attn_implementation!r}: load it with `attn_implementation='eager'` "
+            "or call `model.set_attn_implementation('eager')`."
+        )
+    return output_attentions, output_hidden_states
+
+
 def leading_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     """(B,) the padding positions before each row's first token of a (B, S) mask, or None where no row
     is padded on the left (read on the host only where that is free: on an accelerator the count is
@@ -557,14 +575,18 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
     ) -> BaseModelOutput:
         """input_ids: (B, S) token ids; attention_mask: (B, S), 1 for tokens and 0 for padding.
 
         `inputs_embeds` (B, S, D) replaces the (unscaled) token embedding lookup.
-        Returns `last_hidden_state` (B, S, D) and, on request, per-layer hidden states and attentions.
+        Returns `last_hidden_state` (B, S, D) and, on request (the arguments, else the configuration's
+        fields), per-layer hidden states and attentions.
         """
+        output_attentions, output_hidden_states = requested_outputs(
+            self.config, output_attentions, output_hidden_states
+        )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to the encoder.")
         if inputs_embeds is None:
@@ -630,6 +652,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         ]
         super().__init__(config, embed_tokens, layers)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -638,19 +661,24 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         encoder_attention_mask: torch.Tensor | None = None,
         cache: EncoderDecoderCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
         target_lengths: torch.Tensor | None = None,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """input_ids: (B, T) target ids (shifted right); attention_mask: (B, P + T) with 0 on padding.
 
         encoder_hidden_states: (B, S, D); encoder_attention_mask: (B, S). Returns `last_hidden_state`
-        (B, T, D) and the updated `cache` when `use_cache`.
+        (B, T, D) and the updated `cache` when `use_cache`. `use_cache`, `output_attentions` and
+        `output_hidden_states` left None take the configuration's fields, as in transformers' decoders.
         target_lengths: (B,) optional, without a cache: only the first `target_lengths[b]` positions of
         row b are needed. Attention is causal, so the positions after them cannot change them and are
         skipped (they come back as zeros). The loss uses it to skip trailing target padding.
         """
+        output_attentions, output_hidden_states = requested_outputs(
+            self.config, output_attentions, output_hidden_states
+        )
+        use_cache = self.config.use_cache if use_cache is None else use_cache
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if encoder_hidden_states is None:
@@ -945,17 +973,10 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         Returns the decoder states (B, T, D) and the encoder states (B, S, D). `target_lengths` (B,):
         see `VanillaTransformerDecoder.forward`.
         """
-        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_attentions, output_hidden_states = requested_outputs(
+            self.config, output_attentions, output_hidden_states
         )
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if output_attentions and self.config._attn_implementation not in ("eager", None):
-            raise ValueError(
-                f"`output_attentions=True` needs the eager attention, but this model uses "
-                f"{self.config._attn_implementation!r}: load it with `attn_implementation='eager'` "
-                "or call `model.set_attn_implementation('eager')`."
-            )
 
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
@@ -970,6 +991,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
 
         decoder_outputs = self.decoder(
+            return_dict=True,
             input_ids=decoder_input_ids,
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
