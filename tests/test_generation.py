@@ -246,6 +246,26 @@ def test_each_sentence_gets_its_own_source_length_plus_offset(source, num_beams)
     assert torch.equal(model.generate(other, pad_token_id=7, **options), masked)
 
 
+def test_end_tokens_given_as_a_tensor_read_the_padding_as_a_list_does(source):
+    """`eos_token_id` as a tensor, which transformers' `generate` takes as it takes a list: the padding
+    of a batch given without its mask is read from the token ids (a RuntimeError about a tensor's truth
+    value came from comparing the padding id with the tensor), and not where an end token is the
+    padding token."""
+    from tests.conftest import PAD
+
+    model = tiny_model()
+    attention_mask = torch.ones_like(source)
+    attention_mask[1, 5:] = attention_mask[2, 2:] = 0
+    padded = source.masked_fill(attention_mask == 0, PAD)
+    options = {"num_beams": 1, "max_new_tokens": 6}
+    ends = [EOS, 7]
+    masked = model.generate(padded, attention_mask=attention_mask, eos_token_id=ends, **options)
+    assert torch.equal(model.generate(padded, eos_token_id=torch.tensor(ends), **options), masked)
+    ends = [PAD, 7]  # the padding token is an end token: nothing is read as padding
+    unmasked = model.generate(padded, attention_mask=torch.ones_like(padded), eos_token_id=ends, **options)
+    assert torch.equal(model.generate(padded, eos_token_id=torch.tensor(ends), **options), unmasked)
+
+
 def test_encoder_outputs_given_to_generate_are_left_as_they_were(source):
     """transformers expands `encoder_outputs` for beam search (or several sequences) in place: the
     caller's object then held num_beams copies of each row, and a second decoding from it returned

@@ -1555,7 +1555,8 @@ class VanillaTransformerForConditionalGeneration(
             self._setting("pad_token_id", config, kwargs),
             self._setting("eos_token_id", config, kwargs),
         )
-        if pad is None or pad in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        ends = [] if eos is None else torch.as_tensor(eos).flatten().tolist()  # an id, a list or a tensor
+        if pad is None or pad in ends:
             return None
         is_pad = input_ids.eq(pad)
         trailing = is_pad.flip(-1).cumprod(-1).flip(-1).bool()
