@@ -417,6 +417,13 @@ def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams)
     for row, length in enumerate(attention_mask.sum(-1).tolist()):
         alone = model.generate(source[row : row + 1, :length], **options)[0]
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
+    # As an id that is not a Python int or list, which transformers' forcing takes (the per-sentence
+    # forcing iterated over it: a TypeError in padded batches alone).
+    options["forced_eos_token_id"] = EOS
+    batch = model.generate(padded, attention_mask=attention_mask, **options)
+    for given in (torch.tensor(EOS), np.int64(EOS), torch.tensor([EOS])):
+        options["forced_eos_token_id"] = given
+        assert torch.equal(model.generate(padded, attention_mask=attention_mask, **options), batch)
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])

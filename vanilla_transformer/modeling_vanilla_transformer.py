@@ -1704,10 +1704,11 @@ class SourceLengthForcedEOS(LogitsProcessor):
     forces it at the batch's length limit, which the shorter sentences of a padded batch never reach
     (they ended without it, unlike the same sentence generated alone). Rows as `SourceLengthLimit`'s."""
 
-    def __init__(self, limits: torch.Tensor, prompt_length: int, eos_token_id: int | list[int]):
+    def __init__(self, limits: torch.Tensor, prompt_length: int, eos_token_id: Any):
         self.limits = limits
         self.prompt_length = prompt_length
-        self.eos_token_id = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        # an id or ids in any form transformers' forcing takes (int, list, numpy or torch scalar, tensor)
+        self.eos_token_id = torch.as_tensor(eos_token_id).flatten().tolist()
         self.last_steps = {int(limit) - 1 for limit in limits.tolist()}  # read once, on the host
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
