@@ -996,9 +996,13 @@ def test_the_length_rule_applies_to_inputs_embeds_and_takes_the_offset_as_a_keyw
     options = {"num_beams": 1, "suppress_tokens": [EOS]}
     embeds = model.get_input_embeddings()(source)
     assert model.generate(inputs_embeds=embeds, **options).shape[1] == 1 + source.shape[1] + 50
-    assert model.generate(source, max_length_offset=3, **options).shape[1] == 1 + source.shape[1] + 3
-    with pytest.raises(ValueError, match="max_length_offset must be a non-negative integer"):
-        model.generate(source, max_length_offset=-1, **options)
+    three = model.generate(source, max_length_offset=3, **options)
+    assert three.shape[1] == 1 + source.shape[1] + 3
+    # A NumPy integer is an integer (it was refused as "must be a non-negative integer").
+    assert torch.equal(model.generate(source, max_length_offset=np.int64(3), **options), three)
+    for wrong in (-1, np.int64(-1), 2.5, True):
+        with pytest.raises(ValueError, match="max_length_offset must be a non-negative integer"):
+            model.generate(source, max_length_offset=wrong, **options)
 
 
 def test_arguments_generate_cannot_use_are_named(source):

@@ -1493,8 +1493,10 @@ class VanillaTransformerForConditionalGeneration(
             offset = getattr(config, "max_length_offset", None)
         if offset is None:
             offset = getattr(self.generation_config, "max_length_offset", DEFAULT_MAX_LENGTH_OFFSET)
-        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
-            raise ValueError(f"max_length_offset must be a non-negative integer or None, got {offset!r}.")
+        if offset is not None:
+            if not is_integer(offset) or offset < 0:  # a NumPy integer is one too
+                raise ValueError(f"max_length_offset must be a non-negative integer or None, got {offset!r}.")
+            offset = int(offset)
         source = inputs if inputs is not None else kwargs.get("input_ids")
         if kwargs.get("attention_mask") is None and kwargs.get("encoder_outputs") is None:
             mask = self._padding_mask(source, config, kwargs)
