@@ -170,6 +170,29 @@ def test_resize_token_embeddings_keeps_the_three_way_tie(tmp_path, batch):
     )
 
 
+def test_resizing_an_untied_output_layer_keeps_it_a_decoding_layer(tmp_path, batch):
+    """transformers rebuilds an untied output layer as a plain `nn.Linear` when resizing: the layer
+    lost the kernel class (and its per-step decoding kernel) that a model built or loaded has."""
+    from vanilla_transformer.kernels_vanilla_transformer import Linear
+
+    model = tiny_model(tie_word_embeddings=False)
+    before = model(**batch).logits
+    old_size = before.shape[-1]
+    model.resize_token_embeddings(old_size + 20)
+    head = model.lm_head
+    assert type(head) is Linear and head.per_step and head.weight.shape == (old_size + 20, 32)
+    assert head.weight is not model.model.shared.weight
+    after = model(**batch).logits
+    assert after.shape[-1] == old_size + 20
+    assert_same_up_to_rounding(after[..., :old_size], before, TINY_TERMS)  # the old rows kept
+    generated = model.generate(batch["input_ids"], num_beams=1, max_new_tokens=5)
+    plain = model.generate(batch["input_ids"], num_beams=1, max_new_tokens=5, use_cache=False)
+    assert torch.equal(generated, plain)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert type(loaded.lm_head) is Linear and torch.equal(loaded.lm_head.weight, head.weight)
+
+
 def test_resizing_below_a_special_token_is_refused_before_anything_changes():
     """Shrunk below the end-of-sentence id, a model once generated with warnings, saved, and then failed
     to load; the size counts `pad_to_multiple_of`."""

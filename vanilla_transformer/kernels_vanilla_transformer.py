@@ -535,6 +535,13 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.per_step = per_step
 
+    @classmethod
+    def over(cls, layer: nn.Linear, per_step: bool = False) -> Linear:
+        """This class over `layer`'s own parameters (shared, not copied)."""
+        kernel = cls(layer.in_features, layer.out_features, bias=False, per_step=per_step, device="meta")
+        kernel.weight, kernel.bias = layer.weight, layer.bias
+        return kernel
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return linear(inputs, self.weight, self.bias, self.per_step)
 

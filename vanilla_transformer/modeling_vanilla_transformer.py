@@ -1405,6 +1405,8 @@ class VanillaTransformerForConditionalGeneration(
         check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
+        if type(self.lm_head) is nn.Linear:  # an untied output layer, which transformers rebuilds plain
+            self.lm_head = Linear.over(self.lm_head, per_step=True)  # (and which decodes on our kernels)
         return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
