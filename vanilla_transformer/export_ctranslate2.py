@@ -70,9 +70,14 @@ SETTINGS_FILE = "vanilla_transformer_decoding.json"
 DEFAULT_MAX_POSITIONS = 1024
 # The position table is built in memory and written into the export: a bound that fails before either.
 MAX_POSITION_TABLE_BYTES = 2**30
-# transformers' activation names -> CTranslate2's (ctranslate2.specs.Activation member names)
-ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_new": "GELUTanh", "gelu_pytorch_tanh": "GELUTanh"}
-ACTIVATIONS |= {"silu": "SWISH", "swish": "SWISH"}
+# transformers' activation names -> CTranslate2's (ctranslate2.specs.Activation member names): each
+# of transformers' activations that one of CTranslate2's computes (the exact GELU, its tanh and sigmoid
+# approximations under all their names, SiLU, tanh, sigmoid)
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_python": "GELU", "quick_gelu": "GELUSigmoid"}
+ACTIVATIONS |= dict.fromkeys(
+    ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_python_tanh"), "GELUTanh"
+)
+ACTIVATIONS |= {"silu": "SWISH", "swish": "SWISH", "tanh": "Tanh", "sigmoid": "Sigmoid"}
 
 
 def _ctranslate2() -> Any:
