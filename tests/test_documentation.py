@@ -387,6 +387,54 @@ def test_model_card_python_blocks_run_on_a_trained_folder(trained_folder, tmp_pa
     assert all(torch.isfinite(torch.tensor(h["train_loss"])) for h in state.log_history if "train_loss" in h)
 
 
+def test_the_cards_fine_tuning_section_says_how_to_decode_predictions_padded_with_minus_100(tmp_path):
+    """With `predict_with_generate`, each batch is decoded to its own length (the source length + 50 rule),
+    and `Seq2SeqTrainer` pads the predictions of the shorter batches with -100, which the tokenizer cannot
+    decode (an OverflowError; OPUS-MT's MarianMTModels, whose generation configs set `max_length` 512, have
+    every batch padded to it). The card's line that replaces it decodes each sentence as `generate` decoded
+    it in its batch."""
+    import numpy as np
+    from datasets import Dataset
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    text = (ROOT / "model_card.md").read_text(encoding="utf-8")
+    statements = [" ".join(s.split()) for s in re.findall(r"`(preds = [^`]*-100[^`]*)`", text)]
+    assert len(statements) == 1, "the card's fine-tuning section says how to decode -100 in predictions"
+    rows = load_default_corpus()["train"].select(range(16))
+    tokenizer = train_bpe_tokenizer(list(rows["en"]) + list(rows["es"]), vocab_size=120)
+    # four pairs of different lengths, in two batches
+    pairs = sorted(zip(rows["en"], rows["es"], strict=True), key=lambda pair: len(pair[0]))[::4]
+    sources, targets = [source for source, _ in pairs], [target for _, target in pairs]
+    data = Dataset.from_dict(dict(tokenizer(sources, text_target=targets)))
+    torch.manual_seed(0)
+    sizes = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_encoder_layers": 1, "num_decoder_layers": 1}
+    config = VanillaTransformerConfig(vocab_size=len(tokenizer), **sizes)
+    model = VanillaTransformerForConditionalGeneration(config)
+    arguments = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=2, predict_with_generate=True,
+        generation_num_beams=1, report_to="none", use_cpu=True,
+    )  # fmt: skip
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model)
+    trainer = Seq2SeqTrainer(model=model, args=arguments, data_collator=collator, processing_class=tokenizer)
+    preds = trainer.predict(data).predictions
+    assert (preds == -100).any()  # the first batch's outputs are shorter than the second's
+    with pytest.raises(OverflowError):
+        tokenizer.batch_decode(preds, skip_special_tokens=True)
+    namespace = {"np": np, "preds": preds, "tokenizer": tokenizer}
+    exec(compile(statements[0], "model_card.md", "exec"), namespace)
+    expected = []
+    for start in (0, 2):
+        batch = collator([data[i] for i in range(start, start + 2)])
+        with torch.no_grad():
+            outputs = model.generate(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_beams=1
+            )
+        expected += tokenizer.batch_decode(outputs, skip_special_tokens=True)
+    assert tokenizer.batch_decode(namespace["preds"], skip_special_tokens=True) == expected
+
+
 def test_model_card_translate_command(trained_folder, tmp_path, monkeypatch, run_in_process):
     """The card's `scripts/translate.py` command, as written, in a working folder holding the model under
     the card's name and the input file it names. (The template's other bash block, "Command", renders a
