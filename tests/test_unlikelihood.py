@@ -121,3 +121,16 @@ def test_chunked_loss_matches_full_logits_with_candidates(dtype):
 def test_bad_weight_is_refused(value):
     with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative number"):
         tiny_model(unlikelihood_weight=value)
+
+
+def test_an_evaluation_loss_includes_the_term_as_the_card_says():
+    """`Seq2SeqTrainer.evaluate` calls the model in eval mode without gradients: its `eval_loss` is the
+    training objective, the term included (the card says so; train.py's validation loss leaves it out)."""
+    batch = ragged_batch()
+    batch["labels"][0, :4] = torch.tensor([7, 8, 7, 7])
+    model = tiny_model("sdpa", unlikelihood_weight=0.7).double().eval()
+    with torch.no_grad():
+        out = model(**batch, return_logits=True)
+    items = int((batch["labels"] != -100).sum())
+    expected = per_token_formula(out.logits, batch["labels"], 0.1, 0.7, items)
+    assert_same_up_to_rounding(out.loss, expected, TINY_TERMS)
