@@ -292,3 +292,27 @@ def test_a_model_switched_to_greedy_search_saves_and_keeps_its_beam_settings(tmp
     model.generation_config.temperature = 0.5  # a sampling setting without sampling: refused, as before
     with pytest.raises(ValueError, match="temperature"):
         model.save_pretrained(tmp_path / "sampling")
+
+
+def test_a_greedy_folder_is_decoded_by_seq2seq_trainer_as_the_readme_says(tmp_path):
+    """README: `Seq2SeqTrainingArguments(generation_config=FOLDER)` refuses a greedy folder's file (the
+    trainer validates it strictly, dormant beam settings and all); left out, the trainer decodes with
+    the model's own configuration, greedy."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    model = tiny_model("sdpa")
+    model.generation_config.num_beams = 1
+    model.save_pretrained(tmp_path / "greedy")
+    with pytest.raises(ValueError, match="length_penalty"):
+        strict = Seq2SeqTrainingArguments(
+            tmp_path / "out", report_to="none", use_cpu=True, generation_config=str(tmp_path / "greedy")
+        )
+        Seq2SeqTrainer(model=model, args=strict)
+    arguments = Seq2SeqTrainingArguments(
+        tmp_path / "out", report_to="none", predict_with_generate=True, use_cpu=True
+    )
+    source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    pairs = [{"input_ids": row, "labels": row} for row in source]
+    predicted = Seq2SeqTrainer(model=model, args=arguments).predict(pairs).predictions
+    greedy = model.generate(source, num_beams=1)
+    assert torch.equal(torch.as_tensor(predicted)[:, : greedy.shape[1]], greedy)
