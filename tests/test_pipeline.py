@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 from conftest import logged_messages
-from transformers import MarianConfig, MarianMTModel, pipeline
+from transformers import GenerationConfig, MarianConfig, MarianMTModel, pipeline
 from transformers.pipelines.pt_utils import KeyDataset
 
 from tests.conftest import tiny_model
@@ -287,6 +287,35 @@ def test_token_ids_returned_as_transformers_4_did(saved):
     with pytest.raises(ValueError, match="leaves nothing to return"):
         translator(SENTENCES[0], return_text=False)
     assert translator(SENTENCES[0], clean_up_tokenization_spaces=False) == translator(SENTENCES[0])
+
+
+def test_a_generation_config_given_ends_token_ids_where_generate_ends_them(saved):
+    """`generate` fills a given generation config's unset fields (the end and padding tokens of a
+    `GenerationConfig(num_beams=2, ...)`) from the model's; the pipeline read them from the given config
+    alone, so it knew no end token and returned a batch's ids with the padding after it."""
+    _, model, tokenizer = saved
+    model = copy.deepcopy(model)
+    options = {"num_beams": 1, "max_new_tokens": 8}
+
+    def alone(sentence, **extra):  # one sentence, no batch: no padding after the end token
+        inputs = tokenizer([sentence], return_tensors="pt", return_token_type_ids=False).to(model.device)
+        with torch.inference_mode():
+            return model.generate(**inputs, **extra)[0].tolist()
+
+    # A second end token that stops the translations at different lengths, in the model's config.
+    plain = [alone(sentence, **options) for sentence in SENTENCES]
+    end = next(
+        t
+        for t in sorted({t for ids in plain for t in ids[1:]})
+        if len({ids.index(t) if t in ids[1:] else len(ids) for ids in plain}) > 1
+    )
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end]
+    given = GenerationConfig(**options)  # no end or padding token of its own
+    expected = [alone(sentence, generation_config=given) for sentence in SENTENCES]
+    assert len({len(ids) for ids in expected}) > 1  # some are padded in a batch
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer)
+    batched = translator(SENTENCES, generation_config=given, batch_size=3, return_tensors=True)
+    assert [result["translation_token_ids"].tolist() for result in batched] == expected
 
 
 def test_generate_returning_a_dictionary_translates_as_without(saved):

@@ -262,10 +262,13 @@ class TranslationPipeline(Pipeline):
         return self.tokenizer(text, return_tensors="pt", truncation=truncation)
 
     def _setting(self, name: str, generate_kwargs: dict[str, Any]) -> Any:
-        """A generation setting as `generate` takes it with these options: the keyword, else the
-        generation config given, else the model's."""
-        config = generate_kwargs.get("generation_config") or self.model.generation_config
-        return generate_kwargs.get(name, getattr(config, name, None))
+        """A generation setting as `generate` takes it with these options: the keyword (a keyword None
+        unsets it), else the generation config given, else the model's (`generate` fills a given
+        config's unset fields from the model's: a `GenerationConfig(num_beams=2)` keeps its end token)."""
+        if name in generate_kwargs:
+            return generate_kwargs[name]
+        value = getattr(generate_kwargs.get("generation_config"), name, None)
+        return value if value is not None else getattr(self.model.generation_config, name, None)
 
     def _end_token_ids(self, generate_kwargs: dict[str, Any]) -> list[int]:
         """The end-of-sequence tokens `generate` stops at with these options."""
