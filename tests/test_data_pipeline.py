@@ -405,6 +405,23 @@ def test_a_validation_split_drawn_from_train_is_length_filtered_as_train_is(toke
     assert "skipped 1 validation pairs longer than max_length" in report.lines() or not held_out[-1]
 
 
+def test_a_tag_added_as_a_token_is_one_token_and_as_a_special_token_is_text(tokenizer, tmp_path):
+    """README: special tokens added later (`add_special_tokens`) are text too, split into pieces; a tag
+    added with `add_tokens` is one token (and so is a special one with `split_special_tokens=False`)."""
+    tokenizer.save_pretrained(tmp_path / "saved")
+    tagged = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    tagged.add_tokens(["<2es>"])
+    special = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    special.add_special_tokens({"additional_special_tokens": ["<2fr>"]})
+    tag = tagged.convert_tokens_to_ids("<2es>")
+    assert tagged("<2es> the earth")["input_ids"][0] == tag and tag == len(tagged) - 1
+    assert tagged("<2es> the earth")["input_ids"][1:] == tokenizer("the earth")["input_ids"]
+    split = special("<2fr> the earth")["input_ids"]
+    assert special.convert_tokens_to_ids("<2fr>") not in split and len(split) > 4
+    whole = special("<2fr> the earth", split_special_tokens=False)["input_ids"]
+    assert whole[0] == special.convert_tokens_to_ids("<2fr>")
+
+
 def test_special_token_spellings_in_the_data_are_text(tokenizer, tmp_path):
     """ "<s>here</s>" (HTML strikethrough, markup in software messages) became the start and end tokens:
     a training target ended where "</s>" stood, and decoding dropped the words' markup. Spelled in the
