@@ -579,3 +579,24 @@ def test_every_activation_ctranslate2_computes_is_exported(tmp_path, corpus, act
     other = torch.cat([log_probs(s, t) for s, t in zip(sources, targets, strict=True)])
     with pytest.raises(AssertionError):  # the comparison tells the two apart
         assert_same_up_to_rounding(other, expected, TINY_TERMS)
+
+
+def test_torch_dynamic_quantization_leaves_this_model_in_float32_as_the_readme_says():
+    """README: `quantize_dynamic(model, {nn.Linear})` swaps exactly-`nn.Linear` layers only, so it
+    changes none of this model's (a subclass); the CTranslate2 export is the int8 route. If torch
+    starts swapping subclasses, the README's caveat (and the kernels' forward) needs a look."""
+    import warnings
+
+    from torch import nn
+
+    from vanilla_transformer.kernels_vanilla_transformer import Linear
+
+    model = VanillaTransformerForConditionalGeneration(tiny_config()).eval()
+    source = torch.randint(4, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    before = model(input_ids=source, decoder_input_ids=source).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    linears = [m for m in quantized.modules() if isinstance(m, nn.Linear) or "Linear" in type(m).__name__]
+    assert linears and all(type(m) is Linear for m in linears)
+    assert torch.equal(quantized(input_ids=source, decoder_input_ids=source).logits, before)
