@@ -500,6 +500,41 @@ def test_token_batches_are_deterministic_per_epoch_and_shuffled_across_epochs():
     assert order == sorted(order)
 
 
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_token_batches_shuffle_each_epoch_in_an_accelerate_loop(num_processes):
+    """A training loop of one's own (`accelerator.prepare(DataLoader(..., batch_sampler=sampler))`, then
+    `for batch in loader` each epoch): Accelerate's loader sets its epoch at each iteration, but with
+    several processes it wraps the batch sampler in a `BatchSamplerShard` and reaches a wrapped sampler's
+    `set_epoch` only through `.sampler`. Every epoch then repeated the first one's batch order. Reference:
+    each epoch, the processes' batches together are the sampler's own batches of that epoch, round-robin."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+
+    source, target = lengths(120)
+
+    def sampler() -> TokenBatchSampler:
+        return TokenBatchSampler(source, target, 400, seed=3, num_shards=num_processes)
+
+    loaders = [
+        prepare_data_loader(
+            torch.utils.data.DataLoader(range(120), batch_sampler=sampler()),
+            num_processes=num_processes,
+            process_index=index,
+            put_on_device=False,
+        )
+        for index in range(num_processes)
+    ]
+    orders = []
+    for epoch in range(3):
+        reference = sampler()
+        reference.set_epoch(epoch)
+        expected = list(reference)
+        for index, loader in enumerate(loaders):
+            assert [batch.tolist() for batch in loader] == expected[index::num_processes], (epoch, index)
+        orders.append(expected)
+    assert orders[0] != orders[1] != orders[2]
+
+
 def test_token_batching_rejects_impossible_budgets():
     with pytest.raises(ValueError, match="alone has 120 source \\+ target tokens"):
         TokenBatchSampler([10, 60], [5, 60], max_tokens=100)

@@ -71,6 +71,14 @@ class TokenBatchSampler(Sampler[list[int]]):
             self.epoch = epoch
             self._batches = None
 
+    @property
+    def sampler(self) -> TokenBatchSampler:
+        """Itself, as the sampler whose epoch is set. A loader prepared by Accelerate sets its epoch at
+        each iteration, but with several processes it wraps the batch sampler (`BatchSamplerShard`) and
+        reaches a wrapped one's `set_epoch` only through `.sampler`: without this, every epoch of a
+        multi-process loop repeated the first one's batch order."""
+        return self
+
     def _build(self) -> list[list[int]]:
         if self._batches is not None:
             return self._batches

@@ -971,9 +971,9 @@ def set_epoch(loader: Any, epoch: int) -> None:
     """Start `epoch` of a (prepared) loader of `make_loader`: Accelerate's counter and the batch order.
 
     With several processes Accelerate wraps the batch sampler in a `BatchSamplerShard`, through which
-    its `DataLoaderShard.set_epoch` does not reach a batch sampler like ours (it looks for a
-    `.sampler`): every epoch would repeat the first one's order. So the `TokenBatchSampler` is found
-    through the wrappers and told directly."""
+    its `DataLoaderShard.set_epoch` reaches a batch sampler only by its `.sampler` (which
+    `TokenBatchSampler.sampler` provides; without it every epoch repeated the first one's order). The
+    `TokenBatchSampler` is also found through the wrappers and told directly, and its absence is an error."""
     loader.set_epoch(epoch)
     sampler = getattr(loader, "batch_sampler", None)
     while sampler is not None and not isinstance(sampler, TokenBatchSampler):
