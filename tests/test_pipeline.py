@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from conftest import logged_messages
@@ -289,6 +290,23 @@ def test_token_ids_returned_as_transformers_4_did(saved):
     assert translator(SENTENCES[0], clean_up_tokenization_spaces=False) == translator(SENTENCES[0])
 
 
+def generated_alone(model, tokenizer, sentence: str, **options) -> list[int]:
+    """A sentence's ids as `generate` gives them alone: no batch, no padding after its end token."""
+    inputs = tokenizer([sentence], return_tensors="pt", return_token_type_ids=False).to(model.device)
+    with torch.inference_mode():
+        return model.generate(**inputs, **options)[0].tolist()
+
+
+def uneven_end_token(generated: list[list[int]]) -> int:
+    """A token that, as an end token, stops these generated ids at different lengths (a batch then pads
+    the shorter ones)."""
+    return next(
+        t
+        for t in sorted({t for ids in generated for t in ids[1:]})
+        if len({ids.index(t) if t in ids[1:] else len(ids) for ids in generated}) > 1
+    )
+
+
 def test_a_generation_config_given_ends_token_ids_where_generate_ends_them(saved):
     """`generate` fills a given generation config's unset fields (the end and padding tokens of a
     `GenerationConfig(num_beams=2, ...)`) from the model's; the pipeline read them from the given config
@@ -296,26 +314,30 @@ def test_a_generation_config_given_ends_token_ids_where_generate_ends_them(saved
     _, model, tokenizer = saved
     model = copy.deepcopy(model)
     options = {"num_beams": 1, "max_new_tokens": 8}
-
-    def alone(sentence, **extra):  # one sentence, no batch: no padding after the end token
-        inputs = tokenizer([sentence], return_tensors="pt", return_token_type_ids=False).to(model.device)
-        with torch.inference_mode():
-            return model.generate(**inputs, **extra)[0].tolist()
-
     # A second end token that stops the translations at different lengths, in the model's config.
-    plain = [alone(sentence, **options) for sentence in SENTENCES]
-    end = next(
-        t
-        for t in sorted({t for ids in plain for t in ids[1:]})
-        if len({ids.index(t) if t in ids[1:] else len(ids) for ids in plain}) > 1
-    )
+    end = uneven_end_token([generated_alone(model, tokenizer, s, **options) for s in SENTENCES])
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, end]
     given = GenerationConfig(**options)  # no end or padding token of its own
-    expected = [alone(sentence, generation_config=given) for sentence in SENTENCES]
+    expected = [generated_alone(model, tokenizer, s, generation_config=given) for s in SENTENCES]
     assert len({len(ids) for ids in expected}) > 1  # some are padded in a batch
     translator = TranslationPipeline(model=model, tokenizer=tokenizer)
     batched = translator(SENTENCES, generation_config=given, batch_size=3, return_tensors=True)
     assert [result["translation_token_ids"].tolist() for result in batched] == expected
+
+
+def test_an_end_token_given_as_a_numpy_integer_ends_token_ids_as_an_int_does(saved):
+    """`generate` takes an `eos_token_id` that is a NumPy integer (or a 0-d array) as it takes an int;
+    the pipeline, reading the end tokens to cut each sentence's ids, raised "'numpy.int64' object is not
+    iterable" after generating. Reference: each sentence generated alone with the int."""
+    _, model, tokenizer = saved
+    options = {"num_beams": 1, "max_new_tokens": 8}
+    end = uneven_end_token([generated_alone(model, tokenizer, s, **options) for s in SENTENCES])
+    expected = [generated_alone(model, tokenizer, s, eos_token_id=end, **options) for s in SENTENCES]
+    assert len({len(ids) for ids in expected}) > 1
+    translator = TranslationPipeline(model=model, tokenizer=tokenizer)
+    for given in (np.int64(end), np.array(end), np.array([end]), torch.tensor(end)):
+        batched = translator(SENTENCES, eos_token_id=given, batch_size=3, return_tensors=True, **options)
+        assert [result["translation_token_ids"].tolist() for result in batched] == expected, given
 
 
 def test_generate_returning_a_dictionary_translates_as_without(saved):

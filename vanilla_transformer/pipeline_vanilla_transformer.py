@@ -273,11 +273,8 @@ class TranslationPipeline(Pipeline):
     def _end_token_ids(self, generate_kwargs: dict[str, Any]) -> list[int]:
         """The end-of-sequence tokens `generate` stops at with these options."""
         ids = self._setting("eos_token_id", generate_kwargs)
-        if ids is None:
-            return []
-        if isinstance(ids, torch.Tensor):
-            return ids.flatten().tolist()
-        return [ids] if isinstance(ids, int) else list(ids)
+        # an id or ids in any form `generate` takes (int, list, NumPy integer or array, tensor)
+        return [] if ids is None else torch.as_tensor(ids).flatten().tolist()
 
     def _forward(
         self, model_inputs: dict[str, torch.Tensor], generate_kwargs: dict[str, Any]
