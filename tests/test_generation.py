@@ -418,10 +418,11 @@ def test_a_forced_end_token_comes_at_each_sentences_own_limit(source, num_beams)
         alone = model.generate(source[row : row + 1, :length], **options)[0]
         assert torch.equal(batch[row, : alone.shape[0]], alone), row
     # As an id that is not a Python int or list, which transformers' forcing takes (the per-sentence
-    # forcing iterated over it: a TypeError in padded batches alone).
+    # forcing iterated over it: a TypeError in padded batches alone; a NumPy array was refused as
+    # "outside the vocabulary").
     options["forced_eos_token_id"] = EOS
     batch = model.generate(padded, attention_mask=attention_mask, **options)
-    for given in (torch.tensor(EOS), np.int64(EOS), torch.tensor([EOS])):
+    for given in (torch.tensor(EOS), np.int64(EOS), torch.tensor([EOS]), np.array(EOS), np.array([EOS])):
         options["forced_eos_token_id"] = given
         assert torch.equal(model.generate(padded, attention_mask=attention_mask, **options), batch)
 

@@ -1646,7 +1646,8 @@ def check_forced_token(name: str, value: Any, vocab_size: int) -> None:
     setting otherwise). Raises ValueError naming the setting."""
     if value is None:
         return
-    ids = value.flatten().tolist() if isinstance(value, torch.Tensor) else value
+    # a tensor, a NumPy array or integer: flattened, as the forcing processors read them
+    ids = value.flatten().tolist() if hasattr(value, "flatten") else value
     ids = ids if isinstance(ids, (list, tuple)) else [ids]
     if not all(is_integer(i) and 0 <= i < vocab_size for i in ids):
         raise ValueError(f"{name} {value!r} is outside the vocabulary [0, {vocab_size}).")
