@@ -295,18 +295,19 @@ def test_a_model_switched_to_greedy_search_saves_and_keeps_its_beam_settings(tmp
 
 
 def test_a_greedy_folder_is_decoded_by_seq2seq_trainer_as_the_readme_says(tmp_path):
-    """README: `Seq2SeqTrainingArguments(generation_config=FOLDER)` refuses a greedy folder's file (the
-    trainer validates it strictly, dormant beam settings and all); left out, the trainer decodes with
-    the model's own configuration, greedy."""
+    """README: a greedy folder's file given as `Seq2SeqTrainingArguments(generation_config=FOLDER)` is
+    refused when `Seq2SeqTrainer` is built (it validates the file strictly, dormant beam settings and
+    all; the arguments take it); left out, the trainer decodes with the model's own configuration,
+    greedy."""
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     model = tiny_model("sdpa")
     model.generation_config.num_beams = 1
     model.save_pretrained(tmp_path / "greedy")
+    strict = Seq2SeqTrainingArguments(
+        tmp_path / "out", report_to="none", use_cpu=True, generation_config=str(tmp_path / "greedy")
+    )
     with pytest.raises(ValueError, match="length_penalty"):
-        strict = Seq2SeqTrainingArguments(
-            tmp_path / "out", report_to="none", use_cpu=True, generation_config=str(tmp_path / "greedy")
-        )
         Seq2SeqTrainer(model=model, args=strict)
     arguments = Seq2SeqTrainingArguments(
         tmp_path / "out", report_to="none", predict_with_generate=True, use_cpu=True
