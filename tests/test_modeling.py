@@ -716,3 +716,26 @@ def test_attention_dropout_drops_attention_weights(batch):
         with_dropout = tiny_model(implementation, attention_dropout=p).train()
         with torch.no_grad():
             assert not torch.equal(with_dropout(**batch).loss, with_dropout(**batch).loss)
+
+
+def test_target_lengths_get_a_forward_without_a_cache_by_default():
+    """The decoder's `use_cache` follows the configuration (True) when not given; `target_lengths`,
+    which skips the positions after each row's length (zeros there), then built a cache instead and
+    computed them. Now it has the forward it needs by default, and a cache asked for with it is refused."""
+    model = tiny_model().eval()
+    source = torch.randint(4, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    target = torch.randint(4, 60, (2, 5), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([5, 2])
+    encoded = model.get_encoder()(input_ids=source).last_hidden_state
+    decoder = model.get_decoder()
+    full = decoder(input_ids=target, encoder_hidden_states=encoded, use_cache=False).last_hidden_state
+    alone = decoder(input_ids=target, encoder_hidden_states=encoded, target_lengths=lengths)
+    whole = model.model(input_ids=source, decoder_input_ids=target, target_lengths=lengths)
+    for out in (alone, whole):
+        states = out.last_hidden_state
+        assert out.cache is None
+        assert torch.equal(states[1, 2:], torch.zeros_like(states[1, 2:]))
+        assert_same_up_to_rounding(states[0], full[0], TINY_TERMS)
+        assert_same_up_to_rounding(states[1, :2], full[1, :2], TINY_TERMS)
+    with pytest.raises(ValueError, match="target_lengths"):
+        decoder(input_ids=target, encoder_hidden_states=encoded, target_lengths=lengths, use_cache=True)

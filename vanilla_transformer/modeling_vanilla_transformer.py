@@ -678,7 +678,10 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         output_attentions, output_hidden_states = requested_outputs(
             self.config, output_attentions, output_hidden_states
         )
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # the configuration's, but `target_lengths` asks for a forward without one
+            use_cache = self.config.use_cache and target_lengths is None
+        elif use_cache and target_lengths is not None:
+            raise ValueError("`target_lengths` skips positions a cache would need: pass `use_cache=False`.")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if encoder_hidden_states is None:
@@ -975,8 +978,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         """
         output_attentions, output_hidden_states = requested_outputs(
             self.config, output_attentions, output_hidden_states
-        )
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        )  # (`use_cache` None: the decoder's default)
 
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
