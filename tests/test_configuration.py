@@ -214,3 +214,30 @@ def test_numpy_numbers_are_sizes_and_rates_as_python_ones_are():
     assert config.vocab_size == 50 and config.d_model == 16
     with pytest.raises(ValueError, match="`d_model` must be a positive integer"):
         VanillaTransformerConfig(vocab_size=50, d_model=numpy.float64(16.0), num_heads=2, d_ff=32)
+
+
+def test_a_configuration_with_numpy_numbers_prints_and_saves_as_python_numbers(tmp_path):
+    """json cannot write NumPy scalars: a configuration given them (which the checks take) failed to print,
+    and its model's save_pretrained stopped with "Object of type int64 is not JSON serializable", also
+    for one set after the model was built."""
+    numpy = pytest.importorskip("numpy")
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+    config = VanillaTransformerConfig(
+        vocab_size=numpy.int64(50),
+        d_model=numpy.int32(16),
+        num_heads=2,
+        d_ff=32,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout=numpy.float32(0.25),
+        eos_token_id=[numpy.int64(2), 3],
+    )
+    assert '"vocab_size": 50' in repr(config)
+    model = VanillaTransformerForConditionalGeneration(config)
+    model.config.label_smoothing = numpy.float64(0.2)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["vocab_size"], saved["d_model"], saved["eos_token_id"]) == (50, 16, [2, 3])
+    assert (saved["dropout"], saved["label_smoothing"]) == (0.25, 0.2)
+    assert VanillaTransformerConfig.from_pretrained(tmp_path).to_dict() == model.config.to_dict()

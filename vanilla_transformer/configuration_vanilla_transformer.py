@@ -42,6 +42,23 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def python_number(value: Any) -> Any:
+    """A NumPy integer or real number (in a list too) as Python's int or float; anything else as it is.
+
+    The checks take NumPy's numbers as sizes, rates and token ids, but json cannot write them: such a
+    configuration failed to print, and its model to save ("Object of type int64 is not JSON
+    serializable"; the generation config copies the token ids).
+    """
+    if isinstance(value, list):  # eos_token_id; the same list where nothing changes
+        items = [python_number(item) for item in value]
+        return value if all(new is old for new, old in zip(items, value, strict=True)) else items
+    if is_integer(value) and not isinstance(value, int):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        return float(value)
+    return value
+
+
 class VanillaTransformerConfig(PretrainedConfig):
     """Hyper-parameters of the encoder-decoder Transformer (paper Section 3, Table 3).
 
@@ -164,7 +181,17 @@ class VanillaTransformerConfig(PretrainedConfig):
         config.json saved before `attention_bias` lost its biases (and the value checks of `from_dict`)."""
         return cls.from_dict(cls._dict_from_json_file(json_file))
 
+    def to_dict(self) -> dict[str, Any]:
+        """`PretrainedConfig.to_dict`, with NumPy numbers as Python ones (see `python_number`): also those
+        set after the checks ran (`model.config.label_smoothing = numpy.float64(0.2)`), which failed to
+        print and to save (`__repr__`, `to_json_string` and `save_pretrained` all go through here)."""
+        return {key: python_number(value) for key, value in super().to_dict().items()}
+
     def _check_values(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if python_number(value) is not value:  # a NumPy number: Python's, which json needs
+                setattr(self, field.name, python_number(value))
         for name in (
             "norm_first",
             "scale_embedding",
