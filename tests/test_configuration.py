@@ -110,6 +110,8 @@ def test_standard_attribute_names_are_aliases():
         ({"scale_embedding": None}, "`scale_embedding` must be True or False, got None"),
         ({"tie_word_embeddings": 0}, "`tie_word_embeddings` must be True or False, got 0"),
         ({"is_encoder_decoder": False}, "`is_encoder_decoder` must be True"),  # generate() failed
+        # A quoted "false" (a hand-edited config.json) is truthy: every forward built a cache.
+        ({"use_cache": "false"}, "`use_cache` must be True or False, got 'false'"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(overrides, message):

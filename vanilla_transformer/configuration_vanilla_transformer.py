@@ -199,8 +199,10 @@ class VanillaTransformerConfig(PretrainedConfig):
             "share_encoder_decoder_embeddings",
             "attention_bias",
             "add_final_logits_bias",
+            "use_cache",
         ):
-            # "false" in a hand-edited config.json is truthy: it built another network without a word.
+            # "false" in a hand-edited config.json is truthy: it built another network without a word
+            # (use_cache: a cache in every forward), where transformers' own configs refuse a str.
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.is_encoder_decoder is not True:  # False: generate() ran it as a decoder-only model
