@@ -243,3 +243,40 @@ def test_a_configuration_with_numpy_numbers_prints_and_saves_as_python_numbers(t
     assert (saved["vocab_size"], saved["d_model"], saved["eos_token_id"]) == (50, 16, [2, 3])
     assert (saved["dropout"], saved["label_smoothing"]) == (0.25, 0.2)
     assert VanillaTransformerConfig.from_pretrained(tmp_path).to_dict() == model.config.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"label_smoothing": 1.5}, r"`label_smoothing` must be in \[0, 1\), got 1.5"),
+        ({"label_smoothing": -0.5}, r"`label_smoothing` must be in \[0, 1\), got -0.5"),
+        ({"label_smoothing": "0.1"}, "`label_smoothing` must be a number, got '0.1'"),
+        ({"unlikelihood_weight": -1.0}, "`unlikelihood_weight` must be a non-negative number, got -1.0"),
+    ],
+)
+def test_loss_settings_set_after_the_model_is_built_are_checked_by_the_loss(changes, message):
+    """The loss reads `label_smoothing` and `unlikelihood_weight` at each forward, and setting them on a
+    built model is the documented way to change it (the model's own warning says so). Set there, they
+    missed the checks: training took a smoothing of 1.5 or -0.5 without a word, which torch's
+    cross entropy (the eval-mode loss) refuses."""
+    import torch
+    import torch.nn.functional as F
+
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = VanillaTransformerForConditionalGeneration(
+        VanillaTransformerConfig(
+            vocab_size=20, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=1, num_decoder_layers=1
+        )
+    )
+    ids = torch.tensor([[5, 6, 7, 2]])
+    model.config.label_smoothing = 0.2  # a good value set later is the loss's: torch's smoothed loss
+    model.eval()
+    output = model(input_ids=ids, labels=ids)
+    assert torch.allclose(output.loss, F.cross_entropy(output.logits[0], ids[0], label_smoothing=0.2))
+    model.config.update(changes)
+    for mode in (model.train, model.eval):
+        mode()
+        with pytest.raises(ValueError, match=message):
+            model(input_ids=ids, labels=ids)

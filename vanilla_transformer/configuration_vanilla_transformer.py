@@ -240,22 +240,17 @@ class VanillaTransformerConfig(PretrainedConfig):
             "dropout",
             "attention_dropout",
             "activation_dropout",
-            "label_smoothing",
-            "unlikelihood_weight",
             "qkv_init_gain",
             "layer_norm_eps",
         ):
             value = getattr(self, name)  # None or "0.1" failed a comparison without naming the field
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"`{name}` must be a number, got {value!r}.")
-        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
-        if not 0 <= self.unlikelihood_weight < float("inf"):  # NaN included
-            raise ValueError(
-                f"`unlikelihood_weight` must be a non-negative number, got {self.unlikelihood_weight}."
-            )
+        self._check_loss_values()
         if not 0 < self.qkv_init_gain < float("inf"):  # NaN included
             raise ValueError(f"`qkv_init_gain` must be a positive number, got {self.qkv_init_gain}.")
         if not 0 < self.layer_norm_eps < float("inf"):  # NaN included
@@ -286,6 +281,21 @@ class VanillaTransformerConfig(PretrainedConfig):
                 raise ValueError(f"`{name}` must be an integer token id or None, got {value!r}.")
             if value is not None and not 0 <= value < smallest:
                 raise ValueError(f"`{name}` ({value}) must lie in [0, {smallest}), the vocabulary size.")
+
+    def _check_loss_values(self) -> None:
+        """`label_smoothing` and `unlikelihood_weight`, which the loss reads at each forward: the model's
+        loss checks them again, for a value set on a built model (`model.config.label_smoothing = 0.2`,
+        the way to change its loss), which training otherwise took unchecked."""
+        for name in ("label_smoothing", "unlikelihood_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"`{name}` must be a number, got {value!r}.")
+        if not 0.0 <= self.label_smoothing < 1.0:  # NaN included
+            raise ValueError(f"`label_smoothing` must be in [0, 1), got {self.label_smoothing}.")
+        if not 0 <= self.unlikelihood_weight < float("inf"):  # NaN included
+            raise ValueError(
+                f"`unlikelihood_weight` must be a non-negative number, got {self.unlikelihood_weight}."
+            )
 
     @property
     def head_dim(self) -> int:
