@@ -368,6 +368,41 @@ def test_translate_stream_names_the_line_of_a_sentence_error():
         list(translate_stream(engine, ["a\n", "\n", "too long\n", "c\n"], window=3))
 
 
+def test_translate_stream_stops_its_output_at_the_line_it_names():
+    """A line that cannot be read (not UTF-8) or translated stopped the stream with the lines read before
+    it in its window untranslated: translate.py's standard output ended at the window before (16 lines of
+    a run stopped at line 21), so that the output looked complete up to the line named, and a run resumed
+    from there lost lines. Every line before the one named is yielded first."""
+
+    def engine(texts: list[str]) -> list[str]:
+        for index, text in enumerate(texts):
+            if text.startswith("too long"):
+                raise SentenceError(index, "is too long.")
+        return [text.upper() for text in texts]
+
+    def unreadable(lines: list[str], number: int):  # as translate.py's decoding raises for a line
+        yield from lines[: number - 1]
+        raise LineError(number, "is not UTF-8 text.")
+
+    lines = ["a\n", "\n", "b\n", "c\n", "\n", "d\n", "e\n", "f\n"]
+    for window in (1, 3, 4, 100):
+        for number in (1, 2, 5, 7):
+            written = []
+            with pytest.raises(LineError, match=rf"^line {number} is not UTF-8 text\.$"):
+                written.extend(translate_stream(engine, unreadable(lines, number), window=window))
+            assert written == [line.strip().upper() for line in lines[: number - 1]], (window, number)
+            given = [*lines[: number - 1], "too long\n", *lines[number:]]
+            written = []
+            with pytest.raises(LineError, match=rf"^line {number} is too long\.$"):
+                written.extend(translate_stream(engine, given, window=window))
+            assert written == [line.strip().upper() for line in lines[: number - 1]], (window, number)
+    # Two that cannot be translated in one window: the first is named, after the lines before it.
+    written = []
+    with pytest.raises(LineError, match=r"^line 3 is too long\.$"):
+        written.extend(translate_stream(engine, ["a\n", "\n", "too long 1\n", "too long 2\n"], window=8))
+    assert written == ["A", ""]
+
+
 # ---------------------------------------------------------------- model card
 
 METRICS = {

@@ -138,28 +138,42 @@ def translate_stream(
 ) -> Iterator[str]:
     """Yield one translation per line of `lines`, translating `window` lines at a time with
     `translate_many` (any engine: `translate` above, or a CTranslate2 export's). Blank lines stay blank;
-    a larger window lets the engine sort more lines into fuller batches."""
+    a larger window lets the engine sort more lines into fuller batches.
+
+    A line that cannot be read (`lines` raises) or translated (a `SentenceError`, raised as a `LineError`
+    naming it) stops the stream after the translations of every line before it, so that an output
+    written as it comes ends just before the line named."""
     chunk: list[str] = []
     done = 0  # lines translated before `chunk`
 
-    def flush() -> Iterator[str]:
+    def flush(chunk: list[str]) -> Iterator[str]:
         numbers = [done + position + 1 for position, line in enumerate(chunk) if line]
         try:
             translated = iter(translate_many([line for line in chunk if line]))
         except SentenceError as error:  # name the line, not the place among this window's non-blank lines
             if not 0 <= error.index < len(numbers):
                 raise
-            raise LineError(numbers[error.index], error.reason) from None
+            number = numbers[error.index]
+            yield from flush(chunk[: number - done - 1])  # the lines before it (an error there is named)
+            raise LineError(number, error.reason) from None
         for line in chunk:
             yield next(translated) if line else ""
 
-    for raw in lines:
+    iterator = iter(lines)
+    while True:
+        try:
+            raw = next(iterator)
+        except StopIteration:
+            break
+        except Exception:  # a line that cannot be read (not UTF-8): the lines read before it first
+            yield from flush(chunk)
+            raise
         chunk.append(raw.rstrip("\r\n").strip())
         if len(chunk) == window:
-            yield from flush()
+            yield from flush(chunk)
             done += len(chunk)
             chunk = []
-    yield from flush()
+    yield from flush(chunk)
 
 
 __all__ = [
