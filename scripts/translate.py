@@ -96,10 +96,13 @@ if args.engine == "ctranslate2":
         translator = CTranslate2Translator(args.model, device=device)
     except (OSError, ValueError, ImportError, RuntimeError) as error:
         parser.error(str(error))
-    lines = translate_stream(
-        lambda texts: translator.translate(texts, batch_size=args.batch_size, **generate_kwargs),
+    lines = translate_stream(  # numbered: a warning about a translation names its line
+        lambda texts, numbers: translator.translate(
+            texts, batch_size=args.batch_size, line_numbers=numbers, **generate_kwargs
+        ),
         decoded(args.input),
         window=window,
+        numbered=True,
     )
 else:
     try:

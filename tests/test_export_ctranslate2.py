@@ -406,6 +406,30 @@ def test_translations_cut_by_a_small_position_table_are_named(tmp_path, corpus, 
     assert all(len(a) < len(b) for a, b in zip(cut, whole, strict=True))
 
 
+def test_translate_script_names_the_lines_whose_translations_were_cut(
+    tmp_path, corpus, caplog, run_in_process
+):
+    """translate.py named the cut translations `sentences[i]`, places among one window's non-blank lines:
+    for a file, other lines than the cut ones (blank lines and earlier windows uncounted)."""
+    model, _ = trained_folder(tmp_path / "model", corpus, steps=0, add_final_logits_bias=True)
+    with torch.no_grad():
+        model.final_logits_bias[0, model.config.eos_token_id] = -1e4  # never ends: every limit is reached
+    model.save_pretrained(tmp_path / "model")
+    export_ctranslate2(tmp_path / "model", tmp_path / "small", max_positions=12)
+    (tmp_path / "en.txt").write_text("short\n\na sentence\n" + "\n" * 7 + "three words here\n")
+    options = ["--engine", "ctranslate2", "--input", str(tmp_path / "en.txt"), "--batch_size", "1"]
+    with caplog.at_level("WARNING", logger="vanilla_transformer.export_ctranslate2"):
+        result = run_in_process("translate.py", "--model", str(tmp_path / "small"), *options)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("\n") == 11
+    # Windows of 8 lines (batch size 1): lines 1 and 3 in the first, line 11 in the second.
+    assert "The translations of line 1, line 3 were cut at 12 tokens" in caplog.text
+    assert "The translations of line 11 were cut at 12 tokens" in caplog.text
+    assert "sentences[" not in caplog.text
+    with pytest.raises(ValueError, match=r"^1 line_numbers for 2 sentences"):
+        CTranslate2Translator(tmp_path / "small").translate(["short", "long"], line_numbers=[1])
+
+
 @pytest.mark.parametrize(
     "length", [{"max_length_offset": None}, {"max_length": 9}, {"max_new_tokens": 7}], ids=str
 )

@@ -472,11 +472,18 @@ class CTranslate2Translator:
         num_beams: int | None = None,
         length_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
+        line_numbers: Sequence[int] | None = None,
     ) -> list[str]:
         """Translations of `sentences`, in order (a blank sentence's is ""). Sentences of equal token length
         share batches, so that each keeps the paper's limit of its own length + 50 (CTranslate2 takes one
-        limit per call)."""
+        limit per call). `line_numbers`, one per sentence, are the lines of a file they were read from
+        (`translate_stream(..., numbered=True)`): a warning names those lines instead of
+        `sentences[i]`."""
         sentences = checked_sentences(sentences, batch_size)
+        if line_numbers is not None and len(line_numbers) != len(sentences):
+            raise ValueError(
+                f"{len(line_numbers)} line_numbers for {len(sentences)} sentences; give one per sentence."
+            )
         check_beam_settings(num_beams, length_penalty)
         if no_repeat_ngram_size is not None and not (
             is_integer(no_repeat_ngram_size) and no_repeat_ngram_size >= 0
@@ -544,9 +551,8 @@ class CTranslate2Translator:
                     outputs[i] = one_line(self.tokenizer.decode(ids, skip_special_tokens=True))
         if cut:
             cut.sort()
-            named = ", ".join(f"sentences[{i}]" for i in cut[:5]) + (
-                f" and {len(cut) - 5} more" if len(cut) > 5 else ""
-            )
+            names = [f"sentences[{i}]" if line_numbers is None else f"line {line_numbers[i]}" for i in cut]
+            named = ", ".join(names[:5]) + (f" and {len(cut) - 5} more" if len(cut) > 5 else "")
             logger.warning(
                 f"The translations of {named} were cut at {settings['max_positions']} tokens, the exported "
                 f"position table's size, before the {rule} limit that generate() keeps: export again with a "

@@ -134,11 +134,17 @@ def translate_lines(
 
 
 def translate_stream(
-    translate_many: Callable[[list[str]], list[str]], lines: Iterable[str], *, window: int = 256
+    translate_many: Callable[..., list[str]],
+    lines: Iterable[str],
+    *,
+    window: int = 256,
+    numbered: bool = False,
 ) -> Iterator[str]:
     """Yield one translation per line of `lines`, translating `window` lines at a time with
     `translate_many` (any engine: `translate` above, or a CTranslate2 export's). Blank lines stay blank;
-    a larger window lets the engine sort more lines into fuller batches.
+    a larger window lets the engine sort more lines into fuller batches. With `numbered`, the engine is
+    called as `translate_many(texts, numbers)`, with the line number (from 1) of each text too, for its
+    messages (the CTranslate2 translator's `line_numbers`).
 
     A line that cannot be read (`lines` raises) or translated (a `SentenceError`, raised as a `LineError`
     naming it) stops the stream after the translations of every line before it, so that an output
@@ -149,7 +155,8 @@ def translate_stream(
     def flush(chunk: list[str]) -> Iterator[str]:
         numbers = [done + position + 1 for position, line in enumerate(chunk) if line]
         try:
-            translated = iter(translate_many([line for line in chunk if line]))
+            texts = [line for line in chunk if line]
+            translated = iter(translate_many(texts, numbers) if numbered else translate_many(texts))
         except SentenceError as error:  # name the line, not the place among this window's non-blank lines
             if not 0 <= error.index < len(numbers):
                 raise
