@@ -211,6 +211,12 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         CTranslate2Translator(tmp_path / "ct2").translate([3])
     with pytest.raises(ValueError, match="not a folder written by export_ctranslate2"):
         CTranslate2Translator(tmp_path / "model")
+    # An export copied without its tokenizer: transformers' message advised installing sentencepiece.
+    shutil.copytree(tmp_path / "ct2", tmp_path / "untokenized")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "untokenized" / name).unlink()
+    with pytest.raises(FileNotFoundError, match=r"untokenized has no tokenizer \(none of tokenizer\.json"):
+        CTranslate2Translator(tmp_path / "untokenized")
     # A device with its number as torch names it (translate.py's --device, for either engine): CTranslate2
     # refused "cuda:1" as an unsupported device; it takes the number as device_index.
     numbered = CTranslate2Translator(tmp_path / "ct2", device="cpu:0")

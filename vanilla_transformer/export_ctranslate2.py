@@ -447,6 +447,10 @@ class CTranslate2Translator:
             raise ValueError(
                 f"{export_dir} is not a folder written by export_ctranslate2 (no {SETTINGS_FILE})."
             )
+        from .evaluation import TOKENIZER_FILES  # evaluation imports this module
+
+        if not any((export_dir / name).is_file() for name in TOKENIZER_FILES):  # as load_model_folder says
+            raise FileNotFoundError(f"{export_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
         self.settings = json.loads(settings_file.read_text())
         self.warned: set[str] = set()  # each difference from generate() once
         self.tokenizer = AutoTokenizer.from_pretrained(export_dir)
