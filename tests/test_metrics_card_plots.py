@@ -402,6 +402,20 @@ def test_translate_stream_stops_its_output_at_the_line_it_names():
         written.extend(translate_stream(engine, ["a\n", "\n", "too long 1\n", "too long 2\n"], window=8))
     assert written == ["A", ""]
 
+    def last_named(texts: list[str]) -> list[str]:  # as `translate` names the longest of a failed batch
+        bad = [index for index, text in enumerate(texts) if text.startswith("too long")]
+        if bad:
+            raise SentenceError(bad[-1], "is too long.")
+        return texts
+
+    # Each try on the lines before the one named fails again, down to the first: a try per line, not a
+    # nested call per line (a window of 2,000 exceeded Python's recursion limit).
+    given = ["a\n", "\n"] + ["too long\n"] * 2000
+    written = []
+    with pytest.raises(LineError, match=r"^line 3 is too long\.$"):
+        written.extend(translate_stream(last_named, given, window=4000))
+    assert written == ["a", ""]
+
 
 # ---------------------------------------------------------------- model card
 

@@ -153,18 +153,22 @@ def translate_stream(
     done = 0  # lines translated before `chunk`
 
     def flush(chunk: list[str]) -> Iterator[str]:
-        numbers = [done + position + 1 for position, line in enumerate(chunk) if line]
-        try:
+        failed = None  # the first line that cannot be translated: the lines before it are, then it is named
+        while True:  # each try on fewer lines: it ends
+            numbers = [done + position + 1 for position, line in enumerate(chunk) if line]
             texts = [line for line in chunk if line]
-            translated = iter(translate_many(texts, numbers) if numbered else translate_many(texts))
-        except SentenceError as error:  # name the line, not the place among this window's non-blank lines
-            if not 0 <= error.index < len(numbers):
-                raise
-            number = numbers[error.index]
-            yield from flush(chunk[: number - done - 1])  # the lines before it (an error there is named)
-            raise LineError(number, error.reason) from None
+            try:
+                translated = iter(translate_many(texts, numbers) if numbered else translate_many(texts))
+                break
+            except SentenceError as error:  # name the line, not the place among the window's non-blank lines
+                if not 0 <= error.index < len(numbers):
+                    raise
+                failed = LineError(numbers[error.index], error.reason)
+                chunk = chunk[: failed.number - done - 1]
         for line in chunk:
             yield next(translated) if line else ""
+        if failed is not None:
+            raise failed
 
     iterator = iter(lines)
     while True:
