@@ -1,7 +1,10 @@
 """Output files of the command-line scripts: replaced whole, never mixed, devices and pipes written."""
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -113,3 +116,29 @@ def test_the_scripts_modules_import_evaluate_datasets_and_matplotlib_only_when_u
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["[]"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP")
+def test_a_writer_ended_by_sighup_keeps_the_old_file_and_leaves_no_partial_file(tmp_path):
+    """SIGHUP (the terminal of a long translate.py run closed, an ssh session dropped) ended the process
+    at once: the old file stayed, but the hidden `.NAME.PID.HEX.partial` beside it was left for good,
+    as large as the work done. It ends the process as SIGTERM does (tests/test_training.py), through the
+    writer's cleanup."""
+    signal_name = "SIGHUP"
+    path = tmp_path / "out.txt"
+    path.write_text("old\n")
+    code = (
+        "import sys, time\n"
+        "from vanilla_transformer.cli import replaced_when_complete\n"
+        f"with replaced_when_complete({str(path)!r}) as stream:\n"
+        "    stream.write('half\\n'); stream.flush(); print('ready', flush=True); time.sleep(60)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        assert len(list(tmp_path.glob(".out.txt.*.partial"))) == 1
+        process.send_signal(getattr(signal, signal_name))
+        assert process.wait(timeout=30) == 128 + getattr(signal, signal_name)
+    finally:
+        process.kill()
+    assert path.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [path]

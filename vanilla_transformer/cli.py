@@ -158,15 +158,15 @@ def replaced_when_complete(path: str | Path, binary: bool = False) -> Iterator[I
     # A name of this writer's own; created with mode 0666, which the system narrows by the umask.
     partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
     handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    # SIGTERM (`kill`, `timeout`, a job scheduler) would end the process without this block's cleanup:
-    # while it runs, it ends the process as Ctrl-C does, through the `finally` below (exit status 143).
-    # Only over the default action: a handler of the program's own, or SIGTERM ignored, stays as it is.
-    terminate = None
-    if (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    ):
-        terminate = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # SIGTERM (`kill`, `timeout`, a job scheduler) and SIGHUP (the terminal closed, an ssh session
+    # dropped) would end the process without this block's cleanup: while it runs, each ends the process
+    # as Ctrl-C does, through the `finally` below (exit status 128 + its number: 143, 129). Only over the
+    # default action: a handler of the program's own, or the signal ignored (`nohup`), stays as it is.
+    restore = {}
+    if threading.current_thread() is threading.main_thread():
+        for number in (getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)):
+            if signal.getsignal(number) is signal.SIG_DFL:
+                restore[number] = signal.signal(number, lambda signum, frame: sys.exit(128 + signum))
     try:
         with open(handle, mode, encoding=encoding) as stream:
             yield stream
@@ -175,8 +175,8 @@ def replaced_when_complete(path: str | Path, binary: bool = False) -> Iterator[I
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-        if terminate is not None:
-            signal.signal(signal.SIGTERM, terminate)
+        for number, handler in restore.items():
+            signal.signal(number, handler)
 
 
 def add_length_penalty_form(parser: argparse.ArgumentParser) -> None:
