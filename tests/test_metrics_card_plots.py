@@ -342,6 +342,14 @@ def test_a_sentence_too_long_for_memory_is_named(tokenizer):
         translate(OutOfMemoryModel(), tokenizer, sentences, batch_size=2)
     with pytest.raises(LineError, match=r"^line 3 \(6 tokens\) needs more memory"):
         list(translate_lines(OutOfMemoryModel(), tokenizer, ["wept .\n", "\n", sentences[1] + "\n"]))
+    # Out of memory in a batch of several: the batch size may be the cause, not the sentence alone.
+    with pytest.raises(
+        SentenceError, match=r"to translate in a batch of 2 \(a smaller batch size may fit\): "
+    ):
+        translate(OutOfMemoryModel(), tokenizer, sentences, batch_size=2)
+    alone = r"^sentences\[1\] \(6 tokens\) needs more memory than there is to translate: \[enforce"
+    with pytest.raises(SentenceError, match=alone):  # a batch of one: the sentence alone
+        translate(OutOfMemoryModel(), tokenizer, sentences, batch_size=1)
     with pytest.raises(RuntimeError, match=r"^a bug$"):  # not about memory: not blamed on a sentence
         translate(OutOfMemoryModel("a bug"), tokenizer, sentences)
 

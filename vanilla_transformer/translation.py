@@ -98,6 +98,8 @@ def translate(
                     raise
                 longest = indices[0]  # the batches are sorted longest first
                 reason = f"({lengths[longest]:,} tokens) needs more memory than there is to translate"
+                if len(indices) > 1:  # the batch's size may be the cause as much as the sentence
+                    reason += f" in a batch of {len(indices)} (a smaller batch size may fit)"
                 raise SentenceError(longest, f"{reason}: {str(error).splitlines()[0]}") from None
             sequences = outputs if isinstance(outputs, torch.Tensor) else outputs.sequences
             if sequences.shape[0] != len(indices):
