@@ -14,6 +14,7 @@ from pathlib import Path
 from vanilla_transformer.cli import (
     add_length_penalty_form,
     check_output_file,
+    non_negative_int,
     positive_int,
     replaced_when_complete,
 )
@@ -39,7 +40,9 @@ parser.add_argument("--num_beams", type=positive_int, help="default: the model's
 parser.add_argument("--length_penalty", type=float, help="default: the model's generation config (0.6)")
 add_length_penalty_form(parser)
 parser.add_argument(
-    "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
+    "--no_repeat_ngram_size",
+    type=non_negative_int,
+    help="forbid repeating any token n-gram; 0: off (default: the model's generation config: off unless set)",
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument(
@@ -85,7 +88,11 @@ try:
         **({"num_beams": args.num_beams} if args.num_beams else {}),
         **({"length_penalty": args.length_penalty} if args.length_penalty is not None else {}),
         **({"length_penalty_form": args.length_penalty_form} if args.length_penalty_form else {}),
-        **({"no_repeat_ngram_size": args.no_repeat_ngram_size} if args.no_repeat_ngram_size else {}),
+        **(
+            {"no_repeat_ngram_size": args.no_repeat_ngram_size}
+            if args.no_repeat_ngram_size is not None
+            else {}
+        ),
     )
 except (ValueError, OSError) as error:
     parser.error(str(error))

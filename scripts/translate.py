@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from vanilla_transformer.cli import (
     add_length_penalty_form,
     check_output_file,
+    non_negative_int,
     positive_int,
     replaced_when_complete,
 )
@@ -44,7 +45,9 @@ parser.add_argument("--length_penalty", type=float, help="default: the model's g
 add_length_penalty_form(parser)
 parser.add_argument("--max_new_tokens", type=positive_int, help="default: source length + 50")
 parser.add_argument(
-    "--no_repeat_ngram_size", type=positive_int, help="forbid repeating any token n-gram (default: off)"
+    "--no_repeat_ngram_size",
+    type=non_negative_int,
+    help="forbid repeating any token n-gram; 0: off (default: the model's generation config: off unless set)",
 )
 parser.add_argument(
     "--do_sample", action=argparse.BooleanOptionalAction, help="default: the model's generation config"

@@ -1722,6 +1722,22 @@ def test_translate_script_samples_where_the_generation_config_does(tmp_path, run
     assert sampled.stdout.count("\n") == 1 and sampled.stdout != greedy[0] + "\n"
 
 
+def test_translate_script_turns_off_the_n_gram_blocking_a_generation_config_sets(tmp_path, run_in_process):
+    """`--no_repeat_ngram_size` said "default: off" and took only positive sizes: a model trained with
+    `--no_repeat_ngram_size 3` (saved in its generation config) blocked n-grams by default, and blocking
+    could not be turned off. 0 turns it off, as `generate` and the training script's flag take it."""
+    folder = tiny_model_folder(tmp_path / "model", favoured="ó", no_repeat_ngram_size=1)
+    options = ["--model", str(folder), "--num_beams", "1", "--max_new_tokens", "3"]
+    blocked = run_in_process("translate.py", *options, stdin="Jesus wept.\n")
+    assert blocked.returncode == 0, blocked.stderr[-3000:]
+    assert blocked.stdout != "óóó\n"  # the model's own setting: no token twice
+    unblocked = run_in_process("translate.py", *options, "--no_repeat_ngram_size", "0", stdin="Jesus wept.\n")
+    assert unblocked.returncode == 0, unblocked.stderr[-3000:]
+    assert unblocked.stdout == "óóó\n"
+    negative = run_in_process("translate.py", *options, "--no_repeat_ngram_size", "-1")
+    assert negative.returncode == 2 and "--no_repeat_ngram_size" in negative.stderr
+
+
 def test_translate_script_writes_utf_8_to_standard_output_whatever_the_locale(tmp_path):
     """Standard output had the locale's encoding (cp1252 on Windows, where it is a file or a pipe): the
     input is read as UTF-8 and an --output file written in it, but `> es.txt` gave another encoding, and
@@ -2097,7 +2113,7 @@ def test_evaluate_script_checks_that_the_hypotheses_folder_can_be_written_before
         ("evaluate_model.py", "--num_beams"),
         ("evaluate_model.py", "--batch_size"),
         ("translate.py", "--num_beams"),
-        ("translate.py", "--no_repeat_ngram_size"),
+        ("translate.py", "--max_new_tokens"),  # --no_repeat_ngram_size 0 is off (a test above)
     ],
 )
 def test_scripts_reject_non_positive_counts_before_loading(script, flag, run_in_process):

@@ -89,6 +89,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0 (a size where 0 means off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer (0: off), got {value}")
+    return value
+
+
 def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Path:
     """An output file's path, checked before any work: its folder exists, it is not a folder, the folder
     can be written where the file is written beside its name and renamed (`replaced_when_complete`), it
