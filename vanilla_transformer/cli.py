@@ -78,26 +78,25 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1 (beam sizes, batch sizes, token counts)."""
+def _int_from(text: str, least: int, kind: str) -> int:
+    """An argparse integer of at least `least`, `kind` naming what it must be in the messages."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {kind}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be a {kind}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (beam sizes, batch sizes, token counts)."""
+    return _int_from(text, 1, "positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer of at least 0 (a size where 0 means off)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer (0: off), got {value}")
-    return value
+    return _int_from(text, 0, "non-negative integer (0: off)")
 
 
 def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Path:
