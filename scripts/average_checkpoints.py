@@ -26,8 +26,13 @@ from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.cli import first_line, positive_int
-from vanilla_transformer.evaluation import TOKENIZER_FILES, evaluate_model, format_scores, looks_local
-from vanilla_transformer.publishing import check_new_folder, disk_full_message, publish_folder
+from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
+from vanilla_transformer.publishing import (
+    check_has_tokenizer,
+    check_new_folder,
+    disk_full_message,
+    publish_folder,
+)
 from vanilla_transformer.training import (
     checkpoint_problems,
     checkpoint_steps,
@@ -70,8 +75,11 @@ for checkpoint in args.checkpoints:
 if looks_local(args.model) and not Path(args.model).is_dir():
     parser.error(f"No model folder at {args.model}.")
 local = looks_local(args.model) or Path(args.model).is_dir()  # "my-model": a folder here, or a Hub id
-if local and not any((Path(args.model) / name).is_file() for name in TOKENIZER_FILES):
-    parser.error(f"{args.model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+if local:
+    try:
+        check_has_tokenizer(args.model)
+    except FileNotFoundError as error:
+        parser.error(str(error))
 problems = foreign_checkpoints(Path(args.model), args.checkpoints)
 if problems:
     parser.error(" ".join(problems))

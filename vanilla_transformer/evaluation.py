@@ -16,12 +16,10 @@ from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
 from .model_card import LANGUAGE_NAMES
 from .parallel_data import DEFAULT_LANGUAGES, load_parallel_data
+from .publishing import check_has_tokenizer
 from .translation import translate
 
 logger = logging.getLogger(__name__)
-
-# A tokenizer that AutoTokenizer loads from a folder: a fast tokenizer, or a configuration naming one.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def looks_local(path: str | Path) -> bool:
@@ -48,8 +46,8 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         )
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
-    if folder.exists() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+    if folder.exists():
+        check_has_tokenizer(folder)
     try:
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:

@@ -45,6 +45,7 @@ from .modeling_vanilla_transformer import (
     sinusoidal_position_encoding,
 )
 from .publishing import (
+    check_has_tokenizer,
     check_not_current_folder,
     check_writable_place,
     hidden_sibling,
@@ -447,10 +448,7 @@ class CTranslate2Translator:
             raise ValueError(
                 f"{export_dir} is not a folder written by export_ctranslate2 (no {SETTINGS_FILE})."
             )
-        from .evaluation import TOKENIZER_FILES  # evaluation imports this module
-
-        if not any((export_dir / name).is_file() for name in TOKENIZER_FILES):  # as load_model_folder says
-            raise FileNotFoundError(f"{export_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+        check_has_tokenizer(export_dir)  # (AutoTokenizer's message was about sentencepiece)
         self.settings = json.loads(settings_file.read_text())
         self.warned: set[str] = set()  # each difference from generate() once
         self.tokenizer = AutoTokenizer.from_pretrained(export_dir)

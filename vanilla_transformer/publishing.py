@@ -30,6 +30,20 @@ except ImportError:  # Windows: folders are not locked
 
 logger = logging.getLogger(__name__)
 
+# A tokenizer that AutoTokenizer loads from a folder: a fast tokenizer, or a configuration naming one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `folder` holds one of `TOKENIZER_FILES`."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_has_tokenizer(folder: str | Path) -> None:
+    """A FileNotFoundError naming `folder` where it holds no tokenizer (`has_tokenizer`)."""
+    if not has_tokenizer(folder):
+        raise FileNotFoundError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+
 
 def hidden_sibling(folder: str | Path, kind: str) -> Path:
     """`.NAME.kind` beside `folder` (a link: beside its target; "..": beside the folder itself)."""

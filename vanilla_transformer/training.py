@@ -50,7 +50,7 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
 from .batching import TokenBatchSampler
 from .cli import InputError, first_line, json_field, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
-from .evaluation import TOKENIZER_FILES, looks_local
+from .evaluation import looks_local
 from .hub import check_repo_id, incidental, other_files, push_model_folder, resolve_token
 from .machine import (
     deepspeed_refused,
@@ -74,6 +74,7 @@ from .publishing import (
     check_writable_place,
     disk_full_message,
     finish_interrupted_publish,
+    has_tokenizer,
     hidden_sibling,
     lock_folder,
     mebibytes,
@@ -450,7 +451,7 @@ class TrainingConfig:
             folder = Path(self.tokenizer_name)
             if not folder.is_dir():
                 raise ValueError(f"--tokenizer_name: no tokenizer folder at {folder}.")
-            if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            if not has_tokenizer(folder):
                 raise ValueError(
                     f"--tokenizer_name: {folder} holds no tokenizer.json nor tokenizer_config.json."
                 )
