@@ -50,7 +50,6 @@ from vanilla_transformer.training import (
     resolve_checkpoint,
     retire_later_checkpoints,
     save_checkpoint,
-    set_epoch,
     train,
     validation_loss,
     write_manifest,
@@ -185,7 +184,7 @@ def test_every_epoch_has_its_own_batch_order_on_each_process():
     loader = torch.utils.data.DataLoader(range(120), batch_sampler=sampler())
     shard = prepare_data_loader(loader, num_processes=2, process_index=1, even_batches=False)
     for epoch in (0, 1, 2):
-        set_epoch(shard, epoch)
+        shard.set_epoch(epoch)  # what the training loop calls
         reference = sampler()
         reference.set_epoch(epoch)
         assert [batch.tolist() for batch in shard] == list(reference)[1::2], f"epoch {epoch}"

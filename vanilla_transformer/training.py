@@ -968,22 +968,6 @@ def make_loader(
     )
 
 
-def set_epoch(loader: Any, epoch: int) -> None:
-    """Start `epoch` of a (prepared) loader of `make_loader`: Accelerate's counter and the batch order.
-
-    With several processes Accelerate wraps the batch sampler in a `BatchSamplerShard`, through which
-    its `DataLoaderShard.set_epoch` reaches a batch sampler only by its `.sampler` (which
-    `TokenBatchSampler.sampler` provides; without it every epoch repeated the first one's order). The
-    `TokenBatchSampler` is also found through the wrappers and told directly, and its absence is an error."""
-    loader.set_epoch(epoch)
-    sampler = getattr(loader, "batch_sampler", None)
-    while sampler is not None and not isinstance(sampler, TokenBatchSampler):
-        sampler = getattr(sampler, "batch_sampler", None)
-    if sampler is None:
-        raise TypeError(f"{type(loader).__name__} has no TokenBatchSampler whose epoch could be set.")
-    sampler.set_epoch(epoch)
-
-
 def windows(loader: Any, size: int) -> Iterator[list[dict[str, torch.Tensor]]]:
     """Group micro-batches into gradient-accumulation windows (the last one may be shorter)."""
     window: list[dict[str, torch.Tensor]] = []
@@ -1808,7 +1792,8 @@ def train_loop(run: Run) -> bool:
             "further update; the model is written from the run's checkpoints as they are."
         )
     while state["step"] < config.max_steps and not stopped:
-        set_epoch(run.train_loader, state["epoch"])
+        # (Accelerate's loader reaches the TokenBatchSampler, also inside its sharding wrapper, by `.sampler`)
+        run.train_loader.set_epoch(state["epoch"])
         loader = run.train_loader
         if state["batches_in_epoch"]:
             loader = accelerator.skip_first_batches(run.train_loader, state["batches_in_epoch"])
