@@ -254,11 +254,12 @@ def test_a_configuration_with_numpy_numbers_prints_and_saves_as_python_numbers(t
         ({"unlikelihood_weight": -1.0}, "`unlikelihood_weight` must be a non-negative number, got -1.0"),
     ],
 )
-def test_loss_settings_set_after_the_model_is_built_are_checked_by_the_loss(changes, message):
+def test_loss_settings_set_after_the_model_is_built_are_checked_as_they_are_set(changes, message):
     """The loss reads `label_smoothing` and `unlikelihood_weight` at each forward, and setting them on a
     built model is the documented way to change it (the model's own warning says so). Set there, they
     missed the checks: training took a smoothing of 1.5 or -0.5 without a word, which torch's
-    cross entropy (the eval-mode loss) refuses."""
+    cross entropy (the eval-mode loss) refuses. Now the assignment itself is refused, and the loss
+    keeps the value before it."""
     import torch
     import torch.nn.functional as F
 
@@ -275,8 +276,9 @@ def test_loss_settings_set_after_the_model_is_built_are_checked_by_the_loss(chan
     model.eval()
     output = model(input_ids=ids, labels=ids)
     assert torch.allclose(output.loss, F.cross_entropy(output.logits[0], ids[0], label_smoothing=0.2))
-    model.config.update(changes)
-    for mode in (model.train, model.eval):
-        mode()
-        with pytest.raises(ValueError, match=message):
-            model(input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match=message):
+        model.config.update(changes)
+    with pytest.raises(ValueError, match=message):
+        setattr(model.config, *next(iter(changes.items())))
+    assert model.config.label_smoothing == 0.2 and model.config.unlikelihood_weight == 0.0
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, output.loss)

@@ -59,6 +59,20 @@ def python_number(value: Any) -> Any:
     return value
 
 
+LOSS_FIELDS = ("label_smoothing", "unlikelihood_weight")
+
+
+def check_loss_value(name: str, value: Any) -> None:
+    """A ValueError naming `name` (one of `LOSS_FIELDS`) where `value` is not a number it may take:
+    a smoothing in [0, 1), a non-negative finite unlikelihood weight (NaN refused)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a number, got {value!r}.")
+    if name == "label_smoothing" and not 0.0 <= value < 1.0:
+        raise ValueError(f"`label_smoothing` must be in [0, 1), got {value}.")
+    if name == "unlikelihood_weight" and not 0 <= value < float("inf"):
+        raise ValueError(f"`unlikelihood_weight` must be a non-negative number, got {value}.")
+
+
 class VanillaTransformerConfig(PretrainedConfig):
     """Hyper-parameters of the encoder-decoder Transformer (paper Section 3, Table 3).
 
@@ -250,7 +264,7 @@ class VanillaTransformerConfig(PretrainedConfig):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
-        self._check_loss_values()
+        # (`LOSS_FIELDS` are checked as they are set, in the constructor too: `__setattr__`)
         if not 0 < self.qkv_init_gain < float("inf"):  # NaN included
             raise ValueError(f"`qkv_init_gain` must be a positive number, got {self.qkv_init_gain}.")
         if not 0 < self.layer_norm_eps < float("inf"):  # NaN included
@@ -282,20 +296,12 @@ class VanillaTransformerConfig(PretrainedConfig):
             if value is not None and not 0 <= value < smallest:
                 raise ValueError(f"`{name}` ({value}) must lie in [0, {smallest}), the vocabulary size.")
 
-    def _check_loss_values(self) -> None:
-        """`label_smoothing` and `unlikelihood_weight`, which the loss reads at each forward: the model's
-        loss checks them again, for a value set on a built model (`model.config.label_smoothing = 0.2`,
-        the way to change its loss), which training otherwise took unchecked."""
-        for name in ("label_smoothing", "unlikelihood_weight"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool):
-                raise ValueError(f"`{name}` must be a number, got {value!r}.")
-        if not 0.0 <= self.label_smoothing < 1.0:  # NaN included
-            raise ValueError(f"`label_smoothing` must be in [0, 1), got {self.label_smoothing}.")
-        if not 0 <= self.unlikelihood_weight < float("inf"):  # NaN included
-            raise ValueError(
-                f"`unlikelihood_weight` must be a non-negative number, got {self.unlikelihood_weight}."
-            )
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The loss reads these at each forward, and setting them on a built model is the way to change
+        # it (`model.config.label_smoothing = 0.2`): checked as they are set, there as in the constructor.
+        if name in LOSS_FIELDS:
+            check_loss_value(name, value)
+        super().__setattr__(name, value)
 
     @property
     def head_dim(self) -> int:

@@ -1258,7 +1258,6 @@ class VanillaTransformerForConditionalGeneration(
         target_lengths = None
         if labels is not None:
             check_token_ids("labels", labels, self.config.decoder_vocab_size, allow_ignore=True)
-            self.config._check_loss_values()  # set on the built model, they missed the config's checks
             labels = labels.long()  # int32 labels index as int64 ones, but the loss takes int64 alone
             given = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
             if given is not None and tuple(given.shape[:2]) != tuple(labels.shape):
