@@ -1561,8 +1561,7 @@ class VanillaTransformerForConditionalGeneration(
             self._setting("pad_token_id", config, kwargs),
             self._setting("eos_token_id", config, kwargs),
         )
-        ends = [] if eos is None else torch.as_tensor(eos).flatten().tolist()  # an id, a list or a tensor
-        if pad is None or pad in ends:
+        if pad is None or pad in token_id_list(eos):
             return None
         is_pad = input_ids.eq(pad)
         trailing = is_pad.flip(-1).cumprod(-1).flip(-1).bool()
@@ -1642,6 +1641,12 @@ def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: d
     )
 
 
+def token_id_list(value: Any) -> list[int]:
+    """Token ids in any form `generate()` takes them (an int, a list, a NumPy or torch scalar or array)
+    as a list; None as []."""
+    return [] if value is None else torch.as_tensor(value).flatten().tolist()
+
+
 def check_forced_token(name: str, value: Any, vocab_size: int) -> None:
     """A forced token (`forced_bos_token_id`, `forced_eos_token_id`: an id or a list of ids) inside the
     vocabulary, where set: the forcing processors index the scores with it (an IndexError naming no
@@ -1714,8 +1719,7 @@ class SourceLengthForcedEOS(LogitsProcessor):
     def __init__(self, limits: torch.Tensor, prompt_length: int, eos_token_id: Any):
         self.limits = limits
         self.prompt_length = prompt_length
-        # an id or ids in any form transformers' forcing takes (int, list, numpy or torch scalar, tensor)
-        self.eos_token_id = torch.as_tensor(eos_token_id).flatten().tolist()
+        self.eos_token_id = token_id_list(eos_token_id)
         self.last_steps = {int(limit) - 1 for limit in limits.tolist()}  # read once, on the host
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
