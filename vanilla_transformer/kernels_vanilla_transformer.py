@@ -824,10 +824,6 @@ def dropout(inputs: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return F.dropout(inputs, p=p, training=True)
 
 
-def identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 def reads_are_free(tensor: torch.Tensor) -> bool:
     """Whether the host can read `tensor`'s values without waiting for a device: CPU tensors only.
 
@@ -1292,7 +1288,6 @@ __all__ = [
     "check_token_ids",
     "decoding_attention",
     "dropout",
-    "identity",
     "kept_copies",
     "linear",
     "linear_kernel",
