@@ -164,7 +164,6 @@ def trainer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
 
 def train_step_fn(
     model: torch.nn.Module,
-    device: str,
     loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = training_loss,
 ) -> Callable[[dict[str, torch.Tensor]], None]:
     """Forward + backward + Adam step on one batch: torch's fused Adam, as the training script and
@@ -281,7 +280,7 @@ def benchmark_training(
     loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = training_loss,
 ) -> dict[str, dict[str, float]]:
     """Target tokens per second of full training steps, the models taking turns batch by batch."""
-    steps = {kind: train_step_fn(model, device, loss_fn) for kind, model in models.items()}
+    steps = {kind: train_step_fn(model, loss_fn) for kind, model in models.items()}
     # Warm-up: every batch once per model, so that costs paid once per new shape in a process (kernels
     # met for the first time, oneDNN building a primitive per shape) stay out of the timed rounds: these
     # are warm-step figures. With two batches of warm-up, such costs once made this model 0.08x
@@ -434,8 +433,8 @@ def benchmark_compiled_training(
     compiled_model = copy.deepcopy(model)
     compiled_loss = torch.compile(training_loss, dynamic=True)
     steps = {
-        "eager": train_step_fn(eager_model, device),
-        "compiled": train_step_fn(compiled_model, device, compiled_loss),
+        "eager": train_step_fn(eager_model),
+        "compiled": train_step_fn(compiled_model, compiled_loss),
     }
     started = time.perf_counter()
     for batch in batches:
@@ -469,7 +468,7 @@ def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: st
         "labels": torch.randint(4, 8000, (batch_size, 32), generator=generator),
     }
     batch = to_device(batch, device)
-    step = train_step_fn(model, device)
+    step = train_step_fn(model)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -72,7 +72,7 @@ def main() -> None:
         for kind, label in (("ours", "this model"), ("marian", "MarianMTModel")):
             for path, loss in (("training script", training_loss), ("Trainer path", trainer_loss)):
                 model = build_model(kind, config, args.device, dtype)
-                steps[f"{label}, {path}"] = train_step_fn(model, args.device, loss)
+                steps[f"{label}, {path}"] = train_step_fn(model, loss)
         for name, step in steps.items():
             cold = [timed(step, batch, args.device) for batch in batches]
             warm = [timed(step, batch, args.device) for _ in range(3) for batch in batches]
