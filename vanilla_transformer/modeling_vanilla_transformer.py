@@ -180,7 +180,8 @@ class VanillaTransformerAttention(nn.Module):
         cache: Cache | None = None,
         **kwargs: Unpack[PackedTokens],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D).
+        """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D)
+        and the attention weights (B, H, T, S), None where the attention function computes none.
 
         (`kwargs` may say that the states are packed tokens, (N, D): see `PackedTokens`.)
         """

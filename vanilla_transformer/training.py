@@ -1100,7 +1100,8 @@ def log_main(accelerator: Accelerator, message: str) -> None:
 
 
 def train(config: TrainingConfig) -> dict[str, Any]:
-    """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`)."""
+    """Run the whole job; returns the final metrics (also written to `output_dir/metrics.json`), the
+    sample translations and the logged history, as {"metrics", "samples", "history"}."""
     # One run per folder: two at once would average each other's checkpoints and remove each other's
     # partial writes. The main process (global rank 0) holds the lock.
     lock = lock_output_dir(Path(config.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
