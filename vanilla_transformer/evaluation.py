@@ -163,7 +163,7 @@ def evaluate_model(
     model, tokenizer = load_model_folder(model_path, device)
     hypotheses = translate(model, tokenizer, rows["source"], batch_size=batch_size, **generate_kwargs)
     # The references' language picks sacreBLEU's BLEU tokeniser (zh, ja, ko: not 13a).
-    target_lang = (data_options or {}).get("target_lang")
+    target_lang = options.get("target_lang")
     scores = score_translations(hypotheses, rows["target"], target_lang=target_lang)
     return {
         **{k: scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
