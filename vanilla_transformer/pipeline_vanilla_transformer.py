@@ -46,6 +46,12 @@ def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             module.training = mode
 
 
+def one_line(text: str) -> str:
+    """`text` stripped, with its line breaks (any that `str.splitlines` knows) turned into spaces: how
+    this package reads every sentence, training data included."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def _checked_text(text: Any, index: int) -> str:
     """`text`, the `index`-th input of a stream, if it can be translated."""
     if not isinstance(text, str):
@@ -255,10 +261,10 @@ class TranslationPipeline(Pipeline):
     ) -> dict[str, torch.Tensor]:
         if not text.strip():
             raise ValueError("Cannot translate an empty string.")
-        # As training data is read: stripped, its line breaks made spaces (this package's `one_line`). A
-        # sentence with its line break (a file's line) or spaces around it was encoded with word-start
-        # tokens at its ends that no training source has, and translated otherwise.
-        text = " ".join(part.strip() for part in text.splitlines() if part.strip())
+        # As training data is read (`one_line`). A sentence with its line break (a file's line) or spaces
+        # around it was encoded with word-start tokens at its ends that no training source has, and
+        # translated otherwise.
+        text = one_line(text)
         return self.tokenizer(text, return_tensors="pt", truncation=truncation)
 
     def _setting(self, name: str, generate_kwargs: dict[str, Any]) -> Any:
@@ -348,4 +354,4 @@ class TranslationPipeline(Pipeline):
                 del config.custom_pipelines
 
 
-__all__ = ["TranslationPipeline", "evaluation_mode"]
+__all__ = ["TranslationPipeline", "evaluation_mode", "one_line"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .pipeline_vanilla_transformer import evaluation_mode
+from .pipeline_vanilla_transformer import evaluation_mode, one_line
 
 
 class LineError(ValueError):
@@ -41,11 +41,6 @@ def checked_sentences(sentences: Sequence[str], batch_size: int) -> list[str]:
     if batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size}.")
     return sentences
-
-
-def one_line(text: str) -> str:
-    """`text` stripped, with its line breaks (any that `str.splitlines` knows) turned into spaces."""
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def translate(
