@@ -35,6 +35,8 @@ parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available
 args = parser.parse_args()
 if not 2 <= args.positions <= MAX_ENCODING_POSITIONS:
     parser.error(f"--positions must be between 2 and {MAX_ENCODING_POSITIONS}, got {args.positions}.")
+if not args.output_dir.strip():  # Path("") is the current folder, and "" + "/name" the root's file
+    parser.error("--output_dir is empty: name the folder to write the pictures in")
 # Checked before the model loads and runs: the first folder on the way that exists must be a folder, and
 # the folder must be made now (no permission, a name too long, ...), not after the model ran.
 try:
@@ -57,7 +59,7 @@ try:
     # Another model's configuration has no encoding layout: read as one, it ended in an AttributeError.
     own_model = model.config.model_type == "vanilla_transformer"
     if own_model:
-        paths["positional_encoding"] = f"{args.output_dir}/positional_encoding.png"
+        paths["positional_encoding"] = Path(args.output_dir) / "positional_encoding.png"
         plot_positional_encoding(
             paths["positional_encoding"],
             d_model=model.config.d_model,

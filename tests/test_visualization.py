@@ -213,6 +213,16 @@ def test_script_refuses_an_output_dir_it_cannot_make_before_loading(tmp_path, ru
     assert "No model folder" not in result.stderr
 
 
+def test_script_refuses_an_empty_output_dir(tmp_path, run_in_process, monkeypatch):
+    """An empty --output_dir (an unset shell variable) wrote the attention maps into the current folder
+    and the positional encoding into the file system's root, as /positional_encoding.png."""
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", str(tmp_path / "nope"), "--source", "x"]
+    result = run_in_process("visualize_attention.py", *model, "--output_dir", "")
+    assert result.returncode == 2 and "--output_dir is empty" in result.stderr, result.stderr
+    assert "No model folder" not in result.stderr  # refused before the model loads
+
+
 def test_positional_encoding_picture_names_the_concatenated_layouts_formula(tmp_path):
     """Its title once gave the interleaved formula (odd dimensions cosines) for any layout."""
     figure = plot_positional_encoding(tmp_path / "pe.png", d_model=8, length=10, layout="concatenated")
