@@ -85,6 +85,19 @@ def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path):
     assert all(path.stat().st_size > 10_000 for path in paths.values())
 
 
+def test_token_labels_are_drawn_as_text_not_as_mathtext(tmp_path):
+    """Tick labels went through matplotlib's mathtext: a token holding two dollar signs was drawn as a
+    formula ("$x$" as an italic x), or ended the script with a parse error ("$$", "$\\frac$")."""
+    tokens = ["$x$", "x", "$$", "$\\frac$"]
+    figure = plot_attention_grid(torch.rand(1, 1, 4, 4), tokens, tokens, tmp_path / "t.png", title="t")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    renderer = figure.canvas.get_renderer()
+    labels = figure.axes[0].get_yticklabels()  # not rotated
+    assert [label.get_text() for label in labels] == tokens
+    widths = [label.get_window_extent(renderer).width for label in labels]
+    assert widths[0] > 2 * widths[1]  # three characters drawn, not one
+
+
 def test_without_a_target_the_models_own_translation_is_shown(model, tokenizer):
     maps = attention_maps(model, tokenizer, SOURCE, num_beams=1, max_new_tokens=6)
     generated = model.generate(

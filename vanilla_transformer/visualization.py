@@ -157,8 +157,9 @@ def plot_attention_grid(
             ax = axes[layer, column]
             data = weights[layer, column] if column < heads else weights[layer].mean(0)
             image = ax.imshow(data.numpy(), vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
-            ax.set_xticks(range(keys), key_tokens, rotation=90, fontsize=7)
-            ax.set_yticks(range(queries), query_tokens, fontsize=7)
+            # Tokens are text: two dollar signs in one ("$x$", "$$") made mathtext a formula of it, or fail.
+            ax.set_xticks(range(keys), key_tokens, rotation=90, fontsize=7, parse_math=False)
+            ax.set_yticks(range(queries), query_tokens, fontsize=7, parse_math=False)
             ax.set_title(
                 f"layer {layer + 1}, " + (f"head {column + 1}" if column < heads else "mean"), fontsize=9
             )
