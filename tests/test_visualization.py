@@ -111,6 +111,22 @@ def test_without_a_target_the_models_own_translation_is_shown(model, tokenizer):
     assert several.cross.shape[2] == len(several.target_tokens)  # the best of the returned sequences
 
 
+def test_a_generated_translation_is_shown_from_the_start_token_it_was_decoded_from(model, tokenizer):
+    """The maps of the model's own translation were computed from the model configuration's start token
+    even where generation started from another (the generation config's, or a keyword's): the weights
+    drawn were not those of the translation shown."""
+    model.generation_config.decoder_start_token_id = 7
+    maps = attention_maps(model, tokenizer, SOURCE, num_beams=1, max_new_tokens=6)
+    input_ids = tokenizer(SOURCE, return_tensors="pt")["input_ids"]
+    generated = model.generate(input_ids, num_beams=1, max_new_tokens=6)
+    assert generated[0, 0] == 7 and maps.decoder_tokens == tokenizer.convert_ids_to_tokens(generated[0, :-1])
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        output = model(input_ids=input_ids, decoder_input_ids=generated[:, :-1], output_attentions=True)
+    torch.testing.assert_close(maps.cross, torch.stack([w[0] for w in output.cross_attentions]))
+    torch.testing.assert_close(maps.decoder_self, torch.stack([w[0] for w in output.decoder_attentions]))
+
+
 def test_bad_inputs_get_clear_errors(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="source sentence is empty"):
         attention_maps(model, tokenizer, "  ")

@@ -75,12 +75,15 @@ def attention_maps(
         with torch.inference_mode():
             if target is None:
                 generated = model.generate(input_ids, **generate_kwargs)
+                # The start token the translation was decoded from: the generation config's (or a keyword's),
+                # which may differ from the model configuration's.
+                start = generated[:1, :1]
                 target_ids = generated[:1, 1:]  # the best sequence, without the decoder start token
                 target_ids = target_ids[:, : _length_through_eos(target_ids[0], tokenizer.eos_token_id)]
             else:
                 target_ids = tokenizer(text_target=target, return_tensors="pt")["input_ids"].to(device)
                 _check_map_length("target", target_ids.shape[1])
-            start = torch.full_like(target_ids[:, :1], model.config.decoder_start_token_id)
+                start = torch.full_like(target_ids[:, :1], model.config.decoder_start_token_id)
             decoder_input_ids = torch.cat([start, target_ids[:, :-1]], dim=1)
             model.set_attn_implementation("eager")
             output = model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, output_attentions=True)
