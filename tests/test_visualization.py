@@ -143,6 +143,10 @@ def test_bad_inputs_get_clear_errors(model, tokenizer, tmp_path):
         attention_maps(model, tokenizer, "word " * 10_000)
     with pytest.raises(ValueError, match=r"target sentence is .* tokens long"):
         attention_maps(model, tokenizer, SOURCE, "word " * 10_000)
+    # The model's own translation too (a source near the limit gets up to 50 tokens more).
+    longest = {"max_new_tokens": MAX_MAP_TOKENS + 1, "min_new_tokens": MAX_MAP_TOKENS + 1, "num_beams": 1}
+    with pytest.raises(ValueError, match=rf"translated sentence is {MAX_MAP_TOKENS + 1} tokens long"):
+        attention_maps(model, tokenizer, SOURCE, **longest)
 
 
 def test_position_similarity_is_the_papers_formula():

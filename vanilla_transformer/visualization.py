@@ -80,6 +80,7 @@ def attention_maps(
                 start = generated[:1, :1]
                 target_ids = generated[:1, 1:]  # the best sequence, without the decoder start token
                 target_ids = target_ids[:, : _length_through_eos(target_ids[0], tokenizer.eos_token_id)]
+                _check_map_length("translated", target_ids.shape[1])  # a source near the limit, + 50
             else:
                 target_ids = tokenizer(text_target=target, return_tensors="pt")["input_ids"].to(device)
                 _check_map_length("target", target_ids.shape[1])
