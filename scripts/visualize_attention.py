@@ -68,6 +68,8 @@ try:
         )
 except OSError as error:  # a full disk, a folder made read-only meanwhile
     sys.exit(f"error: --output_dir {args.output_dir}: {error}")
+except ValueError as error:  # a picture too large to render
+    parser.error(str(error))
 print("source:", " ".join(maps.source_tokens))
 print("target:", " ".join(maps.target_tokens))
 for path in paths.values():

@@ -9,7 +9,10 @@ import torch
 from tests.conftest import TINY_TERMS, assert_same_up_to_rounding, tiny_model
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.visualization import (
+    MAP_DPI,
     MAX_ENCODING_POSITIONS,
+    MAX_MAP_PIXELS,
+    MAX_MAP_SIDE,
     MAX_MAP_TOKENS,
     attention_maps,
     plot_attention_grid,
@@ -83,6 +86,67 @@ def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path):
     paths = plot_attention_maps(maps, tmp_path / "maps")
     assert sorted(paths) == ["cross_attention", "decoder_self_attention", "encoder_self_attention"]
     assert all(path.stat().st_size > 10_000 for path in paths.values())
+
+
+def test_pictures_too_large_to_render_are_refused_before_any_is_drawn(tmp_path):
+    """A grid grows with layers x heads x tokens^2: a base-sized model's 512-token picture would be
+    102,190 pixels wide, beyond matplotlib's renderer, and pictures of a few hundred million pixels
+    take minutes and gigabytes. Such a picture is refused before any of the three is written, with the
+    longest sentence that fits; that one, drawn, is within the limits (the size read from a real PNG)."""
+    import re
+
+    from matplotlib.image import imread
+
+    from vanilla_transformer.visualization import AttentionMaps
+
+    def maps(layers: int, heads: int, source: int, target: int) -> AttentionMaps:
+        def weights(queries: int, keys: int) -> torch.Tensor:
+            return torch.rand(layers, heads, queries, keys).softmax(-1)
+
+        return AttentionMaps(
+            source_tokens=["s"] * source,
+            decoder_tokens=["d"] * target,
+            target_tokens=["t"] * target,
+            encoder_self=weights(source, source),
+            decoder_self=weights(target, target),
+            cross=weights(target, source),
+        )
+
+    def pixels(layers: int, heads: int, tokens: int) -> tuple[int, int]:
+        """Width and height of a real picture of that many tokens, scaled from a small one's by the
+        figure's size, which is linear in the tokens (one row and column of 0.22 inch each)."""
+        path = tmp_path / f"{layers}-{heads}-{tokens}.png"
+        plot_attention_grid(
+            torch.rand(layers, heads, tokens, tokens), ["x"] * tokens, ["x"] * tokens, path, title="t"
+        )
+        height, width = imread(path).shape[:2]
+        return width, height
+
+    # The size a picture has, measured on two drawn ones: 8 tokens more make each panel 1.76 inches wider.
+    width_8, height_8 = pixels(2, 3, 8)
+    width_16, height_16 = pixels(2, 3, 16)
+    assert (width_16 - width_8, height_16 - height_8) == (
+        round(1.76 * MAP_DPI * 4),
+        round(1.76 * MAP_DPI * 2),
+    )
+
+    def size(layers: int, heads: int, tokens: int) -> tuple[int, int]:
+        """From the 2-layer, 3-head picture of 8 tokens: its panels, its margin, 0.22 inch per token."""
+        panel = width_8 / 4 + 0.22 * MAP_DPI * (tokens - 8)
+        return round(panel * (heads + 1)), round(panel * layers + height_8 - 2 * width_8 / 4)
+
+    def fits(layers: int, heads: int, tokens: int) -> bool:
+        width, height = size(layers, heads, tokens)
+        return max(width, height) <= MAX_MAP_SIDE and width * height <= MAX_MAP_PIXELS
+
+    for layers, heads in ((6, 8), (3, 4)):
+        output = tmp_path / f"out-{layers}-{heads}"
+        with pytest.raises(ValueError, match=r"give sentences of at most \d+ tokens") as refused:
+            plot_attention_maps(maps(layers, heads, source=5, target=MAX_MAP_TOKENS), output)
+        assert not output.exists() or not any(output.iterdir())  # not even the encoder's picture
+        longest = int(re.search(r"at most (\d+) tokens", str(refused.value)).group(1))
+        assert fits(layers, heads, longest) and not fits(layers, heads, longest + 1)
+    assert not fits(6, 8, MAX_MAP_TOKENS) and max(size(6, 8, MAX_MAP_TOKENS)) > MAX_MAP_SIDE
 
 
 def test_token_labels_are_drawn_as_text_not_as_mathtext(tmp_path):
@@ -224,6 +288,32 @@ def test_script_draws_another_models_attention_and_says_why_not_its_encoding(
     assert "positional_encoding.png not drawn" in result.stderr and "'marian' model" in result.stderr
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["cross_attention.png", "decoder_self_attention.png", "encoder_self_attention.png"]
+
+
+def test_script_says_how_long_a_sentence_a_many_headed_model_can_draw(tokenizer, tmp_path, run_in_process):
+    """8 layers of 16 heads: a sentence of 100 tokens would make a picture too large to render."""
+    folder = tmp_path / "model"
+    tiny_model(
+        "sdpa", vocab_size=len(tokenizer), num_heads=16, num_encoder_layers=8, num_decoder_layers=8
+    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    source = " ".join([SOURCE] * 8)
+    assert 100 < len(tokenizer(source)["input_ids"]) <= MAX_MAP_TOKENS
+    result = run_in_process(
+        "visualize_attention.py",
+        "--model",
+        str(folder),
+        "--source",
+        source,
+        "--target",
+        TARGET,
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 2 and "give sentences of at most" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not any((tmp_path / "out").iterdir())
 
 
 def test_script_refuses_an_output_dir_that_is_a_file_before_loading(tmp_path, run_in_process):

@@ -26,6 +26,13 @@ from .translation import one_line
 # 8 TB; the eager attention weights of a 10,000-token sentence, 400 MB per head and layer.
 MAX_MAP_TOKENS = 512
 MAX_ENCODING_POSITIONS = 4096
+# A grid of layers x (heads + 1) panels grows with the square of the tokens: at 512 tokens the tiny
+# model's picture would be 56,770 x 34,140 pixels (7.8 GB to render), a base model's wider than the
+# 65,536 pixels matplotlib's renderer can draw at all. Pictures stay within 2^28 pixels (1 GiB of
+# RGBA while rendered) and that width and height.
+MAX_MAP_PIXELS = 2**28
+MAX_MAP_SIDE = 2**16 - 1
+MAP_DPI = 100
 
 
 @dataclass
@@ -126,7 +133,37 @@ def save_figure(figure: Figure, path: str | Path) -> None:
     """Save `figure` at `path` (its format from the suffix, PNG without one), written beside it and renamed:
     a failed write (a full disk) leaves the picture that was there, not a truncated one."""
     with replaced_when_complete(path, binary=True) as stream:
-        figure.savefig(stream, format=Path(path).suffix[1:] or None, dpi=100)
+        figure.savefig(stream, format=Path(path).suffix[1:] or None, dpi=MAP_DPI)
+
+
+def _grid_inches(layers: int, heads: int, tokens: int) -> tuple[float, float]:
+    """(width, height) in inches of `plot_attention_grid`'s figure for at most `tokens` per side."""
+    panel = max(1.6, 0.22 * tokens + 0.9)
+    return panel * (heads + 1), panel * layers + 0.8
+
+
+def _check_grid_size(layers: int, heads: int, tokens: int) -> None:
+    """Refuses a grid picture that would be too large to render (`MAX_MAP_PIXELS`, `MAX_MAP_SIDE`),
+    naming the longest sentence this model's pictures can show."""
+
+    def fits(n: int) -> bool:
+        width, height = (round(inches * MAP_DPI) for inches in _grid_inches(layers, heads, n))
+        return max(width, height) <= MAX_MAP_SIDE and width * height <= MAX_MAP_PIXELS
+
+    if fits(tokens):
+        return
+    longest = max((n for n in range(1, tokens) if fits(n)), default=0)
+    width, height = (round(inches * MAP_DPI) for inches in _grid_inches(layers, heads, tokens))
+    raise ValueError(
+        f"A sentence of {tokens} tokens makes a {width:,} x {height:,}-pixel picture of this model's "
+        f"{layers} layers x {heads} heads, more than can be drawn ({MAX_MAP_PIXELS:,} pixels, "
+        f"{MAX_MAP_SIDE:,} a side); "
+        + (
+            f"give sentences of at most {longest} tokens."
+            if longest
+            else "this model has too many heads to draw."
+        )
+    )
 
 
 def plot_attention_grid(
@@ -152,8 +189,8 @@ def plot_attention_grid(
         raise ValueError(
             f"{len(query_tokens)} query and {len(key_tokens)} key labels for {queries} x {keys} weights."
         )
-    panel = max(1.6, 0.22 * max(queries, keys) + 0.9)
-    figure = Figure(figsize=(panel * (heads + 1), panel * layers + 0.8), layout="constrained")
+    _check_grid_size(layers, heads, max(queries, keys))
+    figure = Figure(figsize=_grid_inches(layers, heads, max(queries, keys)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(layers, heads + 1, squeeze=False)
     for layer in range(layers):
@@ -204,6 +241,8 @@ def plot_attention_maps(maps: AttentionMaps, output_dir: str | Path) -> dict[str
             ("target token predicted", "source token"),
         ),
     }
+    for weights, *_ in kinds.values():  # every picture checked before the first is drawn
+        _check_grid_size(*weights.shape[:2], max(weights.shape[2:]))
     paths = {}
     for name, (weights, queries, keys, title, (query_label, key_label)) in kinds.items():
         paths[name] = output_dir / f"{name}.png"
