@@ -153,6 +153,20 @@ def test_unsupported_marian_configurations_are_refused():
         convert_from_marian(torch.nn.Linear(2, 2))
 
 
+def test_marians_layer_drop_is_named_as_not_carried_over(caplog):
+    """Marian's layer drop (skipping whole layers in training) has no counterpart here: converted, a model
+    with it translates the same but fine-tunes otherwise, which the conversion says; without it, nothing."""
+    with caplog.at_level("WARNING", logger="vanilla_transformer.conversion"):
+        ours = convert_from_marian(marian_model())
+        assert not caplog.records
+        marian = marian_model(decoder_layerdrop=0.3).eval()
+        ours = convert_from_marian(marian)
+    assert "decoder_layerdrop 0.3 not carried over" in caplog.text and "encoder_layerdrop 0.0" in caplog.text
+    batch = inputs(marian.config)
+    with torch.no_grad():
+        assert_same_up_to_rounding(ours.eval()(**batch).logits, marian(**batch).logits, TINY_TERMS)
+
+
 def test_each_module_keeps_its_training_mode():
     marian = marian_model().train()
     marian.model.encoder.eval()  # frozen, as a fine-tuning script may leave it

@@ -8,6 +8,7 @@ target vocabularies, and the pad token as decoder start. Logits and `generate()`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from transformers import GenerationConfig, MarianConfig, MarianMTModel
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .model_card import evaluation_metrics, write_model_card
 from .modeling_vanilla_transformer import VanillaTransformerForConditionalGeneration
+
+logger = logging.getLogger(__name__)
 
 
 def config_from_marian(marian: MarianConfig) -> VanillaTransformerConfig:
@@ -31,6 +34,14 @@ def config_from_marian(marian: MarianConfig) -> VanillaTransformerConfig:
         raise ValueError(
             f"Encoder and decoder feed-forward widths differ ({marian.encoder_ffn_dim} and "
             f"{marian.decoder_ffn_dim}); this model uses one d_ff for both."
+        )
+    layerdrop = {name: getattr(marian, name, 0.0) for name in ("encoder_layerdrop", "decoder_layerdrop")}
+    if any(layerdrop.values()):
+        # Training only: the converted model computes what Marian's does, but trains every layer every step.
+        logger.warning(
+            f"Marian's {', '.join(f'{name} {value}' for name, value in layerdrop.items())} not carried over: "
+            "this model has no layer drop. Translations are the same; fine-tuning trains every layer at "
+            "every step."
         )
     shared = marian.share_encoder_decoder_embeddings
     config = VanillaTransformerConfig(
