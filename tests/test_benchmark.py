@@ -346,33 +346,30 @@ def test_tools_timing_two_ways_of_this_model_time_the_default_network(monkeypatc
     assert seen[0] is None and seen[1] is not None
 
 
-def test_generate_processes_times_each_model_in_its_own_fresh_process(capsys, monkeypatch):
-    """`tools.generate_processes`: every timing comes from a new process (its own kernel choices), the
-    models take turns, and each round's ratio and the medians' ratio are computed from the printed
-    times; a count below 1 is refused before any process starts."""
+def test_generate_processes_times_both_models_in_turns_in_each_fresh_process(capsys, monkeypatch):
+    """`tools.generate_processes`: each process is a new one (its own kernel choices) that times both
+    models as the benchmark does; the ratios printed are computed from the printed medians; a count
+    below 1 is refused before any process starts."""
     import re
 
     from tools import generate_processes
 
-    pids = []
+    spawned = []
     spawn = generate_processes.subprocess.run
 
     def run(*args, **kwargs):
-        finished = spawn(*args, **kwargs)
-        pids.append(finished)
-        return finished
+        spawned.append(spawn(*args, **kwargs))
+        return spawned[-1]
 
     monkeypatch.setattr(generate_processes.subprocess, "run", run)
-    generate_processes.main(["--preset", "tiny", "--processes", "1", "--calls", "1"])
-    rows = re.findall(
-        r"^\| (\d+|median) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", capsys.readouterr().out, re.M
-    )
-    assert [row[0] for row in rows] == ["1", "median"]
-    assert len(pids) == 2 and all(finished.returncode == 0 for finished in pids)
-    assert ["'ours'" in pids[0].args[-1], "'marian'" in pids[1].args[-1]] == [True, True]
-    for _, ours, marian, ratio in rows:
-        assert float(ours) > 0 and float(marian) > 0
-        assert float(ratio) == pytest.approx(float(ours) / float(marian), abs=0.006)
+    generate_processes.main(["--preset", "tiny", "--processes", "1", "--repeats", "1"])
+    output = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", output, re.M)
+    assert [row[0] for row in rows] == ["1"] and len(spawned) == 1 and spawned[0].returncode == 0
+    _, ours, marian, ratio = rows[0]
+    assert float(ours) > 0 and float(marian) > 0
+    assert float(ratio) == pytest.approx(float(ours) / float(marian), abs=0.006)
+    assert f"median ratio {ratio}x (from {ratio}x to {ratio}x)" in output
     with pytest.raises(SystemExit):
         generate_processes.main(["--processes", "0"])
-    assert len(pids) == 2
+    assert len(spawned) == 1
