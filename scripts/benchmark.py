@@ -11,18 +11,27 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
 from tools.benchmark import format_tables, run, save_json
+from vanilla_transformer.cli import check_output_file, positive_int
+
+ROOT = Path(__file__).resolve().parents[1]
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-parser.add_argument("--max_tokens", type=int, default=4096, help="source + target tokens per training batch")
-parser.add_argument("--batches", type=int, default=4, help="training batches per round")
-parser.add_argument("--rounds", type=int, default=2, help="passes over those batches")
-parser.add_argument("--repeats", type=int, default=9, help="timed runs of each generate() call, in turns")
-parser.add_argument("--attention_lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
+parser.add_argument(
+    "--max_tokens", type=positive_int, default=4096, help="source + target tokens per training batch"
+)
+parser.add_argument("--batches", type=positive_int, default=4, help="training batches per round")
+parser.add_argument("--rounds", type=positive_int, default=2, help="passes over those batches")
+parser.add_argument(
+    "--repeats", type=positive_int, default=9, help="timed runs of each generate() call, in turns"
+)
+parser.add_argument("--attention_lengths", type=positive_int, nargs="*", default=[256, 512, 1024, 2048, 4096])
 parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument(
     "--deploy",
@@ -37,8 +46,23 @@ parser.add_argument(
     help="also time torch.compile: static-cache decoding and the training step (minutes of compilation)",
 )
 parser.add_argument("--json", help="also write every measurement here")
-parser.add_argument("--plot", default="docs/attention_scaling.png", help="log-log plot of attention cost")
+parser.add_argument(
+    "--plot",
+    default=str(ROOT / "docs" / "attention_scaling.png"),
+    help="log-log plot of attention cost (default: the repository's docs/attention_scaling.png)",
+)
 args = parser.parse_args()
+try:
+    torch.empty(0, device=args.device)
+except (RuntimeError, AssertionError) as error:  # an unknown device, or one this torch cannot use
+    parser.error(f"--device {args.device}: {error}")
+# Checked before minutes of measuring: a file that cannot be written would lose them at the end.
+for flag, output in (("--json", args.json), ("--plot", args.plot if args.attention_lengths else None)):
+    if output is not None:
+        try:
+            check_output_file(output)
+        except ValueError as error:
+            parser.error(f"{flag} {error}")
 results = run(
     args.presets,
     device=args.device,

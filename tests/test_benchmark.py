@@ -373,3 +373,33 @@ def test_generate_processes_times_both_models_in_turns_in_each_fresh_process(cap
     with pytest.raises(SystemExit):
         generate_processes.main(["--processes", "0"])
     assert len(spawned) == 1
+
+
+def test_benchmark_script_refuses_bad_flags_before_measuring(tmp_path, run_in_process, monkeypatch):
+    """`--repeats 0` ended minutes of measuring in a StatisticsError, and a `--json` or `--plot` that
+    cannot be written lost every measurement at the end, in a traceback; the default plot path was
+    relative to the working folder (docs/ missing elsewhere). Each is refused before anything runs."""
+    import tools.benchmark
+
+    monkeypatch.setattr(tools.benchmark, "run", lambda *args, **kwargs: pytest.fail("measured"))
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    refusals = {
+        ("--repeats", "0"): "argument --repeats: must be a positive integer, got 0",
+        ("--batches", "-1"): "argument --batches: must be a positive integer",
+        ("--attention_lengths", "256", "0"): "argument --attention_lengths: must be a positive integer",
+        (
+            "--json",
+            str(tmp_path / "missing" / "b.json"),
+        ): f"--json {tmp_path / 'missing' / 'b.json'}: the folder",
+        ("--json", str(tmp_path)): "is a folder; name a file to write",
+        ("--plot", str(afile / "p.png")): "--plot",
+        ("--device", "nonsense"): "--device nonsense:",
+    }
+    for args, message in refusals.items():
+        result = run_in_process("benchmark.py", *args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    assert afile.read_text() == "mine"
+    monkeypatch.chdir(tmp_path)  # no docs/ here: the default plot is the repository's
+    with pytest.raises(pytest.fail.Exception, match="measured"):
+        run_in_process("benchmark.py", "--presets", "tiny")

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tools.benchmark import BENCHMARK_VOCABULARY, MODELS
+from vanilla_transformer.cli import positive_int
 
 
 def child(preset: str, batch_size: int, beams: int, repeats: int) -> dict[str, float]:
@@ -56,15 +57,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="base", choices=["tiny", "base", "big"])
-    parser.add_argument("--batch_size", type=int, default=1)
-    parser.add_argument("--beams", type=int, default=1)
-    parser.add_argument("--processes", type=int, default=4, help="fresh processes, one after the other")
+    parser.add_argument("--batch_size", type=positive_int, default=1)
+    parser.add_argument("--beams", type=positive_int, default=1)
     parser.add_argument(
-        "--repeats", type=int, default=7, help="timed generate() calls of each model per process"
+        "--processes", type=positive_int, default=4, help="fresh processes, one after the other"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=7, help="timed generate() calls of each model per process"
     )
     args = parser.parse_args(argv)
-    if min(args.batch_size, args.beams, args.processes, args.repeats) < 1:
-        parser.error("--batch_size, --beams, --processes and --repeats must be at least 1")
     from vanilla_transformer.machine import describe_machine, format_machine
 
     print(format_machine(describe_machine()))
