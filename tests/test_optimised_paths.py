@@ -325,6 +325,31 @@ def test_bfloat16_autocast_training_path_matches_the_plain_one(monkeypatch):
         )
 
 
+def test_bfloat16_autocast_training_loss_adds_the_final_logits_bias_unrounded():
+    """Under autocast the logits are the bfloat16 product plus the float32 final logits bias (a converted
+    Marian model's), as `project` and MarianMTModel compute them. The chunked training loss once passed
+    the bias into the autocast product, which rounded it to bfloat16: the training loss and gradients of
+    such a model under `--mixed_precision bf16` were those of other logits than its evaluation's."""
+    batch = ragged_batch()
+    model = tiny_model("sdpa", add_final_logits_bias=True).train()
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0.0, 8.0)  # OPUS-MT biases reach such sizes; far from bfloat16 values
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, fast_grads = loss_and_grads(model, batch, return_logits=False)
+        plain, plain_grads = loss_and_grads(model, batch, return_logits=True)
+    assert plain.logits.dtype == torch.float32  # bfloat16 product + float32 bias
+    expected = F.cross_entropy(
+        plain.logits.flatten(0, 1), batch["labels"].flatten(), label_smoothing=0.1, reduction="sum"
+    ) / torch.tensor(11)
+    torch.testing.assert_close(fast.loss, expected, rtol=1e-5, atol=0)
+    tolerance = 4 * torch.finfo(torch.bfloat16).eps  # backward products in bfloat16 (see above)
+    scale = gradient_scale(plain_grads)
+    for name in plain_grads:
+        torch.testing.assert_close(
+            fast_grads[name], plain_grads[name], rtol=tolerance, atol=tolerance * scale, msg=name
+        )
+
+
 def test_eval_outputs_do_not_depend_on_labels():
     """transformers' convention, which `generate`, evaluation and `Trainer.predict` rely on: in eval mode
     the logits and encoder states are the same with and without `labels` (positions after a row's last

@@ -978,6 +978,11 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
         chunk = max(1, 2**22 // vocab_size)  # ~16 MiB of float32 logits at a time
         compute = loss_dtype(hidden.dtype)
         total = torch.zeros((), device=hidden.device, dtype=compute)
+        # Under autocast the product is rounded to its low precision: the bias is added to it after, as
+        # the model's logits (`project`, MarianMTModel) add a float32 bias, not rounded with it.
+        device = hidden.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        product_bias = None if autocast else bias
         grads = None
         if with_gradients:
             grads = [
@@ -987,7 +992,9 @@ class _ProjectedLabelSmoothedLoss(torch.autograd.Function):
             ]
         for start in range(0, hidden.shape[0], chunk):
             part, targets = hidden[start : start + chunk], labels[start : start + chunk]
-            logits = F.linear(part, weight, bias).to(compute)  # (C, V)
+            logits = F.linear(part, weight, product_bias).to(compute)  # (C, V)
+            if autocast and bias is not None:
+                logits = logits + bias
             target_logits = logits.gather(1, targets[:, None]).squeeze(1)
             mean_logits = logits.mean(-1)
             # log-sum-exp, reusing exp(logits - max) in place for the softmax below
