@@ -65,6 +65,26 @@ def test_linear_equals_f_linear_in_every_mode(policy, mode):
         assert kernels.linear(torch.zeros(0, 48), weight, bias).shape == (0, 96)
 
 
+@pytest.mark.parametrize("setting", ["float64", "meta"])
+def test_kernels_are_found_whatever_the_default_dtype_and_device(setting):
+    """The kernels are looked for when the package is imported, with small products of their own. Made in
+    the default dtype and on the default device, those failed where a program had set
+    `torch.set_default_dtype(torch.float64)` or `torch.set_default_device(...)` before importing it, and
+    the process then never used oneDNN or packed MKL, for float32 CPU models either."""
+    found = (kernels._find_onednn_linear(), kernels._find_onednn_reorder(), kernels._find_mkl_packed())
+    previous = torch.get_default_dtype()
+    try:
+        if setting == "float64":
+            torch.set_default_dtype(torch.float64)
+        else:
+            torch.set_default_device("meta")
+        again = (kernels._find_onednn_linear(), kernels._find_onednn_reorder(), kernels._find_mkl_packed())
+    finally:
+        torch.set_default_dtype(previous)
+        torch.set_default_device(None)
+    assert again == found
+
+
 @needs_onednn
 def test_unusual_biases_and_derivatives_stay_exact(policy):
     """A strided or broadcast bias, forward-mode derivatives and torch.func transforms: oneDNN's op

@@ -105,13 +105,20 @@ PROBE_MAX_ROUNDS = 200
 PROBE_MARGIN = 1.25
 
 
+def _ones(*shape: int) -> torch.Tensor:
+    """float32 CPU ones for the probes below: not of a default dtype or on a default device a program may
+    have set before importing this module (`torch.set_default_dtype(torch.float64)`,
+    `torch.set_default_device("cuda")`), where the kernels would fail and never be used in the process."""
+    return torch.ones(*shape, dtype=torch.float32, device="cpu")
+
+
 def _find_onednn_linear() -> Callable | None:
     """oneDNN's linear kernel, if this torch build has one that computes a known product correctly."""
     try:
         kernel = torch.ops.mkldnn._linear_pointwise
         if not torch.backends.mkldnn.is_available():
             return None
-        probe = kernel(torch.ones(2, 3), torch.ones(4, 3), torch.ones(4), "none", [], "")
+        probe = kernel(_ones(2, 3), _ones(4, 3), _ones(4), "none", [], "")
         return kernel if probe.shape == (2, 4) and bool((probe == 4).all()) else None
     except Exception:  # any failure means: not available
         return None
@@ -125,7 +132,7 @@ def _find_onednn_reorder() -> Callable | None:
         kernel = _find_onednn_linear()
         if kernel is None:
             return None
-        probe = kernel(torch.ones(2, 3), reorder(torch.ones(4, 3), 2), torch.ones(4), "none", [], "")
+        probe = kernel(_ones(2, 3), reorder(_ones(4, 3), 2), _ones(4), "none", [], "")
         return reorder if probe.shape == (2, 4) and bool((probe == 4).all()) else None
     except Exception:  # any failure means: not available
         return None
@@ -139,8 +146,8 @@ def _find_mkl_packed() -> tuple[Callable, Callable] | tuple[None, None]:
         pack, kernel = torch.ops.mkl._mkl_reorder_linear_weight, torch.ops.mkl._mkl_linear
         if not torch.backends.mkl.is_available():
             return None, None
-        weight = torch.ones(4, 3)
-        probe = kernel(torch.ones(2, 3), pack(weight, 2), weight, torch.ones(4), 2)
+        weight = _ones(4, 3)
+        probe = kernel(_ones(2, 3), pack(weight, 2), weight, _ones(4), 2)
         return (kernel, pack) if probe.shape == (2, 4) and bool((probe == 4).all()) else (None, None)
     except Exception:  # any failure means: not available
         return None, None
