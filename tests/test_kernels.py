@@ -613,6 +613,45 @@ def test_decoding_attention_follows_the_measurement(attention_policy, monkeypatc
     assert len(calls) == 2
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+@needs_onednn
+def test_nothing_is_measured_under_deterministic_algorithms(
+    policy, attention_policy, monkeypatch, deterministic_algorithms
+):
+    """The measured choices differ between runs (the timings do), and with them the results' last bits:
+    three processes running one float32 model's `generate()` under `torch.use_deterministic_algorithms
+    (True)` gave two different sets of scores. There the automatic mode uses torch's kernels, also for
+    classes measured before; a mode set by hand (no timing) is kept."""
+    state, shapes, _ = policy
+    monkeypatch.setattr(state, "decide", lambda *a: pytest.fail("a linear product was timed"))
+    monkeypatch.setattr(attention_policy, "decide", lambda *a: pytest.fail("an attention was timed"))
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 48, generator=generator), torch.randn(96, generator=generator)
+    inputs = torch.randn(4, 48, generator=generator)
+    state.decisions[(4, weight.shape, True, True)] = "onednn"  # measured before the switch
+    query, key, value = single_query()
+    attention_policy.decisions[(16, 8, 8, "none", torch.float32)] = True
+    module = torch.nn.Module()
+    with torch.no_grad():
+        assert torch.equal(
+            kernels.linear(inputs, weight, bias, per_step=True), F.linear(inputs, weight, bias)
+        )
+        assert torch.equal(kernels.linear(inputs[:3], weight, None), F.linear(inputs[:3], weight))
+        output, _ = kernels.decoding_attention(module, query, key, value, None, scaling=8**-0.5)
+        assert torch.equal(output, kernels._sdpa(query, key, value, None, 8**-0.5).transpose(1, 2))
+        assert shapes == []
+        kernels.set_linear_kernel("onednn")
+        kernels.linear(inputs, weight, bias)
+        assert shapes == [(4, 48)]
+
+
 def test_attention_is_measured_again_in_another_dtype(attention_policy, monkeypatch):
     """Matrix products that give SDPA's float32 result may not give its bfloat16 result: a choice
     measured in float32 once computed a later bfloat16 model's steps, whose translations then depended

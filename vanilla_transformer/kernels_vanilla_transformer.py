@@ -58,8 +58,11 @@ and only where it costs nothing else:
 
 `VANILLA_TRANSFORMER_LINEAR=torch` never uses another kernel, `=onednn` uses oneDNN for every eligible
 product and `=mkl` packed MKL for every eligible per-step product, without timing (the test suite runs
-all three); unset or `auto` measures. The older `VANILLA_TRANSFORMER_ONEDNN=0` / `=1` (torch / onednn)
-is read when the new variable is unset. Only summation order differs between the kernels.
+all three); unset or `auto` measures, except under `torch.use_deterministic_algorithms(True)`, where
+it uses torch's kernel (as `VANILLA_TRANSFORMER_DECODE_ATTENTION=auto` then uses SDPA): choices made by
+timing differ between runs, and so would the results' last bits. The older
+`VANILLA_TRANSFORMER_ONEDNN=0` / `=1` (torch / onednn) is read when the new variable is unset. Only
+summation order differs between the kernels.
 """
 
 from __future__ import annotations
@@ -513,12 +516,15 @@ def linear(
     padded_rows = 1 << (rows - 1).bit_length()  # a power of two: few shapes reach the other kernels
     per_step = per_step and _KEEP_COPIES.get()
     # A class measured fastest on torch's kernel goes straight there: decoding steps repeat the same
-    # few classes, so this lookup is what most calls cost here.
-    kernel = (
-        policy.mode
-        if policy.mode != "auto"
-        else policy.decisions.get((padded_rows, weight.shape, bias is not None, per_step))
-    )
+    # few classes, so this lookup is what most calls cost here. Under
+    # `torch.use_deterministic_algorithms(True)` nothing is measured: timings differ between runs, and
+    # with them the kernels chosen and the results' last bits.
+    if policy.mode == "auto":
+        kernel = policy.decisions.get((padded_rows, weight.shape, bias is not None, per_step))
+        if kernel != "torch" and torch.are_deterministic_algorithms_enabled():
+            kernel = "torch"
+    else:
+        kernel = policy.mode
     if kernel == "torch" or (kernel == "mkl" and not per_step) or not _eligible(inputs, weight, bias):
         return F.linear(inputs, weight, bias)
     flat = inputs if inputs.dim() == 2 else inputs.reshape(rows, width)
@@ -787,6 +793,8 @@ def decoding_attention(
         query.dtype,  # a choice measured in float32 may not give the same result in bfloat16
     )
     decision = True if policy.mode == "matmul" else policy.decisions.get(class_)
+    if decision is not False and policy.mode != "matmul" and torch.are_deterministic_algorithms_enabled():
+        decision = False  # measured choices differ between runs (see `linear`)
     if decision is None:
         decision = policy.decide(class_, query, key, value, mask, scaling)
     # What was timed: one query per row needs neither transformers' causal nor grouped-head handling.
