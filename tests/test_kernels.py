@@ -622,6 +622,31 @@ def deterministic_algorithms():
 
 
 @needs_onednn
+@pytest.mark.parametrize("mode", ["auto", "onednn"])
+def test_onednn_is_not_used_while_torch_switches_it_off(policy, monkeypatch, mode):
+    """`torch.backends.mkldnn.flags(enabled=False)` (or `torch.backends.mkldnn.enabled = False`), which a
+    program sets to keep oneDNN out of its computations, was not seen: products still ran on oneDNN, also
+    classes measured before the switch."""
+    state, shapes, _ = policy
+    kernels.set_linear_kernel(mode)
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 48, generator=generator), torch.randn(96, generator=generator)
+    inputs = torch.randn(4, 48, generator=generator)
+    state.decisions[(4, weight.shape, True, True)] = "onednn"
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    with torch.no_grad():
+        for rows in (1, 4, 7):
+            assert torch.equal(
+                kernels.linear(inputs[:rows], weight, bias, per_step=True),
+                F.linear(inputs[:rows], weight, bias),
+            )
+        assert shapes == []
+        torch.backends.mkldnn.enabled = True
+        kernels.linear(inputs, weight, bias, per_step=True)
+    assert shapes == [(4, 48)]  # on again
+
+
+@needs_onednn
 def test_nothing_is_measured_under_deterministic_algorithms(
     policy, attention_policy, monkeypatch, deterministic_algorithms
 ):

@@ -61,8 +61,9 @@ product and `=mkl` packed MKL for every eligible per-step product, without timin
 all three); unset or `auto` measures, except under `torch.use_deterministic_algorithms(True)`, where
 it uses torch's kernel (as `VANILLA_TRANSFORMER_DECODE_ATTENTION=auto` then uses SDPA): choices made by
 timing differ between runs, and so would the results' last bits. The older
-`VANILLA_TRANSFORMER_ONEDNN=0` / `=1` (torch / onednn) is read when the new variable is unset. Only
-summation order differs between the kernels.
+`VANILLA_TRANSFORMER_ONEDNN=0` / `=1` (torch / onednn) is read when the new variable is unset. torch's
+own switch, `torch.backends.mkldnn.enabled = False`, keeps oneDNN out in every mode. Only summation
+order differs between the kernels.
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ class LinearKernel:
         copies made for the kernels not chosen are dropped."""
         started = time.perf_counter()
         candidates = {}
-        if self.onednn is not None:
+        if self.onednn is not None and torch.backends.mkldnn.enabled:
             candidates["onednn"] = lambda: self.compute("onednn", rows, weight, bias, per_step)
         if self.mkl is not None and per_step:
             candidates["mkl"] = lambda: self.compute("mkl", rows, weight, bias, per_step)
@@ -357,8 +358,9 @@ class LinearKernel:
         self, kernel: str, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_step: bool
     ) -> torch.Tensor:
         """`F.linear(rows, weight, bias)` for 2-D `rows` on `kernel`, looking up the kept copy of `weight`
-        each time (as `linear` does: at one row that lookup is not free)."""
-        if kernel == "onednn" and self.onednn is not None:
+        each time (as `linear` does: at one row that lookup is not free). oneDNN only while torch's switch
+        for it is on (`torch.backends.mkldnn.flags(enabled=False)` turns it off, as for torch's own uses)."""
+        if kernel == "onednn" and self.onednn is not None and torch.backends.mkldnn.enabled:
             return self.onednn(
                 rows, self.onednn_weight(weight, rows.shape[0], per_step), bias, "none", [], ""
             )
