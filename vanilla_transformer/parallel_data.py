@@ -462,8 +462,12 @@ def load_parallel_data(
             )
         held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
         # A pair the file repeats ("Thank you." is common in OPUS data) could land on both sides, and
-        # the validation scores would reward memorising it.
-        seen = set(zip(held_out["train"]["source"], held_out["train"]["target"], strict=True))
+        # the validation scores would reward memorising it. The held-out pairs are kept in memory and
+        # train is read in batches: a set of every training pair held gigabytes for millions of them.
+        wanted = set(zip(held_out["test"]["source"], held_out["test"]["target"], strict=True))
+        seen: set[tuple[str, str]] = set()
+        for batch in held_out["train"].select_columns(["source", "target"]).iter(batch_size=10_000):
+            seen.update(pair for pair in zip(batch["source"], batch["target"], strict=True) if pair in wanted)
         validation = held_out["test"].filter(lambda row: (row["source"], row["target"]) not in seen)
         report.held_out_in_train = len(held_out["test"]) - len(validation)
         if len(validation) == 0:
