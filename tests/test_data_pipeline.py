@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import random
 import tracemalloc
 
@@ -555,6 +556,28 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
     assert ("Thank you.", "Gracias.") in train and not train & set(validation)
     assert report.held_out_in_train == 30 - len(validation) > 0
     assert f"dropped {report.held_out_in_train} held-out validation pairs" in report.lines()[0]
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".jsonl"])
+def test_a_file_rewritten_with_its_old_modification_time_is_read_anew(tmp_path, suffix):
+    """datasets keys its cache of a local file by path and modification time: a file replaced by other
+    contents with the same time (`cp -p`, `rsync -a`, `touch -r`) was read as the earlier contents."""
+
+    def contents(words):
+        if suffix == ".tsv":
+            return "en\tes\n" + "".join(f"{word}\tx\n" for word in words)
+        return "".join(json.dumps({"en": word, "es": "x"}) + "\n" for word in words)
+
+    path = write(tmp_path / f"data{suffix}", contents(["old", "pairs"]))
+    first, _ = load_parallel_data(test_file=path, for_training=False)
+    assert list(first["test"]["source"]) == ["old", "pairs"]
+    stat = path.stat()
+    write(path, contents(["the", "new", "file"]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second, _ = load_parallel_data(test_file=path, for_training=False)
+    assert list(second["test"]["source"]) == ["the", "new", "file"]
+    again, _ = load_parallel_data(test_file=path, for_training=False)  # unchanged: its cache
+    assert again["test"].cache_files == second["test"].cache_files
 
 
 def test_held_out_validation_check_does_not_hold_every_training_pair(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -216,6 +217,7 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
     fields: dict[str, int] = {}  # a delimited file's number of columns
+    digests: dict[str, str] = {}  # a file's contents, which name its cache (see below)
     for split, path in paths.items():
         if path.is_dir():
             raise DataError(f"{split} file {path} is a folder; name a file ({', '.join(FILE_BUILDERS)}).")
@@ -226,6 +228,8 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
                 f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
             )
         check_utf8(path)
+        with path.open("rb") as handle:
+            digests[split] = hashlib.file_digest(handle, "sha256").hexdigest()
         if FILE_BUILDERS[path.suffix] == "csv":
             header = check_delimited(path)
             fields[split] = len(header)
@@ -262,9 +266,18 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
         # of one (datasets reads a file in such chunks), that looks numeric as numbers, turning "007" into
         # 7 and "1.50" into 1.5, or refusing the file.
         as_text = {"converters": dict.fromkeys(range(fields[split]), str)} if split in fields else {}
+        # datasets finds its cache of a local file by the file's path and modification time alone: a file
+        # rewritten with the same time (`cp -p`, `rsync -a`, `touch -r`, a coarse-clock file system) was
+        # read as its earlier contents, after the checks above had passed the new ones. The contents'
+        # digest as the configuration's name keeps one cache per contents.
         try:
             data[split] = load_dataset(
-                FILE_BUILDERS[suffix], data_files={split: str(path)}, split=split, **options, **as_text
+                FILE_BUILDERS[suffix],
+                name=f"sha256-{digests[split]}",
+                data_files={split: str(path)},
+                split=split,
+                **options,
+                **as_text,
             )
         except Exception as error:  # datasets wraps parser errors in several exception types
             raise DataError(f"Could not parse {path}: {error}") from error
