@@ -947,9 +947,11 @@ def make_loader(
     dataset: Any, collator: Any, max_tokens: int, *, shuffle: bool, seed: int, num_shards: int
 ) -> DataLoader:
     try:
+        # Read whole (`[:]`): a datasets column iterated value by value (`list(column)`) reads one row at
+        # a time, which took minutes for a million pairs.
         sampler = TokenBatchSampler(
-            dataset["source_length"],
-            dataset["target_length"],
+            dataset["source_length"][:],
+            dataset["target_length"][:],
             max_tokens,
             shuffle=shuffle,
             seed=seed,
@@ -1394,8 +1396,9 @@ def text_digest(dataset: Any) -> str:
     """SHA-256 of a split's sentence pairs, in order: other training data with as many pairs (another
     file, an edited one) resumes as if it were the same, batches skipped by count, without this."""
     digest = hashlib.sha256()
-    for source, target in zip(dataset["source"], dataset["target"], strict=True):
-        digest.update(f"{source}\t{target}\n".encode())
+    for batch in dataset.select_columns(["source", "target"]).iter(batch_size=10_000):  # not row by row
+        for source, target in zip(batch["source"], batch["target"], strict=True):
+            digest.update(f"{source}\t{target}\n".encode())
     return digest.hexdigest()
 
 
@@ -2097,11 +2100,14 @@ def load_or_train_tokenizer(
         return AutoTokenizer.from_pretrained(resume_path / CHECKPOINT_TOKENIZER)
     if resume_path is None and accelerator.is_main_process:
         train = data["train"]
-        vocab_size = config.vocab_size or default_vocab_size(
-            sum(len(text.split()) for column in ("source", "target") for text in train[column])
-        )
-        texts = (text for column in ("source", "target") for text in train[column])
-        tokenizer = train_bpe_tokenizer(texts, vocab_size, length=2 * len(train))
+
+        def texts() -> Iterator[str]:  # every source, then every target, read in batches, not row by row
+            for column in ("source", "target"):
+                for batch in train.select_columns([column]).iter(batch_size=10_000):
+                    yield from batch[column]
+
+        vocab_size = config.vocab_size or default_vocab_size(sum(len(text.split()) for text in texts()))
+        tokenizer = train_bpe_tokenizer(texts(), vocab_size, length=2 * len(train))
         tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()
     if not (folder / "tokenizer.json").is_file():
