@@ -580,6 +580,19 @@ def test_a_file_rewritten_with_its_old_modification_time_is_read_anew(tmp_path, 
     assert again["test"].cache_files == second["test"].cache_files
 
 
+def test_an_undecodable_byte_after_a_character_cut_by_the_read_is_on_its_own_line(tmp_path):
+    """The UTF-8 check reads 1 MiB at a time; where a character straddled two reads, the line of a bad
+    byte just after it was counted from the wrong offset: a line break after the byte counted too."""
+    lines = b"en\tes\n" + b"hi\thola\n" * (2**20 // 8)
+    prefix = lines[: lines.rindex(b"\n", 0, 2**20 - 4) + 1]  # whole lines, then a line's start up to
+    prefix += b"a" * (2**20 - 2 - len(prefix))  # the euro sign, whose third byte is in the second read
+    path = write(tmp_path / "cut.tsv", "")
+    path.write_bytes(prefix + "€".encode() + b"\xff\nnext\tline\n")
+    line = prefix.count(b"\n") + 1
+    with pytest.raises(DataError, match=rf"undecodable bytes on line {line}\)"):
+        load_parallel_data(train_file=path)
+
+
 def test_held_out_validation_check_does_not_hold_every_training_pair(tmp_path):
     """The check above once built a set of every training pair: 2.5 GB (against 0.8 GB) for a 1.5M-pair
     file. Its Python memory now follows the held-out pairs and one batch of train, not the corpus (the

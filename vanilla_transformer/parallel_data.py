@@ -81,10 +81,12 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
                     f"{path} is not UTF-8 text but {wide}, by its byte-order mark or NUL bytes (line "
                     f"{bad_line}); convert it, e.g. `iconv -f {wide} -t UTF-8`."
                 )
+            # The bytes of a character begun at the end of the previous chunk: the error's offset counts them.
+            pending = len(decoder.getstate()[0])
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as error:
-                bad_line = line + chunk[: error.start].count(b"\n")
+                bad_line = line + chunk[: max(error.start - pending, 0)].count(b"\n")
                 raise DataError(
                     f"{path} is not UTF-8 text (undecodable bytes on line {bad_line}); convert it, "
                     f"e.g. `iconv -f LATIN1 -t UTF-8`."
