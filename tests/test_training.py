@@ -30,7 +30,7 @@ from vanilla_transformer.batching import TokenBatchSampler
 from vanilla_transformer.cli import InputError, check_output_file
 from vanilla_transformer.corpus import default_corpus_path, load_default_corpus
 from vanilla_transformer.hub import check_model_folder
-from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
+from vanilla_transformer.parallel_data import load_parallel_data, sources_in_train, tokenize_parallel_data
 from vanilla_transformer.publishing import staging_paths
 from vanilla_transformer.tokenization import train_bpe_tokenizer
 from vanilla_transformer.training import (
@@ -1385,6 +1385,9 @@ def test_the_data_path_reads_dataset_columns_in_batches_not_row_by_row(tmp_path,
         raise AssertionError("a dataset column iterated row by row")
 
     monkeypatch.setattr(arrow_dataset.Column, "__iter__", row_by_row)
+    # The evaluation splits' checks too (a test file can be as large as the training one).
+    check_evaluation_lengths(tokenized | {"validation": tokenized["train"]}, 400, None)
+    assert sources_in_train(data | {"test": data["train"].select(range(5))}, []) == {"test": 5}
     expected = hashlib.sha256("".join(f"{s}\t{t}\n" for s, t in pairs).encode()).hexdigest()
     assert training_module.text_digest(data["train"]) == expected
     loader = make_loader(tokenized["train"], None, 400, shuffle=True, seed=0, num_shards=1)

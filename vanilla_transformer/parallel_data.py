@@ -497,7 +497,7 @@ def sources_in_train(data: DatasetDict, splits: list[str]) -> dict[str, int]:
     """For each of `splits` (and the test split, where there is one), how many of its pairs have a
     source sentence that is also a source of the train split. The held-out sources are kept in memory
     and train is read in batches, so a corpus of millions of pairs is not."""
-    held_out = {split: data[split]["source"] for split in [*splits, "test"] if split in data}
+    held_out = {split: data[split]["source"][:] for split in [*splits, "test"] if split in data}  # whole
     wanted = {source for sources in held_out.values() for source in sources}
     seen: set[str] = set()
     for batch in data["train"].select_columns(["source"]).iter(batch_size=10_000):

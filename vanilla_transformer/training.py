@@ -1318,7 +1318,7 @@ def check_evaluation_lengths(tokenized: Any, max_tokens: int, test_samples: int 
         dataset = tokenized[split]
         if split == "test" and test_samples:
             dataset = dataset.select(range(min(test_samples, len(dataset))))
-        sizes = [sum(lengths) for lengths in zip(*(dataset[column] for column in columns), strict=True)]
+        sizes = [sum(lengths) for lengths in zip(*(dataset[column][:] for column in columns), strict=True)]
         over = [index for index, size in enumerate(sizes) if size > max_tokens]
         if over:
             longest = max(over, key=sizes.__getitem__)
