@@ -65,6 +65,15 @@ class DataReport:
         return out
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks (`hashlib.file_digest` needs Python 3.11)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
     """Raise a ValueError naming the line of the first byte sequence that is not UTF-8."""
     decoder = codecs.getincrementaldecoder("utf-8")()
@@ -230,8 +239,7 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
                 f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
             )
         check_utf8(path)
-        with path.open("rb") as handle:
-            digests[split] = hashlib.file_digest(handle, "sha256").hexdigest()
+        digests[split] = file_sha256(path)
         if FILE_BUILDERS[path.suffix] == "csv":
             header = check_delimited(path)
             fields[split] = len(header)
@@ -555,6 +563,7 @@ __all__ = [
     "check_delimited",
     "check_jsonl",
     "check_utf8",
+    "file_sha256",
     "load_parallel_data",
     "tokenize_parallel_data",
 ]

@@ -66,7 +66,7 @@ from .machine import (
 from .metrics import repetition_rate, score_translations
 from .model_card import evaluation_metrics, write_model_card
 from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
-from .parallel_data import load_parallel_data, resolve_languages, tokenize_parallel_data
+from .parallel_data import file_sha256, load_parallel_data, resolve_languages, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import (
     check_not_current_folder,
@@ -599,18 +599,12 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     """Record the size and SHA-256 of every file of a checkpoint folder in its `MANIFEST_FILE`."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files
+    }
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
 
 
@@ -636,7 +630,7 @@ def checkpoint_problems(folder: Path) -> list[str]:
             problems.append(f"{path} is missing")
         elif path.stat().st_size != expected["bytes"]:
             problems.append(f"{path} has {path.stat().st_size} bytes, {expected['bytes']} were written")
-        elif _sha256(path) != expected["sha256"]:
+        elif file_sha256(path) != expected["sha256"]:
             problems.append(f"{path} differs from what was written (SHA-256 mismatch)")
     return problems
 
