@@ -118,27 +118,58 @@ def test_the_scripts_modules_import_evaluate_datasets_and_matplotlib_only_when_u
     assert result.stdout.split() == ["[]"]
 
 
+def hangup_writer(path: Path, disposition: signal.Handlers) -> subprocess.Popen:
+    """A process writing `path` through `replaced_when_complete`, started with SIGHUP's action set to
+    `disposition` (as a terminal session leaves it, or as `nohup` does, whatever the test runner's own
+    is: ignored signals are inherited), that finishes the file when a line comes on its standard input."""
+    code = (
+        "import sys\n"
+        "from vanilla_transformer.cli import replaced_when_complete\n"
+        f"with replaced_when_complete({str(path)!r}) as stream:\n"
+        "    stream.write('half\\n'); stream.flush(); print('ready', flush=True); sys.stdin.readline()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, disposition),
+    )
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP")
 def test_a_writer_ended_by_sighup_keeps_the_old_file_and_leaves_no_partial_file(tmp_path):
     """SIGHUP (the terminal of a long translate.py run closed, an ssh session dropped) ended the process
     at once: the old file stayed, but the hidden `.NAME.PID.HEX.partial` beside it was left for good,
     as large as the work done. It ends the process as SIGTERM does (tests/test_training.py), through the
     writer's cleanup."""
-    signal_name = "SIGHUP"
     path = tmp_path / "out.txt"
     path.write_text("old\n")
-    code = (
-        "import sys, time\n"
-        "from vanilla_transformer.cli import replaced_when_complete\n"
-        f"with replaced_when_complete({str(path)!r}) as stream:\n"
-        "    stream.write('half\\n'); stream.flush(); print('ready', flush=True); time.sleep(60)\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    process = hangup_writer(path, signal.SIG_DFL)
     try:
         assert process.stdout.readline() == "ready\n"
         assert len(list(tmp_path.glob(".out.txt.*.partial"))) == 1
-        process.send_signal(getattr(signal, signal_name))
-        assert process.wait(timeout=30) == 128 + getattr(signal, signal_name)
+        process.send_signal(signal.SIGHUP)
+        assert process.wait(timeout=30) == 128 + signal.SIGHUP
     finally:
         process.kill()
     assert path.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP")
+def test_a_writer_under_nohup_outlives_sighup_and_finishes_its_file(tmp_path):
+    """Under `nohup` (SIGHUP ignored) a hangup must not end the writer: its work is what nohup keeps."""
+    path = tmp_path / "out.txt"
+    path.write_text("old\n")
+    process = hangup_writer(path, signal.SIG_IGN)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=1)
+        process.stdin.write("go on\n")
+        process.stdin.flush()
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+    assert path.read_text() == "half\n" and sorted(tmp_path.iterdir()) == [path]
