@@ -346,23 +346,23 @@ def test_tools_timing_two_ways_of_this_model_time_the_default_network(monkeypatc
     assert seen[0] is None and seen[1] is not None
 
 
-def test_generate_processes_times_both_models_in_turns_in_each_fresh_process(capsys, monkeypatch):
-    """`tools.generate_processes`: each process is a new one (its own kernel choices) that times both
+def test_benchmark_processes_times_both_models_in_turns_in_each_fresh_process(capsys, monkeypatch):
+    """`tools.benchmark_processes`: each process is a new one (its own kernel choices) that times both
     models as the benchmark does; the ratios printed are computed from the printed medians; a count
     below 1 is refused before any process starts."""
     import re
 
-    from tools import generate_processes
+    from tools import benchmark_processes
 
     spawned = []
-    spawn = generate_processes.subprocess.run
+    spawn = benchmark_processes.subprocess.run
 
     def run(*args, **kwargs):
         spawned.append(spawn(*args, **kwargs))
         return spawned[-1]
 
-    monkeypatch.setattr(generate_processes.subprocess, "run", run)
-    generate_processes.main(["--preset", "tiny", "--processes", "1", "--repeats", "1"])
+    monkeypatch.setattr(benchmark_processes.subprocess, "run", run)
+    benchmark_processes.main(["--preset", "tiny", "--processes", "1", "--repeats", "1"])
     output = capsys.readouterr().out
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", output, re.M)
     assert [row[0] for row in rows] == ["1"] and len(spawned) == 1 and spawned[0].returncode == 0
@@ -371,8 +371,25 @@ def test_generate_processes_times_both_models_in_turns_in_each_fresh_process(cap
     assert float(ratio) == pytest.approx(float(ours) / float(marian), abs=0.006)
     assert f"median ratio {ratio}x (from {ratio}x to {ratio}x)" in output
     with pytest.raises(SystemExit):
-        generate_processes.main(["--processes", "0"])
+        benchmark_processes.main(["--processes", "0"])
     assert len(spawned) == 1
+
+
+def test_benchmark_processes_times_a_training_row_in_a_fresh_process(capsys):
+    """`--train`: each process times both models' training steps on the benchmark's batches; the
+    printed ratio is ours / MarianMTModel of the printed throughputs."""
+    import re
+
+    from tools import benchmark_processes
+
+    benchmark_processes.main(["--preset", "tiny", "--train", "trainer", "--processes", "1", "--rounds", "1"])
+    output = capsys.readouterr().out
+    assert "train Trainer path, tiny: target tokens per second" in output
+    rows = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)x \|$", output, re.M)
+    assert len(rows) == 1
+    ours, marian = (float(value.replace(",", "")) for value in rows[0][1:3])
+    assert ours > 0 and marian > 0
+    assert float(rows[0][3]) == pytest.approx(ours / marian, abs=0.006)
 
 
 def test_benchmark_script_refuses_bad_flags_before_measuring(tmp_path, run_in_process, monkeypatch):
