@@ -454,6 +454,58 @@ def test_the_older_variable_is_read_when_the_new_one_is_unset(monkeypatch, new, 
         kernels._mode_from_environment()
 
 
+def test_a_probe_with_reads_between_calls_runs_them_before_each_timed_call_for_a_fixed_number_of_rounds(
+    monkeypatch,
+):
+    """`between` (the cache eviction) runs untimed before every timed call, and such a probe runs
+    PROBE_COLD_ROUNDS rounds, not extended to PROBE_SECONDS of calls (the reads between cost time)."""
+    clock, events = [0.0], []
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+    result = torch.ones(2, 2)
+
+    def kernel(name, cost):
+        def run():
+            clock[0] += cost
+            events.append(name)
+            return result
+
+        return run
+
+    def between():
+        clock[0] += 100.0  # untimed: were it timed, "torch" would lose to nothing
+        events.append("between")
+
+    plain, candidates = kernel("torch", 1e-6), {"close": kernel("close", 1.1e-6)}
+    assert kernels.fastest_equal(plain, candidates, terms=2, between=between) == "torch"
+    timed = events[2:]  # after one untimed call of each, to compare results
+    rounds = kernels.PROBE_COLD_ROUNDS
+    assert timed == ["between", "torch", "between", "close"] * rounds
+    events.clear()
+    assert kernels.fastest_equal(plain, candidates, terms=2) == "torch"  # without: PROBE_SECONDS of calls
+    assert events.count("torch") == 1 + kernels.PROBE_MAX_ROUNDS and "between" not in events
+
+
+def test_only_one_row_products_of_per_step_matrices_are_timed_out_of_cache(policy, monkeypatch):
+    """A decoding step reads each per-step matrix after the other layers' matrices, so a one-row
+    product (it streams its matrix) is timed with the cache emptied between calls; products of more
+    rows, and matrices that do not run at every step, are timed as before."""
+    state, _, _ = policy
+    if state.onednn is None and state.mkl is None:
+        pytest.skip("this torch build has neither oneDNN's nor MKL's kernel: nothing to time")
+    evictions = []
+    monkeypatch.setattr(kernels, "evict_cache", lambda: evictions.append(1))
+    weight = torch.randn(24, 16)
+    with torch.no_grad():
+        for rows, per_step in ((2, True), (1, False)):
+            kernels.linear(torch.ones(rows, 16), weight, per_step=per_step)
+            assert evictions == []
+        torch.testing.assert_close(
+            kernels.linear(torch.ones(1, 16), weight, per_step=True), F.linear(torch.ones(1, 16), weight)
+        )
+    assert 0 < len(evictions) <= 3 * kernels.PROBE_COLD_ROUNDS  # torch's, oneDNN's, packed MKL's calls
+    assert (1, (24, 16), False, True) in state.decisions
+
+
 @needs_mkl
 def test_probe_keeps_packed_mkl_only_for_per_step_products_where_fastest(policy, monkeypatch):
     """With torch's and oneDNN's kernels slowed down, a per-step product's class goes to packed MKL,

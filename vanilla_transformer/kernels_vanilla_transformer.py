@@ -107,6 +107,16 @@ PROBE_MAX_ROUNDS = 200
 # From the second round on, a kernel whose fastest call took more than PROBE_MARGIN times another's
 # slowest is out: it cannot win, and timing it again costs most for the largest products.
 PROBE_MARGIN = 1.25
+# A one-row product of a matrix run at every decoding step is timed with that matrix out of the core's
+# cache (EVICTION_BYTES read between calls, more than a core's L2 on the CPUs seen, 1-2 MiB), as a
+# decoding step meets it after reading the other layers' matrices. Timed cache-hot, MKL's packed
+# product won classes that it lost in decoding (the tiny model's 576 x 192 and 768 x 192 on an Intel
+# Xeon of family 6 model 167: greedy batch 1 decoding took 1.08x-1.09x the time it takes with the
+# choices timed out of cache; docs/performance.md). More rows reuse each matrix element across rows, and
+# there cold timing changed no cell for the better. Each such call is slower and the reads between cost
+# time, so these are PROBE_COLD_ROUNDS rounds.
+EVICTION_BYTES = 8 << 20
+PROBE_COLD_ROUNDS = 25
 
 
 def _ones(*shape: int) -> torch.Tensor:
@@ -352,7 +362,10 @@ class LinearKernel:
             candidates["onednn"] = lambda: self.compute("onednn", rows, weight, bias, per_step)
         if self.mkl is not None and per_step:
             candidates["mkl"] = lambda: self.compute("mkl", rows, weight, bias, per_step)
-        decision = fastest_equal(lambda: F.linear(rows, weight, bias), candidates, terms=weight.shape[1])
+        between = evict_cache if per_step and rows.shape[0] == 1 else None
+        decision = fastest_equal(
+            lambda: F.linear(rows, weight, bias), candidates, terms=weight.shape[1], between=between
+        )
         self.decisions[(rows.shape[0], weight.shape, bias is not None, per_step)] = decision
         if decision != "onednn":
             self.layouts.drop(weight)
@@ -397,13 +410,28 @@ class LinearKernel:
             return None
 
 
+_EVICTION_BUFFER: list[torch.Tensor] = []
+
+
+def evict_cache() -> None:
+    """Read EVICTION_BYTES of memory of no use (on every thread of the product), so that what a core's
+    cache held before is mostly gone from it."""
+    if not _EVICTION_BUFFER:
+        _EVICTION_BUFFER.append(_ones(EVICTION_BYTES // 4))
+    _EVICTION_BUFFER[0].sum()
+
+
 def fastest_equal(
-    plain: Callable[[], torch.Tensor], candidates: dict[str, Callable[[], torch.Tensor]], terms: int
+    plain: Callable[[], torch.Tensor],
+    candidates: dict[str, Callable[[], torch.Tensor]],
+    terms: int,
+    between: Callable[[], None] | None = None,
 ) -> str:
     """The fastest of `plain` ("torch") and those `candidates` that give its result (to float32 rounding
     of `terms`-term sums, relative to max(|result|, 1)): medians of timed calls, in turns, after one
     untimed call (see `PROBE_ROUNDS`); a kernel clearly slower than another stops being timed
-    (`PROBE_MARGIN`). Fails closed: a candidate that raises is out; "torch" if all are."""
+    (`PROBE_MARGIN`). `between`, if given, runs untimed before each timed call (`evict_cache`), and then
+    there are `PROBE_COLD_ROUNDS` rounds. Fails closed: a candidate that raises is out; "torch" if all are."""
     kernels = {"torch": plain}
     try:
         expected = plain()
@@ -424,10 +452,16 @@ def fastest_equal(
     rounds = 0
     try:
         while len(kernels) > 1 and (
-            rounds < PROBE_ROUNDS
-            or (rounds < PROBE_MAX_ROUNDS and max(sum(times[name]) for name in kernels) < PROBE_SECONDS)
+            rounds < (PROBE_ROUNDS if between is None else PROBE_COLD_ROUNDS)
+            or (
+                between is None
+                and rounds < PROBE_MAX_ROUNDS
+                and max(sum(times[name]) for name in kernels) < PROBE_SECONDS
+            )
         ):
             for name, kernel in kernels.items():
+                if between is not None:
+                    between()
                 started = time.perf_counter()
                 kernel()
                 times[name].append(time.perf_counter() - started)
