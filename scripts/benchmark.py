@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
-from tools.benchmark import format_tables, run, save_json
+from tools.benchmark import TRAINING_BATCHES, TRAINING_MAX_TOKENS, format_tables, run, save_json
 from vanilla_transformer.cli import check_output_file, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,9 +24,14 @@ parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 parser.add_argument(
-    "--max_tokens", type=positive_int, default=4096, help="source + target tokens per training batch"
+    "--max_tokens",
+    type=positive_int,
+    default=TRAINING_MAX_TOKENS,
+    help="source + target tokens per training batch",
 )
-parser.add_argument("--batches", type=positive_int, default=4, help="training batches per round")
+parser.add_argument(
+    "--batches", type=positive_int, default=TRAINING_BATCHES, help="training batches per round"
+)
 parser.add_argument("--rounds", type=positive_int, default=2, help="passes over those batches")
 parser.add_argument(
     "--repeats", type=positive_int, default=9, help="timed runs of each generate() call, in turns"

@@ -43,6 +43,8 @@ GENERATE_LENGTH = 32
 # The joint BPE vocabulary the benchmark trains on the embedded corpus (tools that build models without
 # it use this size, so that their "base" is the benchmark's).
 BENCHMARK_VOCABULARY = 8000
+# Training rows: batches of at most this many source + target tokens, this many batches a round.
+TRAINING_MAX_TOKENS, TRAINING_BATCHES = 4096, 4
 
 
 def marian_like(config: VanillaTransformerConfig) -> MarianConfig:
@@ -91,6 +93,12 @@ def build_model(
     else:
         raise ValueError(f"Unknown model {kind!r}; choose one of {MODELS}.")
     return model.to(device=device, dtype=dtype)
+
+
+def benchmark_tokenizer() -> Any:
+    """The benchmark's tokenizer: BPE of `BENCHMARK_VOCABULARY` tokens trained on the embedded corpus."""
+    train = load_default_corpus()["train"]
+    return train_bpe_tokenizer(list(train["en"]) + list(train["es"]), BENCHMARK_VOCABULARY)
 
 
 def corpus_batches(
@@ -685,8 +693,8 @@ def run(
     *,
     device: str = "cpu",
     dtype: str = "float32",
-    max_tokens: int = 4096,
-    batches: int = 4,
+    max_tokens: int = TRAINING_MAX_TOKENS,
+    batches: int = TRAINING_BATCHES,
     rounds: int = 2,
     repeats: int = 9,
     attention_lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
@@ -697,8 +705,7 @@ def run(
 ) -> dict[str, Any]:
     """Every measurement, as a dict (what `--json` writes)."""
     torch_dtype = getattr(torch, dtype)
-    train = load_default_corpus()["train"]
-    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), BENCHMARK_VOCABULARY)
+    tokenizer = benchmark_tokenizer()
     data = {
         "length-bucketed": corpus_batches(tokenizer, max_tokens, batches, padding_heavy=False),
         "padding-heavy": corpus_batches(tokenizer, max_tokens, batches, padding_heavy=True),

@@ -27,9 +27,8 @@ from pathlib import Path
 from tools.benchmark import BENCHMARK_VOCABULARY, MODELS
 from vanilla_transformer.cli import positive_int
 
-# The benchmark's training batches (`tools.benchmark.run`'s defaults): source + target tokens, count.
-TRAINING_TOKENS, TRAINING_BATCHES = 4096, 4
-TRAINING_ROWS = {"length-bucketed": "length-bucketed", "trainer": "Trainer path"}  # --train: row
+# `--train` choices and the benchmark rows they time
+TRAINING_ROWS = {"length-bucketed": "length-bucketed", "trainer": "Trainer path"}
 
 
 def child(preset: str, batch_size: int, beams: int, repeats: int) -> dict[str, float]:
@@ -49,18 +48,17 @@ def training_child(preset: str, row: str, rounds: int) -> dict[str, float]:
     batch in turns: the benchmark's `row` ("length-bucketed" or "Trainer path")."""
     import torch
 
-    from tools.benchmark import benchmark_training, build_model, corpus_batches, trainer_loss, training_loss
+    from tools import benchmark
     from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
-    from vanilla_transformer.corpus import load_default_corpus
-    from vanilla_transformer.tokenization import train_bpe_tokenizer
 
-    train = load_default_corpus()["train"]
-    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), BENCHMARK_VOCABULARY)
-    batches = corpus_batches(tokenizer, TRAINING_TOKENS, TRAINING_BATCHES, padding_heavy=False)
+    tokenizer = benchmark.benchmark_tokenizer()
+    batches = benchmark.corpus_batches(
+        tokenizer, benchmark.TRAINING_MAX_TOKENS, benchmark.TRAINING_BATCHES, padding_heavy=False
+    )
     config = VanillaTransformerConfig.from_preset(preset, vocab_size=len(tokenizer))
-    models = {kind: build_model(kind, config, "cpu", torch.float32) for kind in MODELS}
-    loss = trainer_loss if row == "Trainer path" else training_loss
-    measured = benchmark_training(models, batches, "cpu", rounds, loss)
+    models = {kind: benchmark.build_model(kind, config, "cpu", torch.float32) for kind in MODELS}
+    loss = benchmark.trainer_loss if row == "Trainer path" else benchmark.training_loss
+    measured = benchmark.benchmark_training(models, batches, "cpu", rounds, loss)
     return {kind: measured[kind]["tokens_per_s"] for kind in MODELS}
 
 

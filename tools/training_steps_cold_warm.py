@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.benchmark import (
-    BENCHMARK_VOCABULARY,
+    TRAINING_MAX_TOKENS,
+    benchmark_tokenizer,
     build_model,
     corpus_batches,
     median_time,
@@ -34,9 +35,7 @@ from tools.benchmark import (
     training_loss,
 )
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
-from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.machine import describe_gpu, describe_machine, format_machine
-from vanilla_transformer.tokenization import train_bpe_tokenizer
 
 Step = Callable[[dict[str, torch.Tensor]], None]
 
@@ -58,9 +57,8 @@ def main() -> None:
     if args.device.startswith("cuda"):
         machine |= describe_gpu(args.device, torch.bfloat16)
     print(f"machine: {format_machine(machine)}; device {args.device}, torch {torch.__version__}")
-    train = load_default_corpus()["train"]
-    tokenizer = train_bpe_tokenizer(list(train["en"]) + list(train["es"]), BENCHMARK_VOCABULARY)
-    cpu_batches = corpus_batches(tokenizer, 4096, args.batches, padding_heavy=False)
+    tokenizer = benchmark_tokenizer()
+    cpu_batches = corpus_batches(tokenizer, TRAINING_MAX_TOKENS, args.batches, padding_heavy=False)
     config = VanillaTransformerConfig.from_preset("tiny", vocab_size=len(tokenizer))
     print("| dtype | variant | cold pass (s) | first step (ms) | warm step, median (ms) | warm tokens/s |")
     print("|---|---|---|---|---|---|")

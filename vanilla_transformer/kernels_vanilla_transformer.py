@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import statistics
 import time
@@ -410,15 +411,15 @@ class LinearKernel:
             return None
 
 
-_EVICTION_BUFFER: list[torch.Tensor] = []
+@functools.cache
+def _eviction_buffer() -> torch.Tensor:
+    return _ones(EVICTION_BYTES // 4)
 
 
 def evict_cache() -> None:
     """Read EVICTION_BYTES of memory of no use (on every thread of the product), so that what a core's
     cache held before is mostly gone from it."""
-    if not _EVICTION_BUFFER:
-        _EVICTION_BUFFER.append(_ones(EVICTION_BYTES // 4))
-    _EVICTION_BUFFER[0].sum()
+    _eviction_buffer().sum()
 
 
 def fastest_equal(
