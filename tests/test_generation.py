@@ -758,6 +758,49 @@ def test_generate_follows_weights_written_through_data(attention_bias):
     assert torch.equal(after, other.generate(source, **options)) and not torch.equal(after, before)
 
 
+@pytest.mark.parametrize("written", ["weight", "bias"])
+def test_a_decoding_reads_each_kept_copys_sources_once(written, monkeypatch):
+    """Once per decoding the stacked Q/K/V copies are checked against their sources' values: one read
+    of each source. The biases' stack listed the three matrices as sources too, so a model with
+    attention biases (every converted Marian model) read each self-attention matrix twice per
+    `generate()` call, about 1.2 ms of a base model's 0.16-s greedy call. Each stack still follows a
+    write through `.data` to its own sources, and only to them."""
+    from vanilla_transformer import kernels_vanilla_transformer as kernels
+
+    previous = kernels.set_linear_kernel("torch")  # stacks only: no other kernel's copies checked
+    try:
+        model = tiny_model("sdpa", seed=0, attention_bias=True)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    parameter.normal_(0, 0.5)
+        source = torch.randint(4, 99, (2, 9), generator=torch.Generator().manual_seed(0))
+        options = {"max_new_tokens": 6, "num_beams": 1, "do_sample": False}
+        model.generate(source, **options)  # makes the stacks
+        reads = []
+        original = kernels.value_checksum
+        monkeypatch.setattr(kernels, "value_checksum", lambda t: reads.extend(map(id, t)) or original(t))
+        before = model.generate(source, **options)
+        stacked = [
+            id(getattr(getattr(layer.self_attn, name), kind))
+            for layer in model.model.decoder.layers
+            for name in ("q_proj", "k_proj", "v_proj")
+            for kind in ("weight", "bias")
+        ]
+        assert sorted(reads) == sorted(stacked)  # every stacked source once, nothing twice
+
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for layer in model.model.decoder.layers:
+                edited = getattr(layer.self_attn.v_proj, written).data  # written: no version bump
+                edited.copy_(torch.randn(edited.shape, generator=generator))
+        after = model.generate(source, **options)
+        expected = copy.deepcopy(model).generate(source, **options)  # new tensors: stacks made afresh
+        assert torch.equal(after, expected) and not torch.equal(after, before)
+    finally:
+        kernels.set_linear_kernel(previous)
+
+
 @pytest.mark.parametrize("write", ["fused AdamW", "data"])
 def test_evaluation_loss_follows_weights_changed_without_a_version_bump(batch, write):
     """An evaluation loss (eval mode, labels, no gradients: `Seq2SeqTrainer.evaluate`) runs the

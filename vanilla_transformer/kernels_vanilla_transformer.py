@@ -691,12 +691,14 @@ def joint_projection(inputs: torch.Tensor, layers: tuple[nn.Module, ...]) -> tup
         if not all(bias is None for bias in biases):
             return None
         biases = ()
-    weight = _CONCATENATIONS.get((*weights, *biases), lambda: torch.cat(weights), tag="weight")
+    # Each stack from its own sources only: once per decoding a copy's sources are read to check their
+    # values, and the biases' stack listed the matrices too, which read them all a second time.
+    weight = _CONCATENATIONS.get(weights, lambda: torch.cat(weights), tag="weight")
     if weight is None:
         return None
     bias = None
     if biases:
-        bias = _CONCATENATIONS.get((*biases, *weights), lambda: torch.cat(biases), tag="bias")
+        bias = _CONCATENATIONS.get(biases, lambda: torch.cat(biases), tag="bias")
         if bias is None:
             return None
     return linear(inputs, weight, bias, per_step=True).split_with_sizes([w.shape[0] for w in weights], dim=-1)
