@@ -407,6 +407,37 @@ def test_benchmark_processes_times_both_models_in_turns_in_each_fresh_process(ca
     assert len(spawned) == 1
 
 
+def test_products_and_rest_splits_a_later_step_and_restores_the_kernels(capsys):
+    """`tools.products_and_rest`: without products, every linear layer of both models is replaced (a
+    later step of ours: per layer the joint Q/K/V, the self-attention output, the cross-attention query
+    and output and the two feed-forward matrices, then the output layer; MarianMTModel's projects Q, K
+    and V apart), and `F.linear` and this model's kernel policy are what they were afterwards. The
+    printed products are the whole step less the rest, and each ratio is ours / MarianMTModel's."""
+    import re
+
+    import torch.nn.functional as F
+
+    from tools import products_and_rest
+    from vanilla_transformer import kernels_vanilla_transformer as kernels
+    from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
+
+    linear, mode = F.linear, kernels.linear_kernel().mode
+    products_and_rest.main(["--preset", "tiny", "--repeats", "1"])
+    assert F.linear is linear and kernels.linear_kernel().mode == mode
+    output = capsys.readouterr().out
+    layers = VanillaTransformerConfig.from_preset("tiny").decoder_layers
+    assert f"ours {6 * layers + 1}, MarianMTModel {8 * layers + 1}" in output
+    row = r"^\| (\w[\w ]*) \| ([\d.-]+) \| ([\d.-]+) \| ([\d.-]+)x \|$"
+    rows = {name: tuple(map(float, values)) for name, *values in re.findall(row, output, re.M)}
+    assert list(rows) == ["whole step", "products", "rest"]
+    whole, products, rest = rows.values()
+    for kind in (0, 1):
+        assert whole[kind] > 0 and rest[kind] > 0
+        assert products[kind] == pytest.approx(whole[kind] - rest[kind], abs=0.002)
+    for ours, marian, ratio in rows.values():
+        assert ratio == pytest.approx(ours / marian, abs=0.006)
+
+
 def test_benchmark_processes_times_a_training_row_in_a_fresh_process(capsys):
     """`--train`: each process times both models' training steps on the benchmark's batches; the
     printed ratio is ours / MarianMTModel of the printed throughputs."""

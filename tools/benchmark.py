@@ -10,6 +10,7 @@ a GPU, CUDA's peak allocation above the allocation before the steps).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import json
@@ -27,6 +28,7 @@ import torch
 from transformers import CompileConfig, DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
 
 from vanilla_transformer.batching import TokenBatchSampler
+from vanilla_transformer.cli import positive_int
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.kernels_vanilla_transformer import LinearKernel, attention_kernel, linear_kernel
@@ -317,6 +319,13 @@ def generation_inputs(
     vocab = next(iter(models.values())).config.vocab_size
     source = torch.randint(4, vocab, (batch_size, GENERATE_LENGTH), generator=generator).to(device)
     return source, generate_options(num_beams)
+
+
+def add_generate_cell_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--preset`, `--batch_size` and `--beams`: the tools' way of naming one `generate()` cell."""
+    parser.add_argument("--preset", default="base", choices=["tiny", "base", "big"])
+    parser.add_argument("--batch_size", type=positive_int, default=1)
+    parser.add_argument("--beams", type=positive_int, default=1)
 
 
 def generate_options(num_beams: int, *, suppress_end: bool = False) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tools.benchmark import BENCHMARK_VOCABULARY, MODELS
+from tools.benchmark import BENCHMARK_VOCABULARY, MODELS, add_generate_cell_arguments
 from vanilla_transformer.cli import positive_int
 
 # `--train` choices and the benchmark rows they time
@@ -79,9 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--preset", default="base", choices=["tiny", "base", "big"])
-    parser.add_argument("--batch_size", type=positive_int, default=1)
-    parser.add_argument("--beams", type=positive_int, default=1)
+    add_generate_cell_arguments(parser)
     parser.add_argument(
         "--processes", type=positive_int, default=4, help="fresh processes, one after the other"
     )
