@@ -390,6 +390,78 @@ def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     assert tokenized["train"][0]["source_length"] == len(tokenized["train"][0]["input_ids"])
 
 
+def test_too_long_to_fit_never_refuses_a_text_that_fits(tokenizer):
+    """`too_long_to_fit` judges from length alone; the reference is the tokenizer's own count. Random
+    texts around the bound (long words, spaces, punctuation, characters the vocabulary lacks, an NFKC
+    ligature that expands, combining accents that NFKC composes) are never said to be over the limit
+    when they encode within it, and the long ones are caught."""
+    from vanilla_transformer.tokenization import MAX_TOKEN_CHARACTERS, characters_per_token, too_long_to_fit
+
+    rng = random.Random(0)
+    pieces = ["the", "Dios", "cielos", " ", "  ", ",", "«", "жжж", "\ufb03", "e\u0301", "\t", "x" * 40]
+    longest = characters_per_token(tokenizer)[0]
+    for max_length in (2, 5, 9):
+        caught = 0
+        for _ in range(150):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 4 * max_length)))
+            if rng.random() < 0.3:  # one long word
+                text += "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 40 * max_length)))
+            over = too_long_to_fit([text], max_length, tokenizer)[0]
+            fits = len(tokenizer(text, split_special_tokens=True)["input_ids"]) <= max_length
+            assert not (over and fits), (max_length, text)
+            caught += over
+        assert caught > 10  # the check decides, not only passes
+    # Without a tokenizer: the bound of any tokenizer train_bpe_tokenizer trains.
+    assert longest <= MAX_TOKEN_CHARACTERS
+    assert too_long_to_fit(["a" * (4 * MAX_TOKEN_CHARACTERS + 1), "a" * (4 * MAX_TOKEN_CHARACTERS)], 4) == [
+        True,
+        False,
+    ]
+
+
+def test_a_pair_surely_over_max_length_is_never_encoded(tokenizer, tmp_path, monkeypatch):
+    """A line of millions of characters (a corrupted file) took gigabytes to encode before the length
+    filter dropped it; one surely over `max_length` from its length is dropped unencoded, counted with the
+    other long pairs. A validation file of its own is still encoded whole."""
+    giant = "x" * 100_000
+    rows = "en\tes\n" + "short\tcorto\n" * 3 + ("long " * 40 + "\tlargo\n") + f"{giant}\tgrande\n"
+    tsv = write(tmp_path / "a.tsv", rows)
+    data, report = load_parallel_data(train_file=tsv, validation_file=tsv)
+    encoded = []
+    call = type(tokenizer).__call__
+
+    def recording(self, text=None, *args, **kwargs):
+        encoded.extend(text if isinstance(text, list) else [text])
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", recording)
+    tokenized = tokenize_parallel_data(data, tokenizer, max_length=16, report=report)
+    assert report.too_long == {"train": 2} and len(tokenized["train"]) == 3
+    assert encoded.count(giant) == 1  # the validation split's, not the training split's
+    assert len(tokenized["validation"]) == 5 and len(data["train"]) == 5  # the caller's data as it was
+
+
+def test_bpe_training_skips_a_text_surely_over_max_length(tmp_path):
+    """One line of a million characters without a space made BPE training take 9 minutes instead of half a
+    second: a text surely over --max_length (its pair is not trained on) is not given to BPE training. Its
+    characters, which no other text has, are then not in the vocabulary."""
+    from accelerate import Accelerator
+
+    from vanilla_transformer import training as training_module
+
+    pairs = SENTENCES * 20
+    giant = "ж" * 50_000
+    data = DatasetDict(
+        {"train": Dataset.from_dict({"source": [*pairs[::2], giant], "target": [*pairs[1::2], "grande"]})}
+    )
+    config = training_module.parse_config(["--output_dir", str(tmp_path), "--vocab_size", "300"])
+    tokenizer = training_module.load_or_train_tokenizer(config, data, Accelerator(), tmp_path, None)
+    assert not any("ж" in token for token in tokenizer.get_vocab())
+    assert tokenizer.unk_token_id in tokenizer("ж")["input_ids"]
+    reference = train_bpe_tokenizer([*pairs[::2], *pairs[1::2], "grande"], 300)  # its pair's target stays
+    assert tokenizer.get_vocab() == reference.get_vocab()
+
+
 def test_a_validation_split_drawn_from_train_is_length_filtered_as_train_is(tokenizer, tmp_path):
     """Held out of train, a long pair was skipped as a training pair by some seeds, and by others kept as a
     validation pair, which stopped the run as longer than a batch (`check_evaluation_lengths`)."""

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported where used: `datasets` adds over half a second to 
 
 from .cli import InputError, first_line
 from .corpus import load_default_corpus
+from .tokenization import too_long_to_fit
 from .translation import one_line
 
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
@@ -537,18 +538,32 @@ def tokenize_parallel_data(
         encoded["target_length"] = [len(ids) for ids in encoded["labels"]]
         return encoded
 
-    tokenized = data.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
     # Held out of train, a long pair was skipped as a training pair by some seeds and by others kept as a
     # validation pair, which then stopped the run as too long for a batch.
     held_out = report is not None and report.validation_held_out
-    for split in ["train", "validation"] if held_out else ["train"]:
+    filtered = ["train", "validation"] if held_out else ["train"]
+
+    def may_fit(batch: dict[str, list[str]]) -> list[bool]:
+        over = (too_long_to_fit(batch[side], max_length, tokenizer) for side in ("source", "target"))
+        return [not (source or target) for source, target in zip(*over, strict=True)]
+
+    # A pair surely over max_length from its length alone is not encoded: a line of millions of characters
+    # (a corrupted file) took gigabytes to encode, only to be dropped.
+    from datasets import DatasetDict
+
+    data = DatasetDict(data)  # the caller's own is left as it was
+    given = {split: len(data[split]) for split in filtered}
+    for split in filtered:
+        data[split] = data[split].filter(may_fit, batched=True, num_proc=num_proc)
+    tokenized = data.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
+    for split in filtered:
         pairs = tokenized[split]
         kept = pairs.filter(
             lambda row: row["source_length"] <= max_length and row["target_length"] <= max_length,
             num_proc=num_proc,
         )
         if report is not None:
-            report.too_long[split] = len(pairs) - len(kept)
+            report.too_long[split] = given[split] - len(kept)
         if len(kept) == 0:
             what = "training" if split == "train" else "held-out validation"
             raise DataError(f"No {what} pair is within max_length={max_length} tokens.")

@@ -6,7 +6,8 @@ Trained with the `tokenizers` library and wrapped as a transformers fast tokeniz
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -15,6 +16,23 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 # Characters kept in the vocabulary even when the training text lacks them.
 BASE_ALPHABET = list("0123456789.,;:!?¡¿'\"«»“”‘’()[]-–—/&%")
+# The longest token (in characters, the word-start marker included) BPE training may merge. It bounds
+# how much text a token covers, so that a text's length alone can show it is over a token limit
+# (`too_long_to_fit`). Far above what natural text gives: the embedded corpus's longest at 4,000 and
+# 16,000 types are 14 and 16 characters.
+MAX_TOKEN_CHARACTERS = 32
+
+
+def text_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """Words with a word-start marker (Metaspace), split before and after punctuation."""
+    return pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
+
+
+def text_normalizer() -> normalizers.Normalizer:
+    """NFKC, every whitespace character a space, the ends stripped (see `train_bpe_tokenizer`)."""
+    return normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " "), normalizers.Strip()]
+    )
 
 
 def train_bpe_tokenizer(
@@ -40,18 +58,15 @@ def train_bpe_tokenizer(
             f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}."
         )
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " "), normalizers.Strip()]
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()]
-    )
+    tokenizer.normalizer = text_normalizer()
+    tokenizer.pre_tokenizer = text_pre_tokenizer()
     tokenizer.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=BASE_ALPHABET,
+        max_token_length=MAX_TOKEN_CHARACTERS,
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
@@ -69,4 +84,56 @@ def train_bpe_tokenizer(
     )
 
 
-__all__ = ["SPECIAL_TOKENS", "train_bpe_tokenizer"]
+def characters_per_token(tokenizer: Any) -> tuple[int, Any, Any] | None:
+    """The most characters one token of `tokenizer` covers, its normalizer and its pre-tokenizer (each
+    None where it has none), where its vocabulary bounds that: a fast tokenizer whose model is BPE
+    without `fuse_unk` (an unknown character is a token of its own, as is a character split into byte
+    tokens). None where nothing bounds it: a slow tokenizer, WordPiece (a word it cannot split is one
+    unknown token however long), Unigram, BPE that fuses a run of unknown characters into one token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not getattr(tokenizer, "is_fast", False) or backend is None:
+        return None
+    model = backend.model
+    if not isinstance(model, models.BPE) or model.fuse_unk:
+        return None
+    return max(len(token) for token in tokenizer.get_vocab()), backend.normalizer, backend.pre_tokenizer
+
+
+def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None) -> list[bool]:
+    """For each text, whether it surely encodes to more than `max_length` tokens, judged from its length
+    without encoding it: a text of millions of characters (a corrupted line) takes gigabytes to encode,
+    and minutes to train BPE on. With `tokenizer` (see `characters_per_token`; False for every text where
+    that gives no bound), or for any tokenizer `train_bpe_tokenizer` trains.
+
+    Never True for a text that fits: a token covers at most the bound's characters of what the
+    pre-tokenizer makes of the normalised text, so a text whose pieces have more than `max_length` times
+    that many is over the limit. Only a text longer than that as given is normalised and pre-tokenized to
+    be judged; one that normalising lengthens (NFKC: a ligature, three letters) is caught only if it was
+    that long already, and otherwise left to the length filter after encoding."""
+    if tokenizer is None:
+        per_token, normalizer, pre_tokenizer = MAX_TOKEN_CHARACTERS, text_normalizer(), text_pre_tokenizer()
+    else:
+        bound = characters_per_token(tokenizer)
+        if bound is None:
+            return [False] * len(texts)
+        per_token, normalizer, pre_tokenizer = bound
+    limit = max_length * per_token
+
+    def over(text: str) -> bool:
+        if len(text) <= limit:
+            return False
+        normalized = text if normalizer is None else normalizer.normalize_str(text)
+        if pre_tokenizer is None:
+            return len(normalized) > limit
+        return sum(len(piece) for piece, _ in pre_tokenizer.pre_tokenize_str(normalized)) > limit
+
+    return [over(text) for text in texts]
+
+
+__all__ = [
+    "MAX_TOKEN_CHARACTERS",
+    "SPECIAL_TOKENS",
+    "characters_per_token",
+    "too_long_to_fit",
+    "train_bpe_tokenizer",
+]
