@@ -419,6 +419,51 @@ def test_too_long_to_fit_never_refuses_a_text_that_fits(tokenizer):
     ]
 
 
+def other_bpe_tokenizer(kind: str):
+    """Fast BPE tokenizers (no fuse_unk) built offline with the `tokenizers` library, each with a text it
+    encodes within 3 tokens that is longer than 3 times its longest token once normalised and
+    pre-tokenized: "no unk" drops characters it lacks (`models.BPE()`'s default has no unknown token);
+    the added tokens cover more of the pre-tokenized text than their own length (the byte-level
+    pre-tokenizer writes "ж" as two characters), and a normalizer (Strip, NFC) shortens the text as given."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    if kind == "no unk":
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.BpeTrainer(vocab_size=60, show_progress=False)
+    else:
+        backend.normalizer = normalizers.Strip() if kind == "added token, Strip" else normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=alphabet, max_token_length=4, show_progress=False
+        )
+    backend.train_from_iterator(["the cat sat on the mat", "a dog ran far away"] * 50, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    if kind == "no unk":
+        return tokenizer, "the cat " + "ж" * 500
+    if kind == "added token, Strip":
+        tokenizer.add_tokens(["жжжж"])
+        return tokenizer, "жжжж" * 3 + " " * 40
+    tokenizer.add_tokens([AddedToken("éééé", normalized=True)])  # matched after NFC: "e" + U+0301
+    return tokenizer, "e\u0301" * 12
+
+
+@pytest.mark.parametrize("kind", ["no unk", "added token, Strip", "added token, NFC"])
+def test_too_long_to_fit_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind):
+    """The promise holds for any fast BPE tokenizer without fuse_unk, not only the ones this package
+    trains: a text these tokenizers encode within max_length is not judged too long."""
+    from vanilla_transformer.tokenization import too_long_to_fit
+
+    tokenizer, text = other_bpe_tokenizer(kind)
+    assert len(tokenizer(text, split_special_tokens=True)["input_ids"]) <= 3
+    assert too_long_to_fit([text], 3, tokenizer) == [False]
+    # Still caught where the tokenizer would in fact go over.
+    if kind == "no unk":
+        assert too_long_to_fit(["the cat " * 20], 3, tokenizer) == [True]
+
+
 def test_a_pair_surely_over_max_length_is_never_encoded(tokenizer, tmp_path, monkeypatch):
     """A line of millions of characters (a corrupted file) took gigabytes to encode before the length
     filter dropped it; one surely over `max_length` from its length is dropped unencoded, counted with the
