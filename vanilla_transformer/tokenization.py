@@ -84,19 +84,37 @@ def train_bpe_tokenizer(
     )
 
 
-def characters_per_token(tokenizer: Any) -> tuple[int, Any, Any] | None:
+def characters_per_token(tokenizer: Any) -> tuple[int, Any, Any, frozenset[str] | None] | None:
     """The most characters one token of `tokenizer` covers, its normalizer and its pre-tokenizer (each
-    None where it has none), where its vocabulary bounds that: a fast tokenizer whose model is BPE
-    without `fuse_unk` (an unknown character is a token of its own, as is a character split into byte
-    tokens). None where nothing bounds it: a slow tokenizer, WordPiece (a word it cannot split is one
-    unknown token however long), Unigram, BPE that fuses a run of unknown characters into one token."""
+    None where it has none), and the characters sure to be encoded (None: all of them), where its
+    vocabulary bounds that: a fast tokenizer whose model is BPE without `fuse_unk` (an unknown character
+    is a token of its own, as is a character split into byte tokens). Without an unknown token (the
+    `tokenizers` library's default for BPE) a character the vocabulary lacks is dropped, not encoded: only
+    those the vocabulary has as tokens of their own count (all of a byte-level tokenizer's). None where
+    nothing bounds it: a slow tokenizer, WordPiece (a word it cannot split is one unknown token however
+    long), Unigram, BPE that fuses a run of unknown characters into one token, and a tokenizer with added
+    tokens other than special ones (split off before pre-tokenization, one covers more of the
+    pre-tokenized text than its own length: a byte-level "ж" is two characters; special tokens are text,
+    as the pipeline encodes with `split_special_tokens=True`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or backend is None:
         return None
     model = backend.model
     if not isinstance(model, models.BPE) or model.fuse_unk:
         return None
-    return max(len(token) for token in tokenizer.get_vocab()), backend.normalizer, backend.pre_tokenizer
+    if not all(token.special for token in backend.get_added_tokens_decoder().values()):
+        return None
+    vocabulary = tokenizer.get_vocab()
+    known = None
+    if model.unk_token is None:
+        prefix, suffix = model.continuing_subword_prefix or "", model.end_of_word_suffix or ""
+        known = frozenset(
+            token
+            for token in vocabulary
+            if len(token) == 1
+            and all(form in vocabulary for form in (prefix + token, token + suffix, prefix + token + suffix))
+        )
+    return max(len(token) for token in vocabulary), backend.normalizer, backend.pre_tokenizer, known
 
 
 def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None) -> list[bool]:
@@ -107,25 +125,28 @@ def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None
 
     Never True for a text that fits: a token covers at most the bound's characters of what the
     pre-tokenizer makes of the normalised text, so a text whose pieces have more than `max_length` times
-    that many is over the limit. Only a text longer than that as given is normalised and pre-tokenized to
-    be judged; one that normalising lengthens (NFKC: a ligature, three letters) is caught only if it was
-    that long already, and otherwise left to the length filter after encoding."""
+    that many (of the characters sure to be encoded) is over the limit. Only a text longer than that as
+    given is normalised and pre-tokenized to be judged; one that normalising lengthens (NFKC: a
+    ligature, three letters) is caught only if it was that long already, and otherwise left to the
+    length filter after encoding."""
+    known = None
     if tokenizer is None:
         per_token, normalizer, pre_tokenizer = MAX_TOKEN_CHARACTERS, text_normalizer(), text_pre_tokenizer()
     else:
         bound = characters_per_token(tokenizer)
         if bound is None:
             return [False] * len(texts)
-        per_token, normalizer, pre_tokenizer = bound
+        per_token, normalizer, pre_tokenizer, known = bound
     limit = max_length * per_token
 
     def over(text: str) -> bool:
         if len(text) <= limit:
             return False
-        normalized = text if normalizer is None else normalizer.normalize_str(text)
-        if pre_tokenizer is None:
-            return len(normalized) > limit
-        return sum(len(piece) for piece, _ in pre_tokenizer.pre_tokenize_str(normalized)) > limit
+        pieces = text if normalizer is None else normalizer.normalize_str(text)
+        if pre_tokenizer is not None:
+            pieces = "".join(piece for piece, _ in pre_tokenizer.pre_tokenize_str(pieces))
+        dropped = 0 if known is None else sum(pieces.count(c) for c in set(pieces) - known)
+        return len(pieces) - dropped > limit
 
     return [over(text) for text in texts]
 
