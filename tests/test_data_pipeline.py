@@ -486,6 +486,25 @@ def test_a_pair_surely_over_max_length_is_never_encoded(tokenizer, tmp_path, mon
     assert len(tokenized["validation"]) == 5 and len(data["train"]) == 5  # the caller's data as it was
 
 
+def test_the_tokenizers_length_bound_is_read_once_per_tokenization(tokenizer, monkeypatch):
+    """The bound (the tokenizer's whole vocabulary read) is read once per `tokenize_parallel_data`, not
+    once per batch of 1,000 pairs: at a 150,000-token vocabulary that was tens of milliseconds a batch.
+    The check also runs in worker processes (`num_proc`)."""
+    from vanilla_transformer import tokenization
+
+    reads = []
+    bound = tokenization.characters_per_token
+    monkeypatch.setattr(tokenization, "characters_per_token", lambda t: reads.append(1) or bound(t))
+    pairs = {"source": ["short"] * 2500 + ["x" * 10_000], "target": ["corto"] * 2500 + ["grande"]}
+    data = DatasetDict({"train": Dataset.from_dict(pairs)})
+    report = parallel_data.DataReport()
+    tokenized = tokenize_parallel_data(data, tokenizer, max_length=16, report=report)
+    assert len(reads) == 1 and report.too_long == {"train": 1} and len(tokenized["train"]) == 2500
+    report = parallel_data.DataReport()
+    tokenized = tokenize_parallel_data(data, tokenizer, max_length=16, report=report, num_proc=2)
+    assert report.too_long == {"train": 1} and len(tokenized["train"]) == 2500
+
+
 def test_bpe_training_skips_a_text_surely_over_max_length(tmp_path):
     """One line of a million characters without a space made BPE training take 9 minutes instead of half a
     second: a text surely over --max_length (its pair is not trained on) is not given to BPE training. Its

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # imported where used: `datasets` adds over half a second to 
 
 from .cli import InputError, first_line
 from .corpus import load_default_corpus
-from .tokenization import too_long_to_fit
+from .tokenization import length_check
 from .translation import one_line
 
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
@@ -543,8 +543,10 @@ def tokenize_parallel_data(
     held_out = report is not None and report.validation_held_out
     filtered = ["train", "validation"] if held_out else ["train"]
 
+    too_long = length_check(max_length, tokenizer)  # the tokenizer's bound read once, not per batch
+
     def may_fit(batch: dict[str, list[str]]) -> list[bool]:
-        over = (too_long_to_fit(batch[side], max_length, tokenizer) for side in ("source", "target"))
+        over = (too_long(batch[side]) for side in ("source", "target"))
         return [not (source or target) for source, target in zip(*over, strict=True)]
 
     # A pair surely over max_length from its length alone is not encoded: a line of millions of characters

@@ -6,7 +6,7 @@ Trained with the `tokenizers` library and wrapped as a transformers fast tokeniz
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -117,11 +117,12 @@ def characters_per_token(tokenizer: Any) -> tuple[int, Any, Any, frozenset[str] 
     return max(len(token) for token in vocabulary), backend.normalizer, backend.pre_tokenizer, known
 
 
-def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None) -> list[bool]:
-    """For each text, whether it surely encodes to more than `max_length` tokens, judged from its length
-    without encoding it: a text of millions of characters (a corrupted line) takes gigabytes to encode,
-    and minutes to train BPE on. With `tokenizer` (see `characters_per_token`; False for every text where
-    that gives no bound), or for any tokenizer `train_bpe_tokenizer` trains.
+def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[str]], list[bool]]:
+    """A function that says, for each of a list of texts, whether it surely encodes to more than
+    `max_length` tokens, judged from its length without encoding it: a text of millions of characters
+    (a corrupted line) takes gigabytes to encode, and minutes to train BPE on. With `tokenizer` (see
+    `characters_per_token`, read once here; False for every text where that gives no bound), or for any
+    tokenizer `train_bpe_tokenizer` trains.
 
     Never True for a text that fits: a token covers at most the bound's characters of what the
     pre-tokenizer makes of the normalised text, so a text whose pieces have more than `max_length` times
@@ -135,7 +136,7 @@ def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None
     else:
         bound = characters_per_token(tokenizer)
         if bound is None:
-            return [False] * len(texts)
+            return lambda texts: [False] * len(texts)
         per_token, normalizer, pre_tokenizer, known = bound
     limit = max_length * per_token
 
@@ -148,13 +149,19 @@ def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None
         dropped = 0 if known is None else sum(pieces.count(c) for c in set(pieces) - known)
         return len(pieces) - dropped > limit
 
-    return [over(text) for text in texts]
+    return lambda texts: [over(text) for text in texts]
+
+
+def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None) -> list[bool]:
+    """`length_check(max_length, tokenizer)(texts)`: for one list of texts."""
+    return length_check(max_length, tokenizer)(texts)
 
 
 __all__ = [
     "MAX_TOKEN_CHARACTERS",
     "SPECIAL_TOKENS",
     "characters_per_token",
+    "length_check",
     "too_long_to_fit",
     "train_bpe_tokenizer",
 ]

@@ -83,7 +83,7 @@ from .publishing import (
     sync_folder,
     sync_tree,
 )
-from .tokenization import SPECIAL_TOKENS, too_long_to_fit, train_bpe_tokenizer
+from .tokenization import SPECIAL_TOKENS, length_check, train_bpe_tokenizer
 from .translation import translate
 
 logger = logging.getLogger(__name__)
@@ -2095,12 +2095,14 @@ def load_or_train_tokenizer(
     if resume_path is None and accelerator.is_main_process:
         train = data["train"]
 
+        too_long = length_check(config.max_length)
+
         def texts() -> Iterator[str]:  # every source, then every target, read in batches, not row by row
             for column in ("source", "target"):
                 for batch in train.select_columns([column]).iter(batch_size=10_000):
                     # Not a text surely over --max_length, whose pair training skips: BPE training took
                     # 9 minutes, not half a second, for one line of a million characters without a space.
-                    over = too_long_to_fit(batch[column], config.max_length)
+                    over = too_long(batch[column])
                     yield from (text for text, skip in zip(batch[column], over, strict=True) if not skip)
 
         vocab_size = config.vocab_size or default_vocab_size(sum(len(text.split()) for text in texts()))
