@@ -411,8 +411,9 @@ def test_products_and_rest_splits_a_later_step_and_restores_the_kernels(capsys):
     """`tools.products_and_rest`: without products, every linear layer of both models is replaced (a
     later step of ours: per layer the joint Q/K/V, the self-attention output, the cross-attention query
     and output and the two feed-forward matrices, then the output layer; MarianMTModel's projects Q, K
-    and V apart), and `F.linear` and this model's kernel policy are what they were afterwards. The
-    printed products are the whole step less the rest, and each ratio is ours / MarianMTModel's."""
+    and V apart), and `F.linear` and this model's kernel mode are what they were afterwards (switching
+    the mode drops the measured choices, which are measured again when next needed). The printed
+    products are the whole step less the rest, and each ratio is ours / MarianMTModel's."""
     import re
 
     import torch.nn.functional as F
