@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from vanilla_transformer.cli import (
     add_length_penalty_form,
     check_output_file,
+    input_bytes,
     non_negative_int,
     positive_int,
     replaced_when_complete,
@@ -37,7 +38,7 @@ parser.add_argument(
     default="transformers",
     help="generate() of the model folder, or a folder from scripts/export_ctranslate2.py",
 )
-parser.add_argument("--input", type=argparse.FileType("rb"), default="-", help="UTF-8 text (default: stdin)")
+parser.add_argument("--input", type=input_bytes, default="-", help="UTF-8 text (default: stdin)")
 parser.add_argument("--output", default="-", help="default: stdout")
 parser.add_argument("--batch_size", type=positive_int, default=32, help="sentences per batch (default: 32)")
 parser.add_argument("--num_beams", type=positive_int, help="default: the model's generation config (4)")

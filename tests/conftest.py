@@ -194,10 +194,11 @@ def run_in_process(monkeypatch, capsys):
     the locale's encoding, a terminal or a signal, needs one). An exception the script does not turn
     into an exit propagates, failing the test with its traceback."""
 
-    def run(name: str, *args: str, stdin: str = "") -> ScriptRun:
+    def run(name: str, *args: str, stdin: str | None = "") -> ScriptRun:  # None: standard input closed
         script = str(SCRIPTS / name)
         monkeypatch.setattr(sys, "argv", [script, *args])
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode()), encoding="utf-8"))
+        given = None if stdin is None else io.TextIOWrapper(io.BytesIO(stdin.encode()), encoding="utf-8")
+        monkeypatch.setattr(sys, "stdin", given)
         capsys.readouterr()
         code, message = 0, ""
         try:

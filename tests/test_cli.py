@@ -173,3 +173,16 @@ def test_a_writer_under_nohup_outlives_sighup_and_finishes_its_file(tmp_path):
     finally:
         process.kill()
     assert path.read_text() == "half\n" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_translate_with_standard_input_closed_names_the_flag(run_in_process, tmp_path):
+    """A closed standard input (a shell's `<&-`) was an AttributeError traceback from inside argparse; it
+    is now --input's error, before any model is loaded. A file given as --input still reads."""
+    closed = run_in_process("translate.py", "--model", str(tmp_path / "none"), stdin=None)
+    assert closed.returncode == 2 and "Traceback" not in closed.stderr
+    assert "argument --input: standard input is closed; name a file to read (--input FILE)" in closed.stderr
+    (tmp_path / "in.txt").write_text("Jesus wept.\n")
+    given = run_in_process(
+        "translate.py", "--model", str(tmp_path / "none"), "--input", str(tmp_path / "in.txt")
+    )
+    assert given.returncode == 2 and "No model folder" in given.stderr  # past the input, to the model

@@ -99,6 +99,15 @@ def non_negative_int(text: str) -> int:
     return _int_from(text, 0, "non-negative integer (0: off)")
 
 
+def input_bytes(value: str) -> IO[bytes]:
+    """argparse type: a file opened to read bytes, "-" for standard input, as `argparse.FileType("rb")`,
+    except that a closed standard input (a shell's `<&-`, a service started without one) is the flag's
+    error, not an AttributeError traceback from inside argparse."""
+    if value == "-" and sys.stdin is None:
+        raise argparse.ArgumentTypeError("standard input is closed; name a file to read (--input FILE)")
+    return argparse.FileType("rb")(value)
+
+
 def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Path:
     """An output file's path, checked before any work: its folder exists, it is not a folder, the folder
     can be written where the file is written beside its name and renamed (`replaced_when_complete`), it
@@ -218,6 +227,7 @@ __all__ = [
     "check_output_file",
     "dataclass_parser",
     "first_line",
+    "input_bytes",
     "json_field",
     "parse_dataclass",
     "positive_int",
