@@ -390,12 +390,12 @@ def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     assert tokenized["train"][0]["source_length"] == len(tokenized["train"][0]["input_ids"])
 
 
-def test_too_long_to_fit_never_refuses_a_text_that_fits(tokenizer):
-    """`too_long_to_fit` judges from length alone; the reference is the tokenizer's own count. Random
+def test_the_length_check_never_refuses_a_text_that_fits(tokenizer):
+    """`length_check` judges from length alone; the reference is the tokenizer's own count. Random
     texts around the bound (long words, spaces, punctuation, characters the vocabulary lacks, an NFKC
     ligature that expands, combining accents that NFKC composes) are never said to be over the limit
     when they encode within it, and the long ones are caught."""
-    from vanilla_transformer.tokenization import MAX_TOKEN_CHARACTERS, characters_per_token, too_long_to_fit
+    from vanilla_transformer.tokenization import MAX_TOKEN_CHARACTERS, characters_per_token, length_check
 
     rng = random.Random(0)
     pieces = ["the", "Dios", "cielos", " ", "  ", ",", "«", "жжж", "\ufb03", "e\u0301", "\t", "x" * 40]
@@ -406,14 +406,14 @@ def test_too_long_to_fit_never_refuses_a_text_that_fits(tokenizer):
             text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 4 * max_length)))
             if rng.random() < 0.3:  # one long word
                 text += "".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 40 * max_length)))
-            over = too_long_to_fit([text], max_length, tokenizer)[0]
+            over = length_check(max_length, tokenizer)([text])[0]
             fits = len(tokenizer(text, split_special_tokens=True)["input_ids"]) <= max_length
             assert not (over and fits), (max_length, text)
             caught += over
         assert caught > 10  # the check decides, not only passes
     # Without a tokenizer: the bound of any tokenizer train_bpe_tokenizer trains.
     assert longest <= MAX_TOKEN_CHARACTERS
-    assert too_long_to_fit(["a" * (4 * MAX_TOKEN_CHARACTERS + 1), "a" * (4 * MAX_TOKEN_CHARACTERS)], 4) == [
+    assert length_check(4)(["a" * (4 * MAX_TOKEN_CHARACTERS + 1), "a" * (4 * MAX_TOKEN_CHARACTERS)]) == [
         True,
         False,
     ]
@@ -451,17 +451,20 @@ def other_bpe_tokenizer(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["no unk", "added token, Strip", "added token, NFC"])
-def test_too_long_to_fit_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind):
+def test_the_length_check_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind):
     """The promise holds for any fast BPE tokenizer without fuse_unk, not only the ones this package
-    trains: a text these tokenizers encode within max_length is not judged too long."""
-    from vanilla_transformer.tokenization import too_long_to_fit
+    trains: a text these tokenizers encode within max_length is not judged too long (with added tokens
+    other than special ones there is no check at all: None)."""
+    from vanilla_transformer.tokenization import length_check
 
     tokenizer, text = other_bpe_tokenizer(kind)
     assert len(tokenizer(text, split_special_tokens=True)["input_ids"]) <= 3
-    assert too_long_to_fit([text], 3, tokenizer) == [False]
+    check = length_check(3, tokenizer)
+    assert (check is None) == kind.startswith("added token")
+    assert check is None or check([text]) == [False]
     # Still caught where the tokenizer would in fact go over.
     if kind == "no unk":
-        assert too_long_to_fit(["the cat " * 20], 3, tokenizer) == [True]
+        assert check(["the cat " * 20]) == [True]
 
 
 def test_a_pair_surely_over_max_length_is_never_encoded(tokenizer, tmp_path, monkeypatch):

@@ -543,20 +543,21 @@ def tokenize_parallel_data(
     held_out = report is not None and report.validation_held_out
     filtered = ["train", "validation"] if held_out else ["train"]
 
-    too_long = length_check(max_length, tokenizer)  # the tokenizer's bound read once, not per batch
-
-    def may_fit(batch: dict[str, list[str]]) -> list[bool]:
-        over = (too_long(batch[side]) for side in ("source", "target"))
-        return [not (source or target) for source, target in zip(*over, strict=True)]
-
-    # A pair surely over max_length from its length alone is not encoded: a line of millions of characters
-    # (a corrupted file) took gigabytes to encode, only to be dropped.
-    from datasets import DatasetDict
-
-    data = DatasetDict(data)  # the caller's own is left as it was
     given = {split: len(data[split]) for split in filtered}
-    for split in filtered:
-        data[split] = data[split].filter(may_fit, batched=True, num_proc=num_proc)
+    # A pair surely over max_length from its length alone is not encoded: a line of millions of characters
+    # (a corrupted file) took gigabytes to encode, only to be dropped. The tokenizer's bound is read once,
+    # not per batch; a tokenizer without one gets no pass over the data for it.
+    too_long = length_check(max_length, tokenizer)
+    if too_long is not None:
+        from datasets import DatasetDict
+
+        def may_fit(batch: dict[str, list[str]]) -> list[bool]:
+            over = (too_long(batch[side]) for side in ("source", "target"))
+            return [not (source or target) for source, target in zip(*over, strict=True)]
+
+        data = DatasetDict(data)  # the caller's own is left as it was
+        for split in filtered:
+            data[split] = data[split].filter(may_fit, batched=True, num_proc=num_proc)
     tokenized = data.map(encode, batched=True, num_proc=num_proc, desc="Tokenizing")
     for split in filtered:
         pairs = tokenized[split]

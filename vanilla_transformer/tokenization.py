@@ -18,7 +18,7 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 BASE_ALPHABET = list("0123456789.,;:!?¡¿'\"«»“”‘’()[]-–—/&%")
 # The longest token (in characters, the word-start marker included) BPE training may merge. It bounds
 # how much text a token covers, so that a text's length alone can show it is over a token limit
-# (`too_long_to_fit`). Far above what natural text gives: the embedded corpus's longest at 4,000 and
+# (`length_check`). Far above what natural text gives: the embedded corpus's longest at 4,000 and
 # 16,000 types are 14 and 16 characters.
 MAX_TOKEN_CHARACTERS = 32
 
@@ -117,12 +117,12 @@ def characters_per_token(tokenizer: Any) -> tuple[int, Any, Any, frozenset[str] 
     return max(len(token) for token in vocabulary), backend.normalizer, backend.pre_tokenizer, known
 
 
-def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[str]], list[bool]]:
+def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[str]], list[bool]] | None:
     """A function that says, for each of a list of texts, whether it surely encodes to more than
     `max_length` tokens, judged from its length without encoding it: a text of millions of characters
     (a corrupted line) takes gigabytes to encode, and minutes to train BPE on. With `tokenizer` (see
-    `characters_per_token`, read once here; False for every text where that gives no bound), or for any
-    tokenizer `train_bpe_tokenizer` trains.
+    `characters_per_token`, read once here; None where that gives no bound: nothing can be judged), or
+    for any tokenizer `train_bpe_tokenizer` trains.
 
     Never True for a text that fits: a token covers at most the bound's characters of what the
     pre-tokenizer makes of the normalised text, so a text whose pieces have more than `max_length` times
@@ -136,7 +136,7 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
     else:
         bound = characters_per_token(tokenizer)
         if bound is None:
-            return lambda texts: [False] * len(texts)
+            return None
         per_token, normalizer, pre_tokenizer, known = bound
     limit = max_length * per_token
 
@@ -152,16 +152,10 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
     return lambda texts: [over(text) for text in texts]
 
 
-def too_long_to_fit(texts: Sequence[str], max_length: int, tokenizer: Any = None) -> list[bool]:
-    """`length_check(max_length, tokenizer)(texts)`: for one list of texts."""
-    return length_check(max_length, tokenizer)(texts)
-
-
 __all__ = [
     "MAX_TOKEN_CHARACTERS",
     "SPECIAL_TOKENS",
     "characters_per_token",
     "length_check",
-    "too_long_to_fit",
     "train_bpe_tokenizer",
 ]
