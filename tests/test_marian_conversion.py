@@ -291,3 +291,26 @@ def test_encoder_and_decoder_called_alone_answer_as_marians_do():
     for got_group, expected_group in zip(our_decoder[2:], marian_decoder[2:], strict=True):
         for got, expected in zip(got_group, expected_group, strict=True):
             assert_same_up_to_rounding(got, expected, TINY_TERMS)
+
+
+def test_inputs_embeds_are_the_lookup_unscaled_on_both_sides_where_marians_encoder_takes_them_scaled():
+    """`model(inputs_embeds=model.get_input_embeddings()(ids))` is `model(ids)` in encoder and decoder
+    (each scales what it is given by sqrt(d_model), as it scales its lookup). MarianMTModel's decoder does
+    the same, but its encoder takes `inputs_embeds` as already scaled: with equal weights the two models
+    agree on `inputs_embeds` once the encoder's are scaled for MarianMTModel (a user porting Marian code
+    that passes them gets other logits without it; the conversion's docstring says so)."""
+    marian = marian_model(activation_function="relu")
+    with torch.no_grad():  # embeddings as large as the positions, so that their scale shows in the logits
+        marian.get_input_embeddings().weight.normal_(0, 1)
+    ours = convert_from_marian(marian)
+    batch = inputs(marian.config)
+    scale = marian.config.d_model**0.5
+    with torch.no_grad():
+        expected = marian(**batch).logits
+        embeds = ours.get_input_embeddings()(batch["input_ids"])
+        decoder_embeds = ours.get_input_embeddings()(batch["decoder_input_ids"])
+        given = {"attention_mask": batch["attention_mask"], "decoder_inputs_embeds": decoder_embeds}
+        assert_same_up_to_rounding(ours(inputs_embeds=embeds, **given).logits, expected, TINY_TERMS)
+        assert_same_up_to_rounding(marian(inputs_embeds=embeds * scale, **given).logits, expected, TINY_TERMS)
+        # Unscaled, MarianMTModel's encoder reads another input (the difference this test documents).
+        assert not torch.allclose(marian(inputs_embeds=embeds, **given).logits, expected, atol=0.1)

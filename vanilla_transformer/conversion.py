@@ -4,6 +4,12 @@ Marian models are post-LN Transformers with sinusoidal positions, like the paper
 differences this conversion carries over: the positions' concatenated (sin half, cos half) layout,
 the activation (OPUS-MT uses swish), a bias on the output logits, optionally separate source and
 target vocabularies, and the pad token as decoder start. Logits and `generate()` outputs are identical.
+
+One convention differs: `inputs_embeds` are the (unscaled) embedding lookup for both this model's
+encoder and decoder, each scaling what it is given by sqrt(d_model), so that
+`model(inputs_embeds=model.get_input_embeddings()(ids))` is `model(ids)`. MarianMTModel's decoder does
+the same, but its encoder takes `inputs_embeds` as already scaled: code written for MarianMTModel that
+passes encoder `inputs_embeds` must pass them unscaled here.
 """
 
 from __future__ import annotations

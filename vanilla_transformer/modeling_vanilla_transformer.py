@@ -581,7 +581,9 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
     ) -> BaseModelOutput:
         """input_ids: (B, S) token ids; attention_mask: (B, S), 1 for tokens and 0 for padding.
 
-        `inputs_embeds` (B, S, D) replaces the (unscaled) token embedding lookup.
+        `inputs_embeds` (B, S, D) replaces the (unscaled) token embedding lookup, as
+        `get_input_embeddings()(input_ids)` gives it; it is scaled here as the lookup is (MarianMTModel's
+        encoder takes it already scaled instead; its decoder, like this one, does not).
         Returns `last_hidden_state` (B, S, D) and, on request (the arguments, else the configuration's
         fields), per-layer hidden states and attentions.
         """
