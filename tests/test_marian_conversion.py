@@ -314,3 +314,34 @@ def test_inputs_embeds_are_the_lookup_unscaled_on_both_sides_where_marians_encod
         assert_same_up_to_rounding(marian(inputs_embeds=embeds * scale, **given).logits, expected, TINY_TERMS)
         # Unscaled, MarianMTModel's encoder reads another input (the difference this test documents).
         assert not torch.allclose(marian(inputs_embeds=embeds, **given).logits, expected, atol=0.1)
+
+
+def test_resizing_a_converted_model_extends_its_logits_bias_as_marian_does(tmp_path):
+    """Adding tokens to a converted OPUS-MT model before fine-tuning was refused for its final logits
+    bias; it now grows (zeros for the new ids) as MarianMTModel's does: equal new rows, equal logits."""
+    marian = marian_model(activation_function="relu")
+    ours = convert_from_marian(marian)
+    batch = inputs(marian.config)
+    for model in (marian, ours):
+        model.resize_token_embeddings(112, mean_resizing=False)
+    with torch.no_grad():
+        ours.get_input_embeddings().weight.copy_(marian.get_input_embeddings().weight)
+        # a new id in every sentence, so that the new rows are read as well as scored
+        batch["input_ids"][:, 0], batch["decoder_input_ids"][:, 1] = 105, 110
+        expected = marian(**batch).logits
+        assert expected.shape[-1] == ours.final_logits_bias.shape[1] == ours.config.decoder_vocab_size == 112
+        assert torch.equal(ours.final_logits_bias, marian.final_logits_bias)
+        assert_same_up_to_rounding(ours(**batch).logits, expected, TINY_TERMS)
+    ours.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert_same_up_to_rounding(loaded(**batch).logits, expected, TINY_TERMS)
+    generate = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    torch.testing.assert_close(
+        loaded.generate(**generate, num_beams=4, max_new_tokens=8),
+        marian.generate(**generate, num_beams=4, max_new_tokens=8),
+    )
+
+    separate = convert_from_marian(marian_model(**VARIANTS["separate-vocabularies"]))
+    with pytest.raises(ValueError, match="separate source and target vocabularies"):
+        separate.resize_token_embeddings(112)

@@ -1402,14 +1402,22 @@ class VanillaTransformerForConditionalGeneration(
     ) -> nn.Embedding:
         """`PreTrainedModel.resize_token_embeddings`, for the paper's single shared vocabulary. A size
         that would leave a special token's id outside the vocabulary is refused before anything changes
-        (such a model would generate with warnings, save, and then fail to load)."""
-        if not self.config.share_encoder_decoder_embeddings or self.final_logits_bias is not None:
+        (such a model would generate with warnings, save, and then fail to load). A final logits bias
+        (converted OPUS-MT models) is cut or extended with zeros, as MarianMTModel's is."""
+        if not self.config.share_encoder_decoder_embeddings:
             raise ValueError(
-                "Resizing needs one shared vocabulary and no final logits bias (a converted Marian model)."
+                "Resizing needs one shared vocabulary: this model (a converted Marian model) has separate "
+                "source and target vocabularies."
             )
         check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
+        if self.final_logits_bias is not None:
+            old = self.final_logits_bias
+            resized = old.new_zeros(1, self.config.vocab_size)
+            kept = min(old.shape[1], resized.shape[1])
+            resized[:, :kept] = old[:, :kept]
+            self.final_logits_bias = resized  # a registered buffer: replaced, still saved
         if type(self.lm_head) is nn.Linear:  # an untied output layer, which transformers rebuilds plain
             self.lm_head = Linear.over(self.lm_head, per_step=True)  # (and which decodes on our kernels)
         return embeddings
