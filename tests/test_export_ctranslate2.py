@@ -9,6 +9,7 @@ import math
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -35,7 +36,11 @@ VARIANTS = {
     "paper": {},
     # A large layer-norm epsilon: at the default 1e-5 an export that dropped it (CTranslate2's 1e-6)
     # gave the same tokens.
-    "pre-LN, untied output, concatenated positions, logits bias, layer-norm epsilon 0.1, attention biases": {
+    # Separate embedding matrices over one vocabulary: each stack exports its own (they were refused as
+    # "separate vocabularies").
+    "pre-LN, untied output, separate embedding matrices, concatenated positions, logits bias, layer-norm "
+    "epsilon 0.1, attention biases": {
+        "share_encoder_decoder_embeddings": False,
         "attention_bias": True,
         "norm_first": True,
         "tie_word_embeddings": False,
@@ -163,6 +168,13 @@ def test_decoding_settings_the_export_drops_are_named():
 def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     with pytest.raises(ValueError, match="separate source and target vocabularies"):
         check_exportable(tiny_config(share_encoder_decoder_embeddings=False, decoder_vocab_size=50))
+    # Separate matrices of one size: one vocabulary, unless the tokenizer has two (MarianTokenizer's
+    # `separate_vocabs`) or is not there to tell.
+    unshared = tiny_config(share_encoder_decoder_embeddings=False)
+    check_exportable(unshared, SimpleNamespace(separate_vocabs=False))
+    for tokenizer in (None, SimpleNamespace(separate_vocabs=True)):
+        with pytest.raises(ValueError, match="separate source and target vocabularies"):
+            check_exportable(unshared, tokenizer)
     with pytest.raises(ValueError, match="activation 'mish'"):
         check_exportable(tiny_config(activation_function="mish"))
     trained_folder(tmp_path / "model", corpus)

@@ -91,10 +91,19 @@ def _ctranslate2() -> Any:
     return ctranslate2
 
 
-def check_exportable(config: VanillaTransformerConfig) -> None:
-    """Raise a ValueError naming what CTranslate2's Transformer cannot represent exactly."""
+def check_exportable(config: VanillaTransformerConfig, tokenizer: Any = None) -> None:
+    """Raise a ValueError naming what CTranslate2's Transformer cannot represent exactly.
+
+    Separate embedding matrices over one vocabulary (`share_encoder_decoder_embeddings=False` with one
+    tokenizer: a model trained so, or a converted Marian model whose matrices differ) export exactly, each
+    stack its own; separate vocabularies do not (the export writes one). Without the `tokenizer` there is
+    no telling the two apart, and separate matrices are refused."""
     problems = []
-    if not config.share_encoder_decoder_embeddings or config.decoder_vocab_size != config.vocab_size:
+    separate = config.decoder_vocab_size != config.vocab_size or (
+        not config.share_encoder_decoder_embeddings
+        and (tokenizer is None or getattr(tokenizer, "separate_vocabs", False))
+    )
+    if separate:
         problems.append("separate source and target vocabularies (the export writes one vocabulary)")
     if config.activation_function not in ACTIVATIONS:
         problems.append(f"the activation {config.activation_function!r} (supported: {sorted(ACTIVATIONS)})")
@@ -153,7 +162,7 @@ def ctranslate2_spec(
     tokenizer's vocabulary in id order and position encodings for `max_positions` positions."""
     ctranslate2 = _ctranslate2()
     config = model.config
-    check_exportable(config)
+    check_exportable(config, tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     if len(tokens) != config.vocab_size:
         raise ValueError(
