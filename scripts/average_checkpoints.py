@@ -26,8 +26,14 @@ from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
 from vanilla_transformer.cli import first_line, positive_int
-from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
+from vanilla_transformer.evaluation import (
+    evaluate_model,
+    format_scores,
+    looks_local,
+    warn_without_generation_config,
+)
 from vanilla_transformer.publishing import (
+    check_folder_json,
     check_has_tokenizer,
     check_new_folder,
     disk_full_message,
@@ -78,7 +84,8 @@ local = looks_local(args.model) or Path(args.model).is_dir()  # "my-model": a fo
 if local:
     try:
         check_has_tokenizer(args.model)
-    except FileNotFoundError as error:
+        check_folder_json(args.model)  # a broken generation config would be saved as none at all
+    except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
 problems = foreign_checkpoints(Path(args.model), args.checkpoints)
 if problems:
@@ -113,6 +120,8 @@ try:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
 except (OSError, ValueError) as error:
     parser.error(first_line(error))
+if local:
+    warn_without_generation_config(Path(args.model), model)  # the average would be saved greedy
 try:
     load_averaged_weights(model, args.checkpoints)
 except (OSError, ValueError) as error:  # a checkpoint without averageable weights (sharded FSDP)

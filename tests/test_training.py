@@ -1912,6 +1912,41 @@ def test_a_model_folder_without_its_generation_config_is_said_to_decode_otherwis
     assert "greedy search" in caplog.text and "Copy generation_config.json" in caplog.text
 
 
+def test_a_broken_json_file_in_a_model_folder_is_named_before_anything_uses_it(
+    trained, tmp_path, average, caplog
+):
+    """transformers reads a generation_config.json that is not valid JSON (a copy cut short, a full disk)
+    as none, without a word: translate.py and evaluate_model.py decoded greedily, the CTranslate2 export
+    and an average's or a fine-tuned model's folder recorded greedy search as the model's own. A broken
+    tokenizer file failed with the parser's message alone. Each is now refused naming the file; an
+    average of a folder without generation_config.json is warned about as loading one is."""
+    from vanilla_transformer.evaluation import load_model_folder
+
+    output_dir, _ = trained
+    checkpoints = [str(p) for p in list_checkpoints(output_dir)][-1:]
+    for name, damaged in (
+        ("generation_config.json", lambda text: text[:30]),
+        ("generation_config.json", lambda text: ""),
+        ("tokenizer.json", lambda text: text[:300]),
+        ("tokenizer_config.json", lambda text: "[1, 2]"),
+    ):
+        folder = tmp_path / "damaged"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(output_dir, folder, ignore=shutil.ignore_patterns("checkpoints"))
+        (folder / name).write_text(damaged((folder / name).read_text()))
+        with pytest.raises(ValueError, match=f"{folder / name} (is not valid JSON|holds a JSON list)"):
+            load_model_folder(folder, "cpu")
+        result = average(folder, tmp_path / "averaged", *checkpoints, "--no-card")
+        assert result.returncode == 2 and f"{folder / name}" in result.stderr
+        assert not (tmp_path / "averaged").exists()
+    (folder / "tokenizer_config.json").write_text((output_dir / "tokenizer_config.json").read_text())
+    (folder / "generation_config.json").unlink()
+    with caplog.at_level("WARNING", logger="vanilla_transformer.evaluation"):
+        result = average(folder, tmp_path / "averaged", *checkpoints, "--no-card")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{folder} has no generation_config.json" in caplog.text
+
+
 def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, caplog):
     """evaluate_model.py without --test_file scores the embedded English-Spanish corpus: a converted
     German-English model was scored on it (BLEU near 0) without a word, and so were pairs of another

@@ -16,7 +16,7 @@ from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
 from .model_card import LANGUAGE_NAMES
 from .parallel_data import DEFAULT_LANGUAGES, load_parallel_data
-from .publishing import check_has_tokenizer
+from .publishing import check_folder_json, check_has_tokenizer
 from .translation import translate
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
     if folder.exists():
         check_has_tokenizer(folder)
+        check_folder_json(folder)  # named here: transformers reads a broken generation config as none
     try:
         target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:
@@ -79,23 +80,28 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
             f"The weights in {folder} lack {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): they would be random."
         )
-    if folder.exists() and not (folder / "generation_config.json").is_file():
-        # transformers then derives the generation config from config.json, which holds no decoding
-        # settings: greedy search, where the model was saved (and its card scored) with its own.
-        beams = model.generation_config.num_beams or 1
-        decoding = "greedy search" if beams == 1 else f"beam search with {beams} beams"
-        own = model.config.model_type == VanillaTransformerConfig.model_type
-        own = (
-            " (this package's training writes the paper's beam 4 and length penalty 0.6 there)" if own else ""
-        )
-        logger.warning(
-            f"{folder} has no generation_config.json: it decodes with what transformers derives from its "
-            f"config.json ({decoding}), not with the settings it was saved with{own}, so its outputs and "
-            "scores may differ from its card's. Copy generation_config.json from the folder the model came "
-            "from."
-        )
+    if folder.exists():
+        warn_without_generation_config(folder, model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.to(target).eval(), tokenizer
+
+
+def warn_without_generation_config(folder: Path, model: Any) -> None:
+    """Warn where `folder` (that `model` was loaded from) has no generation_config.json: transformers then
+    derives the generation config from config.json, which holds no decoding settings: greedy search,
+    where the model was saved (and its card scored) with its own."""
+    if (folder / "generation_config.json").is_file():
+        return
+    beams = model.generation_config.num_beams or 1
+    decoding = "greedy search" if beams == 1 else f"beam search with {beams} beams"
+    own = model.config.model_type == VanillaTransformerConfig.model_type
+    own = " (this package's training writes the paper's beam 4 and length penalty 0.6 there)" if own else ""
+    logger.warning(
+        f"{folder} has no generation_config.json: it decodes with what transformers derives from its "
+        f"config.json ({decoding}), not with the settings it was saved with{own}, so its outputs and "
+        "scores may differ from its card's. Copy generation_config.json from the folder the model came "
+        "from."
+    )
 
 
 def model_card_languages(path: str | Path) -> list[str] | None:

@@ -13,6 +13,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
+from .publishing import check_folder_json, read_json_object
 
 # What a folder written by the training script holds and a Hub user needs: weights (`WEIGHTS`),
 # configuration with auto_map and custom_pipelines, the code they point to, tokenizer, generation
@@ -149,17 +150,6 @@ def weight_files(folder: Path) -> list[str]:
         ) from None
 
 
-def read_json_object(path: Path) -> dict:
-    """The JSON object in file `path`; a ValueError says what it holds instead."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object.")
-    return value
-
-
 def check_model_folder(folder: str | Path) -> ModelCard:
     """Raise unless `folder` is a complete trained model folder; returns its parsed model card.
 
@@ -189,9 +179,8 @@ def check_model_folder(folder: str | Path) -> ModelCard:
         raise FileNotFoundError(
             f"{folder} is not a complete trained model folder (missing {', '.join(missing)}).{card}"
         )
-    # A generation_config.json that is not valid JSON loads without a word as none of the model's
-    # generation settings (greedy search instead of its beam search, the paper's length penalty gone).
-    config, _ = (read_json_object(folder / name) for name in ("config.json", "generation_config.json"))
+    check_folder_json(folder)  # a broken generation_config.json would load as none, without a word
+    config = read_json_object(folder / "config.json")
     if config.get("model_type") != "vanilla_transformer":
         raise ValueError(
             f"{folder} holds a {config.get('model_type')!r} model, not a vanilla_transformer one."

@@ -10,6 +10,7 @@ half done; training calls it before it reads anything from its output folder.
 """
 
 import errno
+import json
 import logging
 import os
 import re
@@ -43,6 +44,37 @@ def check_has_tokenizer(folder: str | Path) -> None:
     """A FileNotFoundError naming `folder` where it holds no tokenizer (`has_tokenizer`)."""
     if not has_tokenizer(folder):
         raise FileNotFoundError(f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}).")
+
+
+# The JSON files transformers reads from a model folder. It reads a generation_config.json that is not
+# valid JSON (a copy cut short, a full disk) as none at all, without a word: greedy search instead of the
+# model's beam search. A broken tokenizer file fails with the parser's message alone, naming no file.
+FOLDER_JSON_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in file `path`; a ValueError says what it holds instead."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object.")
+    return value
+
+
+def check_folder_json(folder: str | Path) -> None:
+    """Raise a ValueError naming the first of `FOLDER_JSON_FILES` in `folder` that is not a JSON object."""
+    for name in FOLDER_JSON_FILES:
+        if (Path(folder) / name).is_file():
+            read_json_object(Path(folder) / name)
 
 
 def hidden_sibling(folder: str | Path, kind: str) -> Path:
