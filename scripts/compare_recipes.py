@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source_lang", default="en", help="source column")
     parser.add_argument("--target_lang", default="es", help="target column")
     parser.add_argument("--minutes", type=float, default=8.0, help="training minutes of each run")
-    parser.add_argument("--output_dir", type=Path, required=True)
+    parser.add_argument("--output_dir", required=True, help="folder for both runs and the comparison")
     parser.add_argument(
         "--marian_vocab_size", type=int, default=8000, help="BPE vocabulary of the MarianMTModel side"
     )
@@ -75,8 +75,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--minutes must be positive, got {args.minutes}")
     if args.marian_vocab_size <= 4:
         parser.error(f"--marian_vocab_size must exceed the 4 special tokens, got {args.marian_vocab_size}")
-    if bool(args.validation_file) != bool(args.test_file) or (args.validation_file and not args.train_file):
+    # --train_file alone trained both sides, and then the Marian side, which scores a test split, failed
+    if len({bool(args.train_file), bool(args.validation_file), bool(args.test_file)}) > 1:
         parser.error("pass --train_file, --validation_file and --test_file together, or none of them")
+    from vanilla_transformer.publishing import check_writable_place
+
+    if not args.output_dir.strip():  # Path("") is the current folder
+        parser.error("--output_dir is empty: name a folder to write")
+    args.output_dir = Path(args.output_dir)
+    try:  # a file there (or above it) failed at the start with a traceback
+        if args.output_dir.exists() and not args.output_dir.is_dir():
+            raise ValueError(f"{args.output_dir} is a file, not a folder.")
+        check_writable_place(args.output_dir)
+    except ValueError as error:
+        parser.error(f"--output_dir {error}")
     try:  # unbalanced quotes once ended in shlex's traceback, in the process running the ours side
         ours_args = shlex.split(args.ours_args)
     except ValueError as error:

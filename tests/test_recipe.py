@@ -324,12 +324,31 @@ def test_held_out_messages_close_to_training_ones_are_dropped(monkeypatch):
     assert splits["train"] == pairs["a"] and splits["test"] == [("New message", "v")]
 
 
-def test_compare_recipes_validates_its_flags_and_formats_the_table():
+def test_compare_recipes_validates_its_flags(tmp_path, capsys):
+    """--train_file alone trained both sides and then failed in the Marian side (KeyError: 'test'), after
+    twice --minutes of training; an --output_dir that is a file, or under one, failed with a traceback,
+    and an empty one wrote into the current folder."""
     compare = load_script("compare_recipes")
-    with pytest.raises(SystemExit):
-        compare.parse_args(["--output_dir", "x", "--minutes", "0"])
-    with pytest.raises(SystemExit):
-        compare.parse_args(["--output_dir", "x", "--validation_file", "v.tsv"])
+    (tmp_path / "file").write_text("")
+    for flags, message in (
+        (["--output_dir", "x", "--minutes", "0"], "--minutes must be positive"),
+        (["--output_dir", "x", "--validation_file", "v.tsv"], "together, or none of them"),
+        (["--output_dir", "x", "--train_file", "t.tsv"], "together, or none of them"),
+        (["--output_dir", "x", "--train_file", "t.tsv", "--test_file", "t.tsv"], "together, or none"),
+        (["--output_dir", " "], "--output_dir is empty"),
+        (["--output_dir", str(tmp_path / "file")], "is a file, not a folder"),
+        (["--output_dir", str(tmp_path / "file" / "x")], "is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            compare.parse_args(flags)
+        assert message in capsys.readouterr().err, flags
+    files = ["--train_file", "t.tsv", "--validation_file", "v.tsv", "--test_file", "s.tsv"]
+    parsed = compare.parse_args(["--output_dir", str(tmp_path / "new"), *files])
+    assert parsed.output_dir == tmp_path / "new" and parsed.train_file == "t.tsv"
+
+
+def test_compare_recipes_formats_the_table():
+    compare = load_script("compare_recipes")
     row = {"updates": 10, "train_minutes": 1.0, "bleu": 13.0, "chrf": 40.0}
     row |= {"repetition": 0.02, "reference_repetition": 0.01}
     table = compare.format_table({"ours": row, "marian": row | {"bleu": 10.0}})
