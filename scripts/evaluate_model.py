@@ -7,7 +7,6 @@
 """
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from vanilla_transformer.cli import (
 )
 from vanilla_transformer.corpus import default_corpus_path
 from vanilla_transformer.evaluation import evaluate_model, format_scores
+from vanilla_transformer.modeling_vanilla_transformer import length_penalty_problem
 from vanilla_transformer.parallel_data import resolve_languages
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -52,8 +52,8 @@ parser.add_argument(
     "empty side, which the summary counts, have none)",
 )
 args = parser.parse_args()
-if args.length_penalty is not None and not math.isfinite(args.length_penalty):
-    parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
+if args.length_penalty is not None and (problem := length_penalty_problem(args.length_penalty)):
+    parser.error(f"--length_penalty {problem}")
 try:
     resolve_languages(args)
 except ValueError as error:

@@ -12,7 +12,6 @@ lines of similar length share a batch).
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from vanilla_transformer.cli import (
     replaced_when_complete,
 )
 from vanilla_transformer.evaluation import load_model_folder
+from vanilla_transformer.modeling_vanilla_transformer import length_penalty_problem
 from vanilla_transformer.translation import LineError, translate_lines, translate_stream
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,8 +60,8 @@ if args.output != "-":
         check_output_file(args.output, args.input, args.model)  # the open input: `--output F < F` too
     except ValueError as error:
         parser.error(str(error))
-if args.length_penalty is not None and not math.isfinite(args.length_penalty):
-    parser.error(f"--length_penalty must be a finite number, got {args.length_penalty}")
+if args.length_penalty is not None and (problem := length_penalty_problem(args.length_penalty)):
+    parser.error(f"--length_penalty {problem}")
 options = {
     "num_beams": args.num_beams,
     "length_penalty": args.length_penalty,

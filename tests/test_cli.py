@@ -186,3 +186,23 @@ def test_translate_with_standard_input_closed_names_the_flag(run_in_process, tmp
         "translate.py", "--model", str(tmp_path / "none"), "--input", str(tmp_path / "in.txt")
     )
     assert given.returncode == 2 and "No model folder" in given.stderr  # past the input, to the model
+
+
+def test_numbers_past_what_the_libraries_take_are_the_flags_errors(run_in_process, tmp_path):
+    """translate.py's --length_penalty 1e308 was an OverflowError from inside transformers' beam search
+    (a length to that power), --max_new_tokens of 2**64 a TypeError from torch, and --num_beams of 2**63 a
+    TypeError listing CTranslate2's signature: each is now refused with the flag's name, before any model
+    is loaded."""
+    (tmp_path / "in.txt").write_text("Jesus wept.\n")
+    common = ["--model", str(tmp_path / "none"), "--input", str(tmp_path / "in.txt")]
+    for flags, message in (
+        (["--length_penalty", "1e308"], "--length_penalty must be a finite number from -10 to 10"),
+        (["--max_new_tokens", str(2**64)], f"argument --max_new_tokens: must be at most {2**63 - 1}"),
+        (["--num_beams", str(2**63)], "argument --num_beams: must be at most"),
+        (["--no_repeat_ngram_size", str(2**63)], "argument --no_repeat_ngram_size: must be at most"),
+    ):
+        result = run_in_process("translate.py", *common, *flags)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, flags
+        assert message in result.stderr, (flags, result.stderr[-500:])
+    at_the_bound = run_in_process("translate.py", *common, "--max_new_tokens", str(2**63 - 1))
+    assert at_the_bound.returncode == 2 and "No model folder" in at_the_bound.stderr  # to the model

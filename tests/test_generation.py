@@ -1078,9 +1078,12 @@ def test_arguments_generate_cannot_use_are_named(source):
     with pytest.raises(ValueError, match="forced_eos_token_id 500 is outside the vocabulary"):
         model.generate(source, num_beams=1)
     model.generation_config.forced_eos_token_id = None
-    for alpha in (float("nan"), float("-inf")):
-        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+    # 300: an 11-token output's length to that power overflowed (OverflowError from inside transformers)
+    for alpha in (float("nan"), float("-inf"), 300.0, -10.5):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number from -10 to 10"):
             model.generate(source, num_beams=2, length_penalty=alpha)
+    for alpha in (10.0, -10.0):  # the bound itself: finite for any length generate() reaches
+        assert model.generate(source[:1], num_beams=2, max_new_tokens=3, length_penalty=alpha).shape[0] == 1
     model.generation_config.length_penalty = float("nan")  # a saved configuration's value as well
     with pytest.raises(ValueError, match="length_penalty must be a finite number"):
         model.generate(source, num_beams=2)

@@ -1474,6 +1474,8 @@ def test_bad_flags_are_rejected(tmp_path):
     for name in ("lr_scale", "length_penalty", "adam_epsilon"):
         with pytest.raises(ValueError, match=f"--{name} must be a finite number"):
             TrainingConfig(**{name: float("nan")})
+    with pytest.raises(ValueError, match="--length_penalty must be a finite number from -10 to 10"):
+        TrainingConfig(length_penalty=1e308)  # it trained, then beam search overflowed at validation
     with pytest.raises(ValueError, match="--max_grad_norm must be positive, got nan"):
         TrainingConfig(max_grad_norm=float("nan"))
     with pytest.raises(ValueError, match="--adam_beta1 and --adam_beta2 must be in"):

@@ -86,7 +86,12 @@ def _int_from(text: str, least: int, kind: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a {kind}, got {text!r}") from None
     if value < least:
         raise argparse.ArgumentTypeError(f"must be a {kind}, got {value}")
+    if value > LARGEST_INT:  # torch and CTranslate2 take 64-bit integers: a traceback from inside them
+        raise argparse.ArgumentTypeError(f"must be at most {LARGEST_INT} (2**63 - 1), got {value}")
     return value
+
+
+LARGEST_INT = 2**63 - 1
 
 
 def positive_int(text: str) -> int:

@@ -1681,8 +1681,28 @@ def check_beam_settings(num_beams: Any, length_penalty: Any) -> None:
         raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}.")
     if isinstance(length_penalty, torch.Tensor) and length_penalty.numel() == 1:
         length_penalty = length_penalty.item()
-    if isinstance(length_penalty, numbers.Real) and not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}.")
+    problem = length_penalty_problem(length_penalty)
+    if problem:
+        raise ValueError(f"length_penalty {problem}.")
+
+
+# Beam search divides by |Y|^length_penalty (or the paper's ((5 + |Y|) / 6)^length_penalty) as a Python
+# float: at 300 an 11-token output's power overflowed (OverflowError from inside transformers). Within
+# this bound it stays finite up to 10^30 tokens; the paper's is 0.6, GNMT's searched 0 to 1.
+MAX_LENGTH_PENALTY = 10.0
+
+
+def length_penalty_problem(length_penalty: Any) -> str | None:
+    """What is wrong with a length penalty that is a number (numpy scalars count): not finite, or over
+    `MAX_LENGTH_PENALTY` in magnitude; None where nothing is (or it is no number: left to its users)."""
+    if not isinstance(length_penalty, numbers.Real):
+        return None
+    if not math.isfinite(length_penalty) or abs(length_penalty) > MAX_LENGTH_PENALTY:
+        return (
+            f"must be a finite number from -{MAX_LENGTH_PENALTY:g} to {MAX_LENGTH_PENALTY:g} (the paper's "
+            f"is 0.6; a length to a larger power overflows), got {length_penalty!r}"
+        )
+    return None
 
 
 class GNMTLengthPenalty(float):

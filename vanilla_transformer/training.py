@@ -65,7 +65,11 @@ from .machine import (
 )
 from .metrics import repetition_rate, score_translations
 from .model_card import evaluation_metrics, write_model_card
-from .modeling_vanilla_transformer import LENGTH_PENALTY_FORMS, VanillaTransformerForConditionalGeneration
+from .modeling_vanilla_transformer import (
+    LENGTH_PENALTY_FORMS,
+    VanillaTransformerForConditionalGeneration,
+    length_penalty_problem,
+)
 from .parallel_data import file_sha256, load_parallel_data, resolve_languages, tokenize_parallel_data
 from .plotting import plot_training_curves
 from .publishing import (
@@ -389,9 +393,10 @@ class TrainingConfig:
                 f"{self.max_length} tokens per side in one batch: raise --max_tokens to at least "
                 f"{2 * self.max_length} or lower --max_length to {self.max_tokens // 2}."
             )
+        if problem := length_penalty_problem(self.length_penalty):  # a traceback after the training
+            raise ValueError(f"--length_penalty {problem}.")
         for name in (
             "lr_scale",
-            "length_penalty",
             "label_smoothing",
             "adam_beta1",
             "adam_beta2",
