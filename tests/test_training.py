@@ -1476,6 +1476,11 @@ def test_bad_flags_are_rejected(tmp_path):
             TrainingConfig(**{name: float("nan")})
     with pytest.raises(ValueError, match="--length_penalty must be a finite number from -10 to 10"):
         TrainingConfig(length_penalty=1e308)  # it trained, then beam search overflowed at validation
+    # Past what torch and Python take: an OverflowError traceback at the start
+    with pytest.raises(ValueError, match=r"--max_steps must be at most 9223372036854775807 \(2\*\*63 - 1\)"):
+        TrainingConfig(max_steps=2**63)
+    with pytest.raises(ValueError, match="--ddp_timeout must be at most 1000000000 seconds"):
+        TrainingConfig(ddp_timeout=10**14)
     with pytest.raises(ValueError, match="--max_grad_norm must be positive, got nan"):
         TrainingConfig(max_grad_norm=float("nan"))
     with pytest.raises(ValueError, match="--adam_beta1 and --adam_beta2 must be in"):

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
 
 from .batching import TokenBatchSampler
-from .cli import InputError, first_line, json_field, parse_dataclass
+from .cli import LARGEST_INT, InputError, first_line, json_field, parse_dataclass
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
 from .evaluation import looks_local
 from .hub import check_repo_id, incidental, other_files, push_model_folder, resolve_token
@@ -94,6 +94,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
+MAX_DDP_TIMEOUT = 10**9  # seconds (31 years): Python's timedelta holds up to about 8.6e13
 CHECKPOINT_TOKENIZER = "tokenizer"  # a checkpoint's copy of the run's tokenizer
 MANIFEST_FILE = "manifest.json"  # every file of a checkpoint: size and SHA-256
 MODEL_COLUMNS = ["input_ids", "attention_mask", "labels"]
@@ -373,8 +374,15 @@ class TrainingConfig:
         positive += ["logging_steps", "eval_samples", "stutter_repeats", "ddp_timeout"]
         positive += [] if self.test_samples is None else ["test_samples"]
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"--{name} must be positive, got {value}.")
+            if value > LARGEST_INT:  # torch's 64-bit integers: an OverflowError from inside it
+                raise ValueError(f"--{name} must be at most {LARGEST_INT} (2**63 - 1), got {value}.")
+        if self.ddp_timeout > MAX_DDP_TIMEOUT:  # within what Python's timedelta holds
+            raise ValueError(
+                f"--ddp_timeout must be at most {MAX_DDP_TIMEOUT} seconds, got {self.ddp_timeout}."
+            )
         if self.max_length < 2:  # what tokenize_parallel_data refuses, after the data and BPE training
             raise ValueError(
                 f"--max_length must be at least 2 tokens (a word and the end token), got {self.max_length}."
