@@ -52,7 +52,7 @@ parser.add_argument(
     "empty side, which the summary counts, have none)",
 )
 args = parser.parse_args()
-if args.length_penalty is not None and (problem := length_penalty_problem(args.length_penalty)):
+if args.length_penalty is not None and (problem := length_penalty_problem(args.length_penalty, False)):
     parser.error(f"--length_penalty {problem}")
 try:
     resolve_languages(args)

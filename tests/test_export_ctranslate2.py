@@ -36,11 +36,7 @@ VARIANTS = {
     "paper": {},
     # A large layer-norm epsilon: at the default 1e-5 an export that dropped it (CTranslate2's 1e-6)
     # gave the same tokens.
-    # Separate embedding matrices over one vocabulary: each stack exports its own (they were refused as
-    # "separate vocabularies").
-    "pre-LN, untied output, separate embedding matrices, concatenated positions, logits bias, layer-norm "
-    "epsilon 0.1, attention biases": {
-        "share_encoder_decoder_embeddings": False,
+    "pre-LN, untied output, concatenated positions, logits bias, layer-norm epsilon 0.1, attention biases": {
         "attention_bias": True,
         "norm_first": True,
         "tie_word_embeddings": False,
@@ -48,6 +44,9 @@ VARIANTS = {
         "add_final_logits_bias": True,
         "layer_norm_eps": 0.1,
     },
+    # Separate embedding matrices over one vocabulary: each stack exports its own (they were refused as
+    # "separate vocabularies").
+    "separate embedding matrices": {"share_encoder_decoder_embeddings": False},
 }
 
 
@@ -391,6 +390,11 @@ def test_empty_translations_length_offset_0_and_beam_differences(tmp_path, corpu
     ):
         with pytest.raises(ValueError, match=message):  # once taken silently, as generate() now refuses them
             CTranslate2Translator(tmp_path / "ct2").translate(sources[:1], **bad)
+    # CTranslate2's length power does not overflow: a penalty generate()'s beam search refuses is taken
+    assert (
+        len(CTranslate2Translator(tmp_path / "ct2").translate(sources[:1], num_beams=2, length_penalty=300.0))
+        == 1
+    )
 
     model.generation_config.early_stopping, model.generation_config.no_repeat_ngram_size = False, 3
     model.save_pretrained(tmp_path / "model")

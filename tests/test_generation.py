@@ -1078,12 +1078,17 @@ def test_arguments_generate_cannot_use_are_named(source):
     with pytest.raises(ValueError, match="forced_eos_token_id 500 is outside the vocabulary"):
         model.generate(source, num_beams=1)
     model.generation_config.forced_eos_token_id = None
-    # 300: an 11-token output's length to that power overflowed (OverflowError from inside transformers)
-    for alpha in (float("nan"), float("-inf"), 300.0, -10.5):
-        with pytest.raises(ValueError, match="length_penalty must be a finite number from -10 to 10"):
+    for alpha in (float("nan"), float("-inf"), 10**400):  # (an int past float's range: OverflowError)
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
             model.generate(source, num_beams=2, length_penalty=alpha)
-    for alpha in (10.0, -10.0):  # the bound itself: finite for any length generate() reaches
+    # 300: an 11-token output's length to that power overflowed (OverflowError from inside transformers)
+    for alpha in (300.0, -50.5):
+        with pytest.raises(ValueError, match="length_penalty must be from -50 to 50 for beam search"):
+            model.generate(source, num_beams=2, length_penalty=alpha)
+    for alpha in (50.0, -50.0):  # the bound itself
         assert model.generate(source[:1], num_beams=2, max_new_tokens=3, length_penalty=alpha).shape[0] == 1
+    # greedy search reads no length penalty: a folder saved with a large one still decodes greedily
+    assert model.generate(source[:1], num_beams=1, max_new_tokens=3, length_penalty=300.0).shape[0] == 1
     model.generation_config.length_penalty = float("nan")  # a saved configuration's value as well
     with pytest.raises(ValueError, match="length_penalty must be a finite number"):
         model.generate(source, num_beams=2)

@@ -343,5 +343,17 @@ def test_resizing_a_converted_model_extends_its_logits_bias_as_marian_does(tmp_p
     )
 
     separate = convert_from_marian(marian_model(**VARIANTS["separate-vocabularies"]))
-    with pytest.raises(ValueError, match="separate source and target vocabularies"):
+    with pytest.raises(ValueError, match="Resizing needs one embedding matrix shared by encoder and decoder"):
         separate.resize_token_embeddings(112)
+    # Cut (to a multiple of 8, 104) as MarianMTModel cuts its bias (asked for 104 itself: given
+    # pad_to_multiple_of, its bias keeps the size asked for, 101, against 104 logits); asked for nothing,
+    # nothing is replaced.
+    bias = ours.final_logits_bias
+    assert ours.resize_token_embeddings() is ours.get_input_embeddings() and ours.final_logits_bias is bias
+    ours.resize_token_embeddings(101, pad_to_multiple_of=8)
+    marian.resize_token_embeddings(104)
+    assert ours.final_logits_bias.shape == (1, 104) and torch.equal(ours.final_logits_bias, bias[:, :104])
+    torch.testing.assert_close(ours.final_logits_bias, marian.final_logits_bias)
+    with torch.no_grad():
+        batch["input_ids"][:, 0], batch["decoder_input_ids"][:, 1] = 100, 103
+        assert_same_up_to_rounding(ours(**batch).logits, marian(**batch).logits, TINY_TERMS)

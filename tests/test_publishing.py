@@ -314,3 +314,12 @@ def test_a_folder_is_flushed_through_writable_descriptors_on_windows(tmp_path, m
             failed = error
     assert failed is None  # once: OSError [Errno 9] Bad file descriptor
     assert sorted(flushed) == [1, 2]  # the two files written; folders cannot be opened there
+
+
+def test_a_json_file_that_cannot_be_read_is_named(tmp_path):
+    """An unreadable file (here a folder by that name; permissions alike) is named, not a traceback."""
+    from vanilla_transformer.publishing import read_json_object
+
+    (tmp_path / "generation_config.json").mkdir()
+    with pytest.raises(ValueError, match=r"generation_config.json cannot be read: Is a directory"):
+        read_json_object(tmp_path / "generation_config.json")

@@ -1474,8 +1474,9 @@ def test_bad_flags_are_rejected(tmp_path):
     for name in ("lr_scale", "length_penalty", "adam_epsilon"):
         with pytest.raises(ValueError, match=f"--{name} must be a finite number"):
             TrainingConfig(**{name: float("nan")})
-    with pytest.raises(ValueError, match="--length_penalty must be a finite number from -10 to 10"):
+    with pytest.raises(ValueError, match="--length_penalty must be from -50 to 50 for beam search"):
         TrainingConfig(length_penalty=1e308)  # it trained, then beam search overflowed at validation
+    assert TrainingConfig(length_penalty=1e308, num_beams=1).length_penalty == 1e308  # greedy: unread
     # Past what torch and Python take: an OverflowError traceback at the start
     with pytest.raises(ValueError, match=r"--max_steps must be at most 9223372036854775807 \(2\*\*63 - 1\)"):
         TrainingConfig(max_steps=2**63)

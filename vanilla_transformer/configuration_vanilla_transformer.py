@@ -95,7 +95,8 @@ class VanillaTransformerConfig(PretrainedConfig):
         scale_embedding: multiply embeddings by sqrt(d_model) (paper Section 3.4).
         tie_word_embeddings: share the (target) embedding matrix with the pre-softmax projection.
         share_encoder_decoder_embeddings: one matrix for source and target embeddings (the paper's
-            joint vocabulary). False gives the decoder its own vocabulary of `decoder_vocab_size`.
+            joint vocabulary). False gives the decoder its own matrix, of `decoder_vocab_size` rows: its
+            own vocabulary, or the encoder's (equal sizes) in a matrix of its own.
         decoder_vocab_size: target vocabulary size when the embeddings are not shared.
         attention_bias: biases on the attention's four projections. False is the paper's W^Q, W^K, W^V
             and W^O (Section 3.2.2), which have none; True adds them (zero at initialisation), as

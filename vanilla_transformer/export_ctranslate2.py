@@ -495,7 +495,7 @@ class CTranslate2Translator:
             raise ValueError(
                 f"{len(line_numbers)} line_numbers for {len(sentences)} sentences; give one per sentence."
             )
-        check_beam_settings(num_beams, length_penalty)
+        check_beam_settings(num_beams, length_penalty, bounded=False)  # CTranslate2's power does not overflow
         if no_repeat_ngram_size is not None and not (
             is_integer(no_repeat_ngram_size) and no_repeat_ngram_size >= 0
         ):  # CTranslate2's own error is a TypeError listing its whole signature

@@ -888,8 +888,9 @@ def check_resized_vocabulary(
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     """Encoder and decoder sharing one embedding matrix (Section 3.4), without the output projection.
 
-    With `config.share_encoder_decoder_embeddings=False` (Marian checkpoints with two vocabularies)
-    the encoder and the decoder each have their own embedding matrix and there is no `shared`.
+    With `config.share_encoder_decoder_embeddings=False` (Marian checkpoints with two vocabularies, or
+    with one vocabulary and two matrices) the encoder and the decoder each have their own embedding
+    matrix and there is no `shared`.
     """
 
     _tied_weights_keys = {
@@ -1404,15 +1405,16 @@ class VanillaTransformerForConditionalGeneration(
         that would leave a special token's id outside the vocabulary is refused before anything changes
         (such a model would generate with warnings, save, and then fail to load). A final logits bias
         (converted OPUS-MT models) is cut or extended with zeros, as MarianMTModel's is."""
-        if not self.config.share_encoder_decoder_embeddings:
+        if not self.config.share_encoder_decoder_embeddings:  # transformers would resize one of the two
             raise ValueError(
-                "Resizing needs one shared vocabulary: this model (a converted Marian model) has separate "
-                "source and target vocabularies."
+                "Resizing needs one embedding matrix shared by encoder and decoder "
+                "(share_encoder_decoder_embeddings=True): this model has one of each (separate vocabularies, "
+                "or one vocabulary in two matrices, as some converted Marian models)."
             )
         check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
-        if self.final_logits_bias is not None:
+        if self.final_logits_bias is not None and self.final_logits_bias.shape[1] != self.config.vocab_size:
             old = self.final_logits_bias
             resized = old.new_zeros(1, self.config.vocab_size)
             kept = min(old.shape[1], resized.shape[1])
@@ -1671,36 +1673,44 @@ def check_forced_token(name: str, value: Any, vocab_size: int) -> None:
         raise ValueError(f"{name} {value!r} is outside the vocabulary [0, {vocab_size}).")
 
 
-def check_beam_settings(num_beams: Any, length_penalty: Any) -> None:
+def check_beam_settings(num_beams: Any, length_penalty: Any, *, bounded: bool = True) -> None:
     """A beam count that is a positive integer and a length penalty that is a finite number, where
-    given (None: the defaults; numpy scalars and one-element tensors count as numbers); other objects
-    (`GNMTLengthPenalty`) are left to their users. Raises ValueError naming the argument."""
+    given (None: the defaults; numpy scalars and one-element tensors count as numbers), and for beam
+    search (`bounded`: transformers') within `MAX_LENGTH_PENALTY`; other objects (`GNMTLengthPenalty`
+    is a number too) are left to their users. Raises ValueError naming the argument."""
     if isinstance(num_beams, torch.Tensor) and num_beams.numel() == 1:
         num_beams = num_beams.item()
     if num_beams is not None and (not is_integer(num_beams) or num_beams < 1):
         raise ValueError(f"num_beams must be a positive integer, got {num_beams!r}.")
     if isinstance(length_penalty, torch.Tensor) and length_penalty.numel() == 1:
         length_penalty = length_penalty.item()
-    problem = length_penalty_problem(length_penalty)
+    problem = length_penalty_problem(length_penalty, beam_search=bounded and (num_beams or 1) > 1)
     if problem:
         raise ValueError(f"length_penalty {problem}.")
 
 
-# Beam search divides by |Y|^length_penalty (or the paper's ((5 + |Y|) / 6)^length_penalty) as a Python
-# float: at 300 an 11-token output's power overflowed (OverflowError from inside transformers). Within
-# this bound it stays finite up to 10^30 tokens; the paper's is 0.6, GNMT's searched 0 to 1.
-MAX_LENGTH_PENALTY = 10.0
+# transformers' beam search divides by |Y|^length_penalty (or this model's ((5 + |Y|) / 6)^length_penalty)
+# as a Python float: at 300 an 11-token output's power overflowed (an OverflowError from inside it). Up to
+# this bound the power stays finite for outputs of up to a million tokens; the paper's is 0.6.
+MAX_LENGTH_PENALTY = 50.0
 
 
-def length_penalty_problem(length_penalty: Any) -> str | None:
-    """What is wrong with a length penalty that is a number (numpy scalars count): not finite, or over
-    `MAX_LENGTH_PENALTY` in magnitude; None where nothing is (or it is no number: left to its users)."""
+def length_penalty_problem(length_penalty: Any, beam_search: bool = True) -> str | None:
+    """What is wrong with a length penalty that is a number (numpy scalars count): not finite, or, for
+    transformers' beam search, over `MAX_LENGTH_PENALTY` in magnitude; None where nothing is (or it is
+    no number: left to its users)."""
     if not isinstance(length_penalty, numbers.Real):
         return None
-    if not math.isfinite(length_penalty) or abs(length_penalty) > MAX_LENGTH_PENALTY:
+    try:
+        value = float(length_penalty)
+    except OverflowError:  # an int past float's range
+        value = math.inf
+    if not math.isfinite(value):
+        return f"must be a finite number, got {length_penalty!r}"
+    if beam_search and abs(value) > MAX_LENGTH_PENALTY:
         return (
-            f"must be a finite number from -{MAX_LENGTH_PENALTY:g} to {MAX_LENGTH_PENALTY:g} (the paper's "
-            f"is 0.6; a length to a larger power overflows), got {length_penalty!r}"
+            f"must be from -{MAX_LENGTH_PENALTY:g} to {MAX_LENGTH_PENALTY:g} for beam search (a length to a "
+            f"larger power overflows; the paper's is 0.6), got {length_penalty!r}"
         )
     return None
 

@@ -65,6 +65,8 @@ def read_json_object(path: Path) -> dict:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
+    except OSError as error:  # unreadable (permissions, a folder by that name): transformers reads none
+        raise ValueError(f"{path} cannot be read: {error.strerror or error}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not an object.")
     return value

@@ -401,7 +401,8 @@ class TrainingConfig:
                 f"{self.max_length} tokens per side in one batch: raise --max_tokens to at least "
                 f"{2 * self.max_length} or lower --max_length to {self.max_tokens // 2}."
             )
-        if problem := length_penalty_problem(self.length_penalty):  # a traceback after the training
+        # beam search's power overflowed in the validation after the training, with a traceback
+        if problem := length_penalty_problem(self.length_penalty, beam_search=self.num_beams > 1):
             raise ValueError(f"--length_penalty {problem}.")
         for name in (
             "lr_scale",
