@@ -404,7 +404,8 @@ def test_compare_recipes_ends_a_failed_side_with_its_error_not_tracebacks(tmp_pa
     CalledProcessError traceback; the Marian side alone (--only marian) ended in load_parallel_data's."""
     missing = str(tmp_path / "missing.tsv")
     command = [sys.executable, str(ROOT / "scripts/compare_recipes.py"), "--output_dir", str(tmp_path / "c")]
-    command += ["--train_file", missing, "--minutes", "0.01"]
+    command += ["--train_file", missing, "--validation_file", missing, "--test_file", missing]
+    command += ["--minutes", "0.01"]
     for only, said in (
         ((), [f"--train_file {missing} is not a file", "the ours run failed"]),
         (
