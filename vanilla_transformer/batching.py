@@ -17,8 +17,9 @@ class TokenBatchSampler(Sampler[list[int]]):
     """Batches of dataset indices whose padded source + target size stays within `max_tokens`.
 
     A batch of n pairs costs n * (longest source + longest target) tokens, which is what the model
-    computes on (training's stutter augmentation, `add_stutters`, lengthens the targets afterwards). Every example appears exactly once per epoch. Pairs are sorted by length (ties broken
-    at random each epoch), packed greedily, and the batch order is shuffled each epoch (`set_epoch`).
+    computes on (training's stutter augmentation, `add_stutters`, lengthens the targets afterwards).
+    Every example appears exactly once per epoch. Pairs are sorted by length (ties broken at random each
+    epoch), packed greedily, and the batch order is shuffled each epoch (`set_epoch`).
 
     With `num_shards` > 1 (data-parallel processes) the number of batches is made a multiple of
     `num_shards` by halving the largest batches, so that sharding the batch list round-robin (as
