@@ -52,7 +52,7 @@ parser.add_argument(
     "empty side, which the summary counts, have none)",
 )
 args = parser.parse_args()
-if args.length_penalty is not None and (problem := length_penalty_problem(args.length_penalty, False)):
+if problem := length_penalty_problem(args.length_penalty, beam_search=False):  # None: not given
     parser.error(f"--length_penalty {problem}")
 try:
     resolve_languages(args)

@@ -60,7 +60,7 @@ if args.output != "-":
         check_output_file(args.output, args.input, args.model)  # the open input: `--output F < F` too
     except ValueError as error:
         parser.error(str(error))
-if args.length_penalty is not None and (problem := length_penalty_problem(args.length_penalty, False)):
+if problem := length_penalty_problem(args.length_penalty, beam_search=False):  # None: not given
     parser.error(f"--length_penalty {problem}")
 options = {
     "num_beams": args.num_beams,

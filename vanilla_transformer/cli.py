@@ -78,6 +78,9 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+LARGEST_INT = 2**63 - 1  # what torch and CTranslate2 take: integer flags are refused above it
+
+
 def _int_from(text: str, least: int, kind: str) -> int:
     """An argparse integer of at least `least`, `kind` naming what it must be in the messages."""
     try:
@@ -89,9 +92,6 @@ def _int_from(text: str, least: int, kind: str) -> int:
     if value > LARGEST_INT:  # torch and CTranslate2 take 64-bit integers: a traceback from inside them
         raise argparse.ArgumentTypeError(f"must be at most {LARGEST_INT} (2**63 - 1), got {value}")
     return value
-
-
-LARGEST_INT = 2**63 - 1
 
 
 def positive_int(text: str) -> int:
