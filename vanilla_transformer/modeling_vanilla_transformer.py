@@ -138,7 +138,9 @@ def eager_attention_forward(
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif attention_mask is not None:
         scores = scores + attention_mask
-    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # At least float32 (half-precision scores would lose the small probabilities); float64 stays float64.
+    weights = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     output = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, Dh)
     return output, weights
