@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import logged_messages
 from safetensors import SafetensorError
-from transformers import PreTrainedModel
+from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
 
 from tests.test_unlikelihood import per_token_formula
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
@@ -170,6 +170,30 @@ def marian_start(start, tmp_path_factory) -> Path:
     MarianMTModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.mark.parametrize("kind", ["ours", "marian"])
+def test_the_saved_folder_is_the_fine_tuned_model(start, marian_start, tmp_path, kind):
+    """transformers 5 loads a MarianMTModel's sinusoidal position tables as trainable parameters, which
+    `save_pretrained` leaves out: Trainer trained them and the written folder lost them, so the scores
+    printed after fine-tuning were another model's. Every weight of the reloaded folder is now the
+    trained model's, and what it leaves out was not trained."""
+    model_dir, data = start
+    model = model_dir if kind == "ours" else marian_start
+    config = small_config(model, data, tmp_path / "out", max_steps=3, learning_rate=3e-3, warmup_steps=1)
+    trainer = build_trainer(config)
+    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    trainer.train()
+    trainer.save_model(tmp_path / "saved")
+    trained = trainer.model.state_dict()
+    reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "saved", trust_remote_code=True).state_dict()
+    assert set(reloaded) == set(trained)
+    for name, tensor in reloaded.items():
+        assert torch.equal(tensor, trained[name].cpu()), name
+    assert any(not torch.equal(before[name], trained[name]) for name in trained)  # it did train
+    if kind == "marian":
+        positions = [name for name in trained if "embed_positions" in name]
+        assert positions and all(torch.equal(before[name], trained[name]) for name in positions)
 
 
 @pytest.mark.parametrize("kind", ["ours", "marian"])

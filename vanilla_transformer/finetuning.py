@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -482,6 +483,20 @@ class FinetuneTrainer(Seq2SeqTrainer):
         return loss, generated, labels
 
 
+def freeze_unsaved_parameters(model: torch.nn.Module) -> list[str]:
+    """Stop training the parameters that `save_pretrained` leaves out (`_keys_to_ignore_on_save`) and
+    return their names. transformers 5 loads a MarianMTModel's fixed sinusoidal position tables as
+    trainable (a new one has them frozen): Trainer trained them, the saved folder lost them, and the
+    scores printed after fine-tuning described another model than the one written."""
+    patterns = getattr(model, "_keys_to_ignore_on_save", None) or []
+    frozen = []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and any(re.search(pattern, name) for pattern in patterns):
+            parameter.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
     """The `Seq2SeqTrainer` for `config`; `argument_overrides` go to `Seq2SeqTrainingArguments`."""
     problem = None if argument_overrides.get("use_cpu") else processes_without_a_gpu()
@@ -490,6 +505,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     if alone := one_process_of_several():
         logger.warning(alone)
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
+    freeze_unsaved_parameters(model)
     # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)
     # logits kept) with the fine-tuning's factor, and Trainer's smoother, which would need the logits,
     # stays off. Other models (a MarianMTModel folder) ignore that field: Trainer smooths for them.
