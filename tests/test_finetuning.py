@@ -731,6 +731,26 @@ def test_a_resume_under_another_process_count_is_refused(tmp_path, monkeypatch):
     FinetuneConfig(**options, resume_from_checkpoint="latest")
 
 
+def test_a_resume_on_an_edited_training_file_is_refused(start, tmp_path):
+    """Only --train_file's path was recorded: a fine-tune resumed after the file was edited in place went
+    on, Trainer skipping the batches already trained by count over other pairs, and its card stated the
+    new file's pairs as the whole fine-tune's. The pairs' count and text digest are recorded now."""
+    start_dir, data = start
+    pairs = tmp_path / "pairs.tsv"
+    shutil.copy(data, pairs)
+    options = {"eval_steps": 1, "max_eval_samples": 2, "num_beams": 1, "per_device_train_batch_size": 16}
+    finetune(small_config(start_dir, pairs, tmp_path / "tuned", max_steps=1, **options))
+    lines = pairs.read_text(encoding="utf-8").splitlines(keepends=True)
+    pairs.write_text("".join(lines[:-100]), encoding="utf-8")  # the same path, 100 pairs fewer
+    resumed = small_config(
+        start_dir, pairs, tmp_path / "tuned", max_steps=2, resume_from_checkpoint="latest", **options
+    )
+    with pytest.raises(InputError, match=r"trained on other pairs than --train_file .* \(260 then, 160 now"):
+        finetune(resumed)
+    pairs.write_text("".join(lines), encoding="utf-8")
+    assert finetune(resumed)["after_bleu"] >= 0  # the data it was trained on: resumed
+
+
 def test_a_checkpoint_records_its_flags_before_it_counts_as_whole(start, tmp_path, monkeypatch):
     """A checkpoint is whole once Trainer wrote its trainer_state.json (`complete_checkpoints`); its
     finetune_flags.json was written after that, in `on_save`, past the old checkpoints' deletion: a fine-tune

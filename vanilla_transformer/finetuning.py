@@ -45,7 +45,7 @@ from .machine import (
 )
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
-from .parallel_data import load_parallel_data, resolve_languages, tokenize_parallel_data
+from .parallel_data import load_parallel_data, resolve_languages, text_digest, tokenize_parallel_data
 from .publishing import check_writable_place, disk_full_message
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,24 @@ def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
     return changed
 
 
+def check_training_data(checkpoint: Path, record: dict[str, Any], train_file: str) -> None:
+    """Refuse to resume from `checkpoint` on other training pairs than those it was trained on (`record`:
+    their count and `text_digest`). Only the file's path was compared: with the file edited in place,
+    Trainer skipped the batches already trained by count over other data, and the card stated the new
+    data as the whole fine-tune's."""
+    try:
+        recorded = json.loads((checkpoint / FLAGS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # a checkpoint written before flags were recorded: not checked here
+        return
+    if recorded.get("train_sha256", record["train_sha256"]) != record["train_sha256"]:
+        raise InputError(
+            f"--resume_from_checkpoint {checkpoint} was trained on other pairs than --train_file "
+            f"{train_file} gives now ({recorded['train_pairs']} then, {record['train_pairs']} now, after "
+            "the held-out validation pairs and the length filter; their text differs): resume with the data "
+            "it was trained on, or start a new fine-tune."
+        )
+
+
 def complete_checkpoints(output: Path) -> list[Path]:
     """The whole checkpoint-N folders in `output`, newest first."""
     if not output.is_dir():
@@ -532,6 +550,13 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
     for line in report.lines():  # as the training script does: no pair leaves without a word
         logger.warning(line)
+    # The training pairs, recorded with the flags: a resume on an edited --train_file is refused.
+    flags = resume_flags(config) | {
+        "train_pairs": len(tokenized["train"]),
+        "train_sha256": text_digest(tokenized["train"]),
+    }
+    if (checkpoint := config.checkpoint_to_resume()) is not None:
+        check_training_data(checkpoint, flags, config.train_file)
     columns = ["input_ids", "attention_mask", "labels"]
     validation = tokenized["validation"]
     if config.max_eval_samples is not None:
@@ -583,7 +608,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
             len(tokenized["validation"]),
             target_lang=config.target_lang,
         ),
-        flags=resume_flags(config),
+        flags=flags,
     )
     if not own_loss and trainer.label_smoother is None:
         # --label_smoothing_factor 0: another model (MarianMTModel) averages its loss over its own

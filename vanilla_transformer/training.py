@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import datetime
-import hashlib
 import json
 import logging
 import math
@@ -70,7 +69,13 @@ from .modeling_vanilla_transformer import (
     VanillaTransformerForConditionalGeneration,
     length_penalty_problem,
 )
-from .parallel_data import file_sha256, load_parallel_data, resolve_languages, tokenize_parallel_data
+from .parallel_data import (
+    file_sha256,
+    load_parallel_data,
+    resolve_languages,
+    text_digest,
+    tokenize_parallel_data,
+)
 from .plotting import plot_training_curves
 from .publishing import (
     check_not_current_folder,
@@ -1430,16 +1435,6 @@ def changes_since(
     but for those `before` gives: what a checkpoint without them meant."""
     saved = {**(before or {}), **recorded}
     return [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items() if k in saved and saved[k] != v]
-
-
-def text_digest(dataset: Any) -> str:
-    """SHA-256 of a split's sentence pairs, in order: other training data with as many pairs (another
-    file, an edited one) resumes as if it were the same, batches skipped by count, without this."""
-    digest = hashlib.sha256()
-    for batch in dataset.select_columns(["source", "target"]).iter(batch_size=10_000):  # not row by row
-        for source, target in zip(batch["source"], batch["target"], strict=True):
-            digest.update(f"{source}\t{target}\n".encode())
-    return digest.hexdigest()
 
 
 def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
