@@ -161,6 +161,9 @@ except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is nei
     if message is None:
         raise
     parser.error(message)
-print(f"the average of {len(args.checkpoints)} checkpoints written to {output}")
+if len(args.checkpoints) > 1:
+    print(f"the average of {len(args.checkpoints)} checkpoints written to {output}")
+else:
+    print(f"the weights of {args.checkpoints[0]} (one checkpoint: nothing averaged) written to {output}")
 if no_card is not None and args.card:
     print(f"no model card: {no_card}")

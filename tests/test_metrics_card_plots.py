@@ -1002,6 +1002,9 @@ def test_a_card_says_whose_steps_ended_in_the_warm_up():
     text = " ".join(str(build_model_card(**card_kwargs(training=averaged))).split())
     assert "600 warm-up steps (the averaged checkpoints end at update 250, still warming up)" in text
     assert "the run stopped" not in text
+    one = early | {"averaged_steps": [250]}  # average_checkpoints.py given one checkpoint
+    text = " ".join(str(build_model_card(**card_kwargs(training=one))).split())
+    assert "600 warm-up steps (the checkpoint is from update 250, still warming up)" in text
 
 
 def test_card_limitations_name_the_scored_split_and_the_blocking_already_applied():
