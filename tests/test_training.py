@@ -1481,6 +1481,17 @@ def test_bad_flags_are_rejected(tmp_path):
     # Checked when the flags are read, not after minutes of data loading and BPE training.
     with pytest.raises(ValueError, match="`num_heads` must be a positive integer"):
         TrainingConfig(config_overrides="num_heads=0")
+    # Fields transformers' PretrainedConfig adds were taken too, and failed with tracebacks (a None default
+    # at once, `return_dict=false` at the first update); a decoder vocabulary of another size at the first
+    # update, with the labels' ids outside it.
+    for override in ("dtype=bfloat16", "problem_type=x", "return_dict=false"):
+        with pytest.raises(
+            ValueError, match=r"is not NAME=VALUE with NAME one of the model's fields \(activ"
+        ):
+            TrainingConfig(config_overrides=override)
+    with pytest.raises(ValueError, match="decoder_vocab_size comes from the tokenizer"):
+        TrainingConfig(config_overrides="share_encoder_decoder_embeddings=false,decoder_vocab_size=100")
+    assert TrainingConfig(config_overrides="use_cache=false,qkv_init_gain=1").config_overrides
     with pytest.raises(ValueError, match="is a file, not a folder"):
         TrainingConfig(output_dir=__file__)
     assert TrainingConfig(no_repeat_ngram_size=3).decoding()["no_repeat_ngram_size"] == 3
@@ -1538,6 +1549,9 @@ def test_bad_flags_are_rejected(tmp_path):
         TrainingConfig(max_grad_norm=float("nan"))
     with pytest.raises(ValueError, match="--adam_beta1 and --adam_beta2 must be in"):
         TrainingConfig(adam_beta1=2.0)
+    # 0 divided 0 by 0 for the key biases, which get no gradient: NaN weights at the first update.
+    with pytest.raises(ValueError, match="--adam_epsilon positive"):
+        TrainingConfig(adam_epsilon=0.0)
     # These three once passed the flags and failed with a traceback after data loading.
     with pytest.raises(ValueError, match="--vocab_size must exceed the 4 special tokens"):
         TrainingConfig(vocab_size=4)
@@ -1553,7 +1567,7 @@ def test_bad_flags_are_rejected(tmp_path):
         TrainingConfig(max_tokens=261, max_length=128, stutter_repeats=2)
     assert TrainingConfig(max_tokens=262, max_length=128, stutter_repeats=2).stutter_room == 6
     with pytest.raises(
-        ValueError, match="at least 259 or lower --max_length to 97 or lower --stutter_repeats"
+        ValueError, match="at least 259 or lower --max_length to 98 or lower --stutter_repeats"
     ):
         TrainingConfig(max_tokens=200, max_length=128)
     # Another model's folder (a converted one, a user's) would have its files replaced without a word;

@@ -435,8 +435,10 @@ class TrainingConfig:
         ):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"--{name} must be a finite number, got {getattr(self, name)}.")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon >= 0):
-            raise ValueError("--adam_beta1 and --adam_beta2 must be in [0, 1), --adam_epsilon not negative.")
+        # An epsilon of 0 divided 0 by 0 for a weight without gradient (a key projection's bias: softmax
+        # ignores it), writing NaN into the weights at the first update, which the loss check sees only later.
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_epsilon > 0):
+            raise ValueError("--adam_beta1 and --adam_beta2 must be in [0, 1), --adam_epsilon positive.")
         # The generation config the model folder will carry must be valid (checked before any work).
         if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
             raise ValueError(
@@ -545,16 +547,20 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
     defaults = VanillaTransformerConfig()
-    fields = {f.name for f in dataclasses.fields(VanillaTransformerConfig)}
+    # The model's own fields: those inherited from transformers' PretrainedConfig (`dtype`, `return_dict`,
+    # `problem_type`, ...) passed here and failed with tracebacks, some only at the first update.
+    own = vars(VanillaTransformerConfig).get("__annotations__", {})
+    fields = {f.name for f in dataclasses.fields(VanillaTransformerConfig) if f.name in own}
     overrides: dict[str, Any] = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
         name, value = name.strip(), value.strip()
         if not sep or name not in fields:
             raise ValueError(
-                f"--config_overrides: {item!r} is not NAME=VALUE with a configuration field NAME."
+                f"--config_overrides: {item!r} is not NAME=VALUE with NAME one of the model's fields "
+                f"({', '.join(sorted(fields))})."
             )
-        if name.endswith("_token_id") or name == "vocab_size":
+        if name.endswith("_token_id") or name in ("vocab_size", "decoder_vocab_size"):
             raise ValueError(f"--config_overrides: {name} comes from the tokenizer (see --vocab_size).")
         kind = type(getattr(defaults, name))
         try:
