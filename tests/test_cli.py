@@ -60,6 +60,21 @@ def test_a_named_pipe_is_written_not_replaced(tmp_path):
     assert stat.S_ISFIFO(os.stat(pipe).st_mode) and sorted(tmp_path.iterdir()) == [pipe]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="/proc names of open files")
+def test_the_pipe_an_input_reads_is_refused_as_output():
+    """`echo text | translate.py --output /dev/stdin` held a write end of its own input pipe open and
+    waited for that pipe's end forever."""
+    read_end, write_end = os.pipe()
+    try:
+        with os.fdopen(read_end, "rb", closefd=False) as reading:
+            with pytest.raises(ValueError, match=r"is the pipe an input reads"):
+                check_output_file(f"/proc/self/fd/{read_end}", reading)
+            assert check_output_file(f"/proc/self/fd/{write_end}") == Path(f"/proc/self/fd/{write_end}")
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_a_device_is_written_not_replaced(tmp_path):
     # Through a link in tmp_path: were the device replaced, the link would be, not /dev/null itself.
     device = tmp_path / "null"

@@ -130,8 +130,19 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
             f"{output}: the folder {folder} is not writable (read-only, or another user's); the file is "
             "written there beside its name, then renamed. Name a file in a writable folder."
         )
-    if not path.exists() or not stat.S_ISREG(os.stat(path).st_mode):
-        return path  # a device or a pipe is written, not replaced: no input can be destroyed through it
+    if not path.exists():
+        return path
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a device or a pipe is written, not replaced: no input
+        # is destroyed through it. But writing the pipe an input reads (`--output /dev/stdin` with input
+        # piped in) holds a write end of it open in this process, which then waits for its end forever.
+        for given in inputs:
+            if (
+                hasattr(given, "fileno")
+                and stat.S_ISFIFO(os.stat(path).st_mode)
+                and os.path.samestat(os.fstat(given.fileno()), os.stat(path))
+            ):
+                raise ValueError(f"{output} is the pipe an input reads ({given.name}); name another output.")
+        return path
     # The output replaces the entry named `path` (a symlink there is replaced, not what it points to), so
     # what counts is the folder that entry lives in and that folder's parents.
     folders = [
