@@ -676,23 +676,6 @@ def test_token_batches_shuffle_each_epoch_in_an_accelerate_loop(num_processes):
     assert orders[0] != orders[1] != orders[2]
 
 
-def test_token_batches_leave_the_room_asked_for_the_targets():
-    """`target_room` tokens per batch are kept free for targets that grow after batching (stutters)."""
-    source, target = lengths(1000)
-    sampler = TokenBatchSampler(source, target, max_tokens=1000, seed=1, target_room=9)
-    batches = list(sampler)
-    assert sorted(i for batch in batches for i in batch) == list(range(1000))
-    for batch in batches:
-        assert len(batch) * (max(source[i] for i in batch) + max(target[i] for i in batch) + 9) <= 1000
-    assert len(batches) > len(TokenBatchSampler(source, target, max_tokens=1000, seed=1))
-    TokenBatchSampler([10, 60], [5, 60], max_tokens=123, target_room=3)  # the longest pair fits exactly
-    refused = r"Example 1 alone has 120 source \+ target tokens \(with 3 tokens of room for the target\)"
-    with pytest.raises(ValueError, match=refused):
-        TokenBatchSampler([10, 60], [5, 60], max_tokens=122, target_room=3)
-    with pytest.raises(ValueError, match="target_room must not be negative, got -1"):
-        TokenBatchSampler([10, 60], [5, 60], max_tokens=200, target_room=-1)
-
-
 def test_token_batching_rejects_impossible_budgets():
     with pytest.raises(ValueError, match="alone has 120 source \\+ target tokens"):
         TokenBatchSampler([10, 60], [5, 60], max_tokens=100)

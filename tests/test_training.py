@@ -543,20 +543,15 @@ def test_the_update_past_a_spent_time_limit_has_a_learning_rate_under_a_cooldown
 def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files, monkeypatch):
     """The tiny recipe trains without dropout; a dropout named in --config_overrides wins, no conflict.
     --unlikelihood_weight reaches the model's configuration and its card, --stutter_rate every
-    micro-batch of the update and the card, and the training batches leave room for the stutters."""
-    rates, repeats, rooms = [], [], []
+    micro-batch of the update and the card."""
+    rates, repeats = [], []
 
     def spy(batch, rate, *args, **kwargs):
         rates.append(rate)
         repeats.append(kwargs.get("longest_repeat"))
         return add_stutters(batch, rate, *args, **kwargs)
 
-    def sampler_spy(*args, **kwargs):
-        rooms.append(kwargs.get("target_room", 0))
-        return TokenBatchSampler(*args, **kwargs)
-
     monkeypatch.setattr(training_module, "add_stutters", spy)
-    monkeypatch.setattr(training_module, "TokenBatchSampler", sampler_spy)
     args = small_args(tmp_path / "run", corpus_files, max_steps=1, eval_steps=0, test_samples=1)
     args[args.index("--config_overrides") + 1] += ",dropout=0.2,label_smoothing=0.05"
     args[args.index("--dropout") : args.index("--dropout") + 2] = []
@@ -567,44 +562,9 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     assert saved["dropout"] == 0.2 and saved["label_smoothing"] == 0.05
     assert saved["unlikelihood_weight"] == 0.5  # the flag reaches the model, whose loss reads it
     assert rates == [0.5, 0.5] and repeats == [3, 3]  # both micro-batches of the one update
-    assert rooms == [9, 0]  # training batches leave 3 x 3 tokens; validation batches get no stutters
     card = (tmp_path / "run" / "README.md").read_text()
     assert "**Unlikelihood training** (not in the paper" in card
     assert "**Stutter augmentation**" in card and "50% of the" in card and "1 to 3 times" in card
-
-
-@pytest.mark.parametrize("repeats", [1, 4])
-def test_stuttered_batches_stay_within_max_tokens(repeats):
-    """Stutters lengthen a batch's targets after token batching: a batch of short pairs packed to the
-    tiny recipe's 2,048 tokens came to 2,604 padded tokens with one repeat and 4,278 with four. The
-    training batches now leave the room a stutter can take; counted here on the stuttered tensors, every
-    target stuttered. Without the room, some batch goes over (so this count can fail)."""
-    config = TrainingConfig(stutter_rate=1.0, stutter_repeats=repeats)
-    rng = torch.Generator().manual_seed(repeats)
-    source, target = (torch.randint(3, 12, (3000,), generator=rng).tolist() for _ in range(2))
-    pad, start = 1, 2
-
-    def largest_batch(room: int) -> int:
-        largest = 0
-        for indices in TokenBatchSampler(source, target, config.max_tokens, seed=0, target_room=room):
-            width = max(target[i] for i in indices)
-            labels = torch.full((len(indices), width), -100)
-            for row, i in enumerate(indices):
-                labels[row, : target[i]] = torch.arange(5, 5 + target[i])
-            inputs = torch.cat([torch.full((len(indices), 1), start), labels[:, :-1]], 1).clamp(min=pad)
-            batch = {
-                "input_ids": torch.zeros(len(indices), max(source[i] for i in indices)),
-                "labels": labels,
-            }
-            out = add_stutters(
-                {**batch, "decoder_input_ids": inputs}, 1.0, rng, pad, longest_repeat=config.stutter_repeats
-            )
-            largest = max(largest, out["input_ids"].numel() + out["labels"].numel())
-        return largest
-
-    assert config.stutter_room == 3 * repeats
-    assert largest_batch(config.stutter_room) <= config.max_tokens
-    assert largest_batch(0) > config.max_tokens
 
 
 def test_stutters_repeat_one_span_of_the_decoder_input():
@@ -707,18 +667,6 @@ def test_a_checkpoint_from_before_attention_bias_had_the_biases(tmp_path):
     with pytest.raises(InputError, match=r"attention_bias True -> False\).* attention_bias=true"):
         check_architecture(tmp_path, current)
     check_architecture(tmp_path, {**current, "attention_bias": True, "d_model": 8})  # nothing else known
-
-
-def test_checkpoints_from_before_stutters_had_room_resume_only_without_stutters(tmp_path):
-    """Training batches now leave room for stutters, so a stutter run's batches differ from those of a
-    checkpoint written before: its epoch position would skip the wrong batches."""
-    order = {"processes": 1, "max_tokens": 2048, "seed": 0}
-    (tmp_path / STATE_FILE).write_text(json.dumps({"data_order": order}))
-    check_data_order(tmp_path, {**order, "target_room": 0})
-    with pytest.raises(InputError, match=r"target_room 0 -> 3; 'target_room' is the room each batch leaves"):
-        check_data_order(tmp_path, {**order, "target_room": 3})
-    (tmp_path / STATE_FILE).write_text(json.dumps({"data_order": {**order, "target_room": 3}}))
-    check_data_order(tmp_path, {**order, "target_room": 3})
 
 
 def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corpus_files):
@@ -1559,16 +1507,6 @@ def test_bad_flags_are_rejected(tmp_path):
         with pytest.raises(ValueError, match="--seed must be between 0 and 2\\*\\*32 - 1"):
             TrainingConfig(seed=bad)
     with pytest.raises(ValueError, match="raise --max_tokens to at least 256 or lower --max_length to 100"):
-        TrainingConfig(max_tokens=200, max_length=128, stutter_rate=0)
-    # With stutters (the tiny recipe's), a batch leaves room for them too.
-    with pytest.raises(
-        ValueError, match=r"per side and the 6 tokens stutters may add \(3 x --stutter_repeats\)"
-    ):
-        TrainingConfig(max_tokens=261, max_length=128, stutter_repeats=2)
-    assert TrainingConfig(max_tokens=262, max_length=128, stutter_repeats=2).stutter_room == 6
-    with pytest.raises(
-        ValueError, match="at least 259 or lower --max_length to 98 or lower --stutter_repeats"
-    ):
         TrainingConfig(max_tokens=200, max_length=128)
     # Another model's folder (a converted one, a user's) would have its files replaced without a word;
     # a user's other files would be moved into the model folder, and published with it.
@@ -1672,8 +1610,7 @@ def test_a_max_length_below_two_tokens_is_refused_with_the_flags(tmp_path, run_i
     result = run_in_process("train.py", "--output_dir", str(tmp_path / "run"), *flags, "--report_to", "none")
     assert result.returncode == 2 and "--max_length must be at least 2 tokens" in result.stderr
     assert not (tmp_path / "run").exists()  # no tokenizer trained
-    assert TrainingConfig(max_length=2, max_tokens=4, stutter_rate=0).max_length == 2
-    assert TrainingConfig(max_length=2, max_tokens=7).max_length == 2  # and the 3 tokens of a stutter
+    assert TrainingConfig(max_length=2, max_tokens=4).max_length == 2
 
 
 def test_a_tokenizer_without_special_tokens_or_end_tokens_is_refused():

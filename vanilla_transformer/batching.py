@@ -16,9 +16,8 @@ from torch.utils.data import Sampler
 class TokenBatchSampler(Sampler[list[int]]):
     """Batches of dataset indices whose padded source + target size stays within `max_tokens`.
 
-    A batch of n pairs costs n * (longest source + longest target + `target_room`) tokens, which is what
-    the model computes on: `target_room` is how many tokens a batch's padded targets may grow by after
-    sampling (training's stutter augmentation, `add_stutters`, lengthens them; 0 where nothing does).
+    A batch of n pairs costs n * (longest source + longest target) tokens, which is what the model
+    computes on (training's stutter augmentation, `add_stutters`, lengthens the targets afterwards).
     Every example appears exactly once per epoch. Pairs are sorted by length (ties broken at random each
     epoch), packed greedily, and the batch order is shuffled each epoch (`set_epoch`).
 
@@ -37,7 +36,6 @@ class TokenBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         num_shards: int = 1,
-        target_room: int = 0,
     ):
         if len(source_lengths) != len(target_lengths):
             raise ValueError(
@@ -47,15 +45,12 @@ class TokenBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"max_tokens and num_shards must be positive, got {max_tokens} and {num_shards}."
             )
-        if target_room < 0:
-            raise ValueError(f"target_room must not be negative, got {target_room}.")
-        costs = [s + t + target_room for s, t in zip(source_lengths, target_lengths, strict=True)]
+        costs = [s + t for s, t in zip(source_lengths, target_lengths, strict=True)]
         if costs and max(costs) > max_tokens:
             longest = max(range(len(costs)), key=costs.__getitem__)
-            room = f" (with {target_room} tokens of room for the target)" if target_room else ""
             raise ValueError(
-                f"Example {longest} alone has {costs[longest] - target_room} source + target tokens{room}, "
-                f"more than max_tokens={max_tokens}. Raise max_tokens or filter long examples (max_length)."
+                f"Example {longest} alone has {costs[longest]} source + target tokens, more than max_tokens="
+                f"{max_tokens}. Raise max_tokens or filter long examples (max_length)."
             )
         self.source_lengths = list(source_lengths)
         self.target_lengths = list(target_lengths)
@@ -63,7 +58,6 @@ class TokenBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.num_shards = num_shards
-        self.target_room = target_room
         self.epoch = 0
         self._batches: list[list[int]] | None = None
         if len(self.source_lengths) < num_shards:
@@ -101,7 +95,7 @@ class TokenBatchSampler(Sampler[list[int]]):
         for index in order:
             source = max(longest_source, self.source_lengths[index])
             target = max(longest_target, self.target_lengths[index])
-            if batch and (len(batch) + 1) * (source + target + self.target_room) > self.max_tokens:
+            if batch and (len(batch) + 1) * (source + target) > self.max_tokens:
                 batches.append(batch)
                 batch, source, target = [], self.source_lengths[index], self.target_lengths[index]
             batch.append(index)

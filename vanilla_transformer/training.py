@@ -181,11 +181,6 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-# The longest span that stutter augmentation repeats (`add_stutters`): with --stutter_repeats r, a stuttered
-# target grows by at most STUTTER_LONGEST_SPAN * r tokens, room that token batching leaves in each batch.
-STUTTER_LONGEST_SPAN = 3
-
-
 @dataclass
 class TrainingConfig:
     """Every option of `scripts/train.py`; the defaults train the tiny preset on the embedded corpus."""
@@ -367,11 +362,6 @@ class TrainingConfig:
         beams = {"num_beams": self.num_beams, "early_stopping": True, "length_penalty": self.length_penalty}
         return beams | {"length_penalty_form": self.length_penalty_form} | blocking
 
-    @property
-    def stutter_room(self) -> int:
-        """Tokens by which stutter augmentation may lengthen a batch's padded targets (0 without it)."""
-        return STUTTER_LONGEST_SPAN * self.stutter_repeats if self.stutter_rate else 0
-
     def __post_init__(self) -> None:
         resolve_languages(self)
         if self.preset not in PRESETS:
@@ -410,18 +400,11 @@ class TrainingConfig:
         check_report_to(self.report_to)
         if not 0 <= self.seed < 2**32:  # what numpy's generator, which set_seed seeds, accepts
             raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}.")
-        if self.max_tokens < 2 * self.max_length + self.stutter_room:
-            room = self.stutter_room
-            fixes = [f"raise --max_tokens to at least {2 * self.max_length + room}"]
-            if (self.max_tokens - room) // 2 >= 2:
-                fixes.append(f"lower --max_length to {(self.max_tokens - room) // 2}")
-            if room:
-                fixes.append("lower --stutter_repeats or set --stutter_rate 0")
-            stutters = f" and the {room} tokens stutters may add ({STUTTER_LONGEST_SPAN} x --stutter_repeats)"
+        if self.max_tokens < 2 * self.max_length:
             raise ValueError(
                 f"--max_tokens {self.max_tokens} cannot hold a training pair of --max_length "
-                f"{self.max_length} tokens per side{stutters if room else ''} in one batch: "
-                f"{' or '.join(fixes)}."
+                f"{self.max_length} tokens per side in one batch: raise --max_tokens to at least "
+                f"{2 * self.max_length} or lower --max_length to {self.max_tokens // 2}."
             )
         # beam search's power overflowed in the validation after the training, with a traceback
         if problem := length_penalty_problem(self.length_penalty, beam_search=self.num_beams > 1):
@@ -980,14 +963,7 @@ def write_averaged_card(
 
 
 def make_loader(
-    dataset: Any,
-    collator: Any,
-    max_tokens: int,
-    *,
-    shuffle: bool,
-    seed: int,
-    num_shards: int,
-    target_room: int = 0,
+    dataset: Any, collator: Any, max_tokens: int, *, shuffle: bool, seed: int, num_shards: int
 ) -> DataLoader:
     try:
         # Read whole (`[:]`): a datasets column iterated value by value (`list(column)`) reads one row at
@@ -999,7 +975,6 @@ def make_loader(
             shuffle=shuffle,
             seed=seed,
             num_shards=num_shards,
-            target_room=target_room,
         )
     except ValueError as error:  # pairs that fill a batch each, one short of a batch per process: the
         # input's, said once per process without a traceback (`check_split_sizes` catches fewer pairs)
@@ -1292,13 +1267,7 @@ def start(config: TrainingConfig) -> Run:
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     shards = accelerator.num_processes
     train_loader = make_loader(
-        tokenized["train"],
-        collator,
-        config.max_tokens,
-        shuffle=True,
-        seed=config.seed,
-        num_shards=shards,
-        target_room=config.stutter_room,  # stutters lengthen training targets after batching
+        tokenized["train"], collator, config.max_tokens, shuffle=True, seed=config.seed, num_shards=shards
     )
     valid_loader = make_loader(
         tokenized["validation"], collator, config.max_tokens, shuffle=False, seed=0, num_shards=shards
@@ -1313,7 +1282,6 @@ def start(config: TrainingConfig) -> Run:
     data_order = {
         "processes": accelerator.num_processes,
         "max_tokens": config.max_tokens,
-        "target_room": config.stutter_room,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "seed": config.seed,
         "train_pairs": len(tokenized["train"]),
@@ -1448,14 +1416,12 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
     resumed epoch skips the batches already trained on by count, so with other batches (another process
     count, batch size, seed or training set) some pairs of that epoch would be trained on twice and
     others never, and each update would have another size, without a word."""
-    # Checkpoints from before stutters had room in the batches: none.
-    changed = changes_since(read_state(resume_path).get("data_order", {}), data_order, {"target_room": 0})
+    changed = changes_since(read_state(resume_path).get("data_order", {}), data_order)
     if changed:
         meanings = {
             "processes": "'processes' is the number of launched processes",
             "train_pairs": "'train_pairs' is the number of training pairs after filtering",
             "train_sha256": "'train_sha256' is a digest of the training pairs' text (other data)",
-            "target_room": "'target_room' is the room each batch leaves for stutters (earlier versions: 0)",
         }
         explained = [text for key, text in meanings.items() if any(c.startswith(f"{key} ") for c in changed)]
         raise InputError(
@@ -1668,7 +1634,7 @@ def add_stutters(
     rate: float,
     generator: torch.Generator,
     pad_token_id: int,
-    longest_span: int = STUTTER_LONGEST_SPAN,
+    longest_span: int = 3,
     longest_repeat: int = 1,
 ) -> dict[str, torch.Tensor]:
     """A copy of a right-padded batch in which each target of at least three tokens, with probability
