@@ -549,9 +549,7 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     def spy(batch, rate, *args, **kwargs):
         rates.append(rate)
         repeats.append(kwargs.get("longest_repeat"))
-        out = add_stutters(batch, rate, *args, **kwargs)
-        assert out["input_ids"].numel() + out["labels"].numel() <= 600  # within --max_tokens
-        return out
+        return add_stutters(batch, rate, *args, **kwargs)
 
     monkeypatch.setattr(training_module, "add_stutters", spy)
     args = small_args(tmp_path / "run", corpus_files, max_steps=1, eval_steps=0, test_samples=1)
@@ -567,56 +565,6 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     card = (tmp_path / "run" / "README.md").read_text()
     assert "**Unlikelihood training** (not in the paper" in card
     assert "**Stutter augmentation**" in card and "50% of the" in card and "1 to 3 times" in card
-
-
-@pytest.mark.parametrize("repeats", [1, 4])
-def test_stuttered_batches_stay_within_max_tokens(repeats):
-    """Stutters lengthen a batch's targets after token batching: a batch of short pairs packed to the
-    tiny recipe's 2,048 tokens came to 2,604 padded tokens with one repeat and 4,278 with four. Bounded
-    by what the batch leaves of --max_tokens, as training bounds them, every target drawn for a stutter,
-    the stuttered tensors stay within it (counted on them), targets that fit stutter as without the
-    bound, and most targets still stutter; without it, some batch goes over (so the count can fail)."""
-    max_tokens, pad, start = 2048, 1, 2
-    rng = torch.Generator().manual_seed(repeats)
-    source, target = (torch.randint(3, 12, (3000,), generator=rng).tolist() for _ in range(2))
-    largest = {True: 0, False: 0}
-    stuttered = same = fit = rows = 0
-    for indices in TokenBatchSampler(source, target, max_tokens, seed=0):
-        labels = torch.full((len(indices), max(target[i] for i in indices)), -100)
-        for row, i in enumerate(indices):
-            labels[row, : target[i]] = torch.arange(5, 5 + target[i])
-        inputs = torch.cat([torch.full((len(indices), 1), start), labels[:, :-1]], 1).clamp(min=pad)
-        batch = {
-            "input_ids": torch.zeros(len(indices), max(source[i] for i in indices)),
-            "decoder_input_ids": inputs,
-            "labels": labels,
-        }
-        width = max_tokens // len(indices) - batch["input_ids"].shape[1]  # as `update` computes it
-        outs = {
-            bounded: add_stutters(
-                batch,
-                1.0,
-                torch.Generator().manual_seed(len(indices)),
-                pad,
-                longest_repeat=repeats,
-                longest_width=width if bounded else None,
-            )
-            for bounded in (True, False)
-        }
-        for bounded, out in outs.items():
-            largest[bounded] = max(largest[bounded], out["input_ids"].numel() + out["labels"].numel())
-        for row, i in enumerate(indices):
-            stuttered += int((outs[True]["labels"][row] != -100).sum()) > target[i]
-            rows += target[i] >= 3
-            bound, free = (  # `outs` holds the bounded output first
-                [x for x in out["decoder_input_ids"][row].tolist() if x != pad] for out in outs.values()
-            )
-            if len(free) <= width:  # the stutter drawn fits the bound: the same stutter with it
-                fit += 1
-                same += free == bound
-    assert largest[True] <= max_tokens < largest[False]
-    assert same == fit > 0
-    assert stuttered > 0.5 * rows
 
 
 def test_stutters_repeat_one_span_of_the_decoder_input():

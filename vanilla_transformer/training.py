@@ -1636,7 +1636,6 @@ def add_stutters(
     pad_token_id: int,
     longest_span: int = 3,
     longest_repeat: int = 1,
-    longest_width: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """A copy of a right-padded batch in which each target of at least three tokens, with probability
     `rate`, has a span y_(k-g+1)..y_k of its decoder input repeated (1 <= g <= min(longest_span, k), never
@@ -1644,11 +1643,7 @@ def add_stutters(
     `d[:k+1] + d[k+1-g:k+1] + d[k+1:]` and the labels `l[:k+1] + [-100] * (g - 1) + l[k:]`. With
     `longest_repeat` r > 1 the span is repeated 1 to r times (drawn per target), and the end of every
     repeat is labelled with the token after the span (up to 4 repeats removed the loops on three runs of
-    one corpus but cost BLEU on another and looped there: docs/recipe.md, sixth round).
-
-    `longest_width` bounds the stuttered decoder inputs' length (what keeps a batch within --max_tokens):
-    a target that would grow past it gets a shorter span or fewer repeats, or no stutter where even one
-    token would not fit. The draws are the same either way, so targets that fit stutter as without it."""
+    one corpus but cost BLEU on another and looped there: docs/recipe.md, sixth round)."""
     decoder_inputs, labels = batch["decoder_input_ids"], batch["labels"]
     lengths = (labels != -100).sum(1).tolist()
     chosen = (torch.rand(len(lengths), generator=generator) < rate).tolist()
@@ -1662,14 +1657,10 @@ def add_stutters(
     for row, length in enumerate(lengths):
         # The input after the last label (the end-of-sentence token, its label ignored) stays too.
         given, target = decoder_inputs[row, : length + 1], labels[row, :length]
-        room = None if longest_width is None else longest_width - len(given)  # tokens it may grow by
-        if chosen[row] and length >= 3 and (room is None or room >= 1):
+        if chosen[row] and length >= 3:
             k = 1 + int(draws[row][0] * (length - 2))  # decoder input k is target token k (1-based)
             g = 1 + int(draws[row][1] * min(longest_span, k))
             r = repeats[row]
-            if room is not None:
-                g = min(g, room)
-                r = min(r, room // g)
             given = torch.cat([given[: k + 1], given[k + 1 - g : k + 1].repeat(r), given[k + 1 :]])
             after = torch.cat([target.new_full((g - 1,), -100), target[k : k + 1]]).repeat(r)
             target = torch.cat([target[: k + 1], after, target[k + 1 :]])
@@ -1694,18 +1685,7 @@ def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[
         )
         pad = accelerator.unwrap_model(model).config.pad_token_id
         rate, repeats = run.config.stutter_rate, run.config.stutter_repeats
-        window = [
-            # Within --max_tokens: the batch's source and target tokens, padding included.
-            add_stutters(
-                b,
-                rate,
-                generator,
-                pad,
-                longest_repeat=repeats,
-                longest_width=run.config.max_tokens // len(b["input_ids"]) - b["input_ids"].shape[1],
-            )
-            for b in window
-        ]
+        window = [add_stutters(b, rate, generator, pad, longest_repeat=repeats) for b in window]
     # Normalise by the target tokens of the whole update, on every process (exact accumulation).
     local_tokens = sum(int((b["labels"] != -100).sum()) for b in window)
     tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum")
