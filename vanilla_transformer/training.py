@@ -534,6 +534,7 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
     # `problem_type`, ...) passed here and failed with tracebacks, some only at the first update.
     own = vars(VanillaTransformerConfig).get("__annotations__", {})
     fields = {f.name for f in dataclasses.fields(VanillaTransformerConfig) if f.name in own}
+    from_tokenizer = {name for name in fields if name.endswith("_token_id") or name.endswith("vocab_size")}
     overrides: dict[str, Any] = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
@@ -541,9 +542,9 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
         if not sep or name not in fields:
             raise ValueError(
                 f"--config_overrides: {item!r} is not NAME=VALUE with NAME one of the model's fields "
-                f"({', '.join(sorted(fields))})."
+                f"({', '.join(sorted(fields - from_tokenizer))})."
             )
-        if name.endswith("_token_id") or name in ("vocab_size", "decoder_vocab_size"):
+        if name in from_tokenizer:
             raise ValueError(f"--config_overrides: {name} comes from the tokenizer (see --vocab_size).")
         kind = type(getattr(defaults, name))
         try:
