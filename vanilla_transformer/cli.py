@@ -132,29 +132,24 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
         )
     if not path.exists():
         return path
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a device or a pipe is written, not replaced: no input
-        # is destroyed through it. But writing the pipe an input reads (`--output /dev/stdin` with input
-        # piped in) holds a write end of it open in this process, which then waits for its end forever.
-        for given in inputs:
-            if (
-                hasattr(given, "fileno")
-                and stat.S_ISFIFO(os.stat(path).st_mode)
-                and os.path.samestat(os.fstat(given.fileno()), os.stat(path))
-            ):
-                raise ValueError(f"{output} is the pipe an input reads ({given.name}); name another output.")
-        return path
+    status = os.stat(path)
+    for given in inputs:  # an open input (standard input too): the file or pipe it reads, by any name
+        if hasattr(given, "fileno") and os.path.samestat(os.fstat(given.fileno()), status):
+            reads = "standard input reads it" if given.name == "<stdin>" else given.name
+            if stat.S_ISREG(status.st_mode):
+                raise ValueError(f"{output} is also an input ({reads}); writing it would destroy it.")
+            if stat.S_ISFIFO(status.st_mode):  # (`--output /dev/stdin`, input piped in): a write end of its
+                # own input held open in this process, which then waits for the pipe's end forever
+                raise ValueError(f"{output} is the pipe an input reads ({reads}); name another output.")
+    if not stat.S_ISREG(status.st_mode):
+        return path  # a device or a pipe is written, not replaced: no input can be destroyed through it
     # The output replaces the entry named `path` (a symlink there is replaced, not what it points to), so
     # what counts is the folder that entry lives in and that folder's parents.
     folders = [
         folder for folder in (path.absolute().parent, *path.absolute().parent.parents) if folder.exists()
     ]
     for given in inputs:
-        if hasattr(given, "fileno"):  # an open input (standard input too): the file it reads, by any name
-            if os.path.samestat(os.fstat(given.fileno()), os.stat(path)):
-                reads = "standard input reads it" if given.name == "<stdin>" else given.name
-                raise ValueError(f"{output} is also an input ({reads}); writing it would destroy it.")
-            continue
-        if given is None or not Path(given).exists():
+        if hasattr(given, "fileno") or given is None or not Path(given).exists():  # open ones: above
             continue
         if Path(given).is_dir():
             if any(os.path.samefile(folder, given) for folder in folders):

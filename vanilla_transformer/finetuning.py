@@ -270,12 +270,18 @@ def resume_flags(config: FinetuneConfig) -> dict[str, Any]:
     return flags | {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
+def recorded_flags(checkpoint: Path) -> dict[str, Any]:
+    """The flags `checkpoint` recorded (`resume_flags` and its training pairs); {} for a checkpoint written
+    before flags were recorded, which is not checked."""
+    try:
+        return json.loads((checkpoint / FLAGS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
 def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
     """The recorded flags of `checkpoint` that `config` gives other values ("--name old -> new")."""
-    try:
-        recorded = json.loads((checkpoint / FLAGS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # a checkpoint written before flags were recorded: not checked here
-        return []
+    recorded = recorded_flags(checkpoint)
     now = resume_flags(config)
     changed = [
         f"--{name} {recorded[name]} -> {now[name]}"
@@ -295,10 +301,7 @@ def check_training_data(checkpoint: Path, record: dict[str, Any], train_file: st
     their count and `text_digest`). Only the file's path was compared: with the file edited in place,
     Trainer skipped the batches already trained by count over other data, and the card stated the new
     data as the whole fine-tune's."""
-    try:
-        recorded = json.loads((checkpoint / FLAGS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # a checkpoint written before flags were recorded: not checked here
-        return
+    recorded = recorded_flags(checkpoint)
     if recorded.get("train_sha256", record["train_sha256"]) != record["train_sha256"]:
         raise InputError(
             f"--resume_from_checkpoint {checkpoint} was trained on other pairs than --train_file "
@@ -501,18 +504,15 @@ class FinetuneTrainer(Seq2SeqTrainer):
         return loss, generated, labels
 
 
-def freeze_unsaved_parameters(model: torch.nn.Module) -> list[str]:
-    """Stop training the parameters that `save_pretrained` leaves out (`_keys_to_ignore_on_save`) and
-    return their names. transformers 5 loads a MarianMTModel's fixed sinusoidal position tables as
+def freeze_unsaved_parameters(model: torch.nn.Module) -> None:
+    """Stop training the parameters that `save_pretrained` leaves out (`_keys_to_ignore_on_save`).
+    transformers 5 loads a MarianMTModel's fixed sinusoidal position tables as
     trainable (a new one has them frozen): Trainer trained them, the saved folder lost them, and the
     scores printed after fine-tuning described another model than the one written."""
     patterns = getattr(model, "_keys_to_ignore_on_save", None) or []
-    frozen = []
     for name, parameter in model.named_parameters():
-        if parameter.requires_grad and any(re.search(pattern, name) for pattern in patterns):
+        if any(re.search(pattern, name) for pattern in patterns):
             parameter.requires_grad_(False)
-            frozen.append(name)
-    return frozen
 
 
 def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqTrainer:
