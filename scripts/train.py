@@ -13,7 +13,13 @@ from pathlib import Path
 from accelerate import PartialState
 
 from vanilla_transformer.cli import InputError
-from vanilla_transformer.training import format_summary, list_checkpoints, parse_config, train
+from vanilla_transformer.training import (
+    MainProcessFailed,
+    format_summary,
+    list_checkpoints,
+    parse_config,
+    train,
+)
 
 if __name__ == "__main__":
     config = parse_config()
@@ -21,6 +27,8 @@ if __name__ == "__main__":
         result = train(config)
     except InputError as error:  # data files, columns or a checkpoint found unusable once read
         sys.exit(f"error: {error}")
+    except MainProcessFailed:  # a process that waited for the main one, which failed and says why
+        sys.exit(1)
     except FloatingPointError as error:  # a non-finite loss, stopped before it reached the weights
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:  # Ctrl-C: say what is kept, once, and stop as command-line tools do

@@ -1355,6 +1355,62 @@ def test_a_long_publish_does_not_time_the_other_processes_out(tmp_path, corpus_f
     assert "test BLEU" in result.stdout  # the main process's report, after the upload
 
 
+SLOW_DATA_LAUNCHER = """
+import runpy, sys, time
+
+from accelerate import PartialState
+
+from vanilla_transformer import training
+
+plain_load = training.load_parallel_data
+
+
+def load_parallel_data(*args, **kwargs):  # a corpus that takes the main process long to read
+    if PartialState().is_main_process:
+        time.sleep(8)
+    return plain_load(*args, **kwargs)
+
+
+training.load_parallel_data = load_parallel_data
+sys.argv[0] = SCRIPT
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def two_cpu_processes(script: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()), str(script)]
+    return subprocess.run(
+        command + args, capture_output=True, text=True, timeout=300, check=False, cwd=cwd, env=cpu_only()
+    )
+
+
+def test_an_error_only_the_main_process_meets_is_reported_alone(tmp_path, corpus_files):
+    """The main process reads the data while the others wait: a bad line it found was printed, followed
+    by the other process's traceback of gloo's "Connection closed by peer" from the barrier it waited at."""
+    bad = tmp_path / "train.tsv"
+    bad.write_text(Path(corpus_files["train_file"]).read_text(encoding="utf-8") + "one\ttwo\tthree\n")
+    args = small_args(tmp_path / "run", {**corpus_files, "train_file": str(bad)}, max_steps=2)
+    result = two_cpu_processes(ROOT / "scripts" / "train.py", args, tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.count("error: ") == 1, result.stderr[-3000:]
+    assert "line 402: 3 fields where the header has 2" in result.stderr
+    assert "[rank1]" not in result.stderr and "Connection closed" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_wait_past_the_process_groups_timeout_names_the_flag(tmp_path, corpus_files):
+    """A main process that takes longer than --ddp_timeout to read the data (or learn the BPE vocabulary)
+    ended the run with gloo's "Timed out waiting 3000ms for recv operation", naming no flag."""
+    launcher = tmp_path / "slow_data.py"
+    launcher.write_text(SLOW_DATA_LAUNCHER.replace("SCRIPT", repr(str(ROOT / "scripts" / "train.py"))))
+    args = small_args(tmp_path / "run", corpus_files, max_steps=2, ddp_timeout=3)
+    result = two_cpu_processes(launcher, args, tmp_path)
+    assert result.returncode != 0
+    message = "error: The main process took longer than --ddp_timeout (3 s) to read the data"
+    assert message in result.stderr, result.stderr[-3000:]
+    assert "Timed out waiting" not in result.stderr
+
+
 def test_the_process_groups_timeout_is_a_flag(tmp_path, monkeypatch):
     """Before the data, the main process alone downloads, tokenises and learns the BPE vocabulary while
     the others wait at a barrier: with a large corpus that outlasts the process group's 30 minutes, and

@@ -21,7 +21,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1155,6 +1155,60 @@ def lock_output_dir(output_dir: Path) -> Any:
         ) from None
 
 
+class MainProcessFailed(Exception):
+    """Raised in a run's other processes where the main process's turn of `main_process_first` ended in an
+    error, which the main process reports: they stop without a report of their own."""
+
+
+def _main_process_outcome(accelerator: Accelerator, failed: bool = False) -> bool:
+    """The main process tells the others whether its turn failed (`failed`); each process returns it."""
+    flag = torch.tensor([int(failed)], device=accelerator.device)
+    torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+@contextmanager
+def main_process_first(accelerator: Accelerator, what: str, timeout_s: float) -> Iterator[None]:
+    """Accelerate's `main_process_first` (the main process runs the block, then the others), where the
+    others also learn whether the main process's turn failed, and a wait past the process group's timeout
+    (`--ddp_timeout`, `timeout_s`) names that flag. At Accelerate's barrier an error the main process
+    alone met (a bad line in a data file) was followed by the others' tracebacks of gloo's "Connection
+    closed by peer", and a turn longer than the timeout (BPE learned on a large corpus) ended in gloo's
+    "Timed out waiting 1800000ms", naming no flag. `what` completes "the main process took longer than
+    ... to"."""
+    if accelerator.num_processes == 1:
+        yield
+        return
+    if accelerator.is_main_process:
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):  # the others may be gone (a Ctrl-C reaches them too)
+                _main_process_outcome(accelerator, failed=True)
+            raise
+        try:
+            _main_process_outcome(accelerator)
+        except RuntimeError as error:  # the others stopped waiting (their timeout) or were stopped
+            raise InputError(
+                f"The other processes did not wait for the main process to {what}: their wait ends after "
+                f"--ddp_timeout ({timeout_s:g} s); raise it."
+            ) from error
+        return
+    started = time.monotonic()
+    try:
+        failed = _main_process_outcome(accelerator)
+    except RuntimeError as error:
+        if time.monotonic() - started < 0.9 * timeout_s:  # not a timeout: the main process died
+            raise MainProcessFailed(f"The main process stopped while this one waited: {error}") from error
+        raise InputError(
+            f"The main process took longer than --ddp_timeout ({timeout_s:g} s) to {what}, which this "
+            "process waited for; raise --ddp_timeout."
+        ) from None
+    if failed:
+        raise MainProcessFailed("The main process stopped with an error (its message says which).")
+    yield
+
+
 def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     """The Accelerator for this launch (one process, DDP, FSDP), after checks that fail before any work."""
     if config.push_to_hub:  # fail now, not after training
@@ -1237,7 +1291,7 @@ def start(config: TrainingConfig) -> Run:
     log(f"machine: {format_machine(machine)}")
     set_seed(config.seed)
 
-    with accelerator.main_process_first():
+    with main_process_first(accelerator, "read the data", config.ddp_timeout):
         data, report = load_parallel_data(
             dataset_name=config.dataset_name,
             dataset_config=config.dataset_config,
@@ -1251,7 +1305,7 @@ def start(config: TrainingConfig) -> Run:
             seed=config.seed,
         )
     tokenizer = load_or_train_tokenizer(config, data, accelerator, output_dir, resume_path)
-    with accelerator.main_process_first():
+    with main_process_first(accelerator, "tokenize the data", config.ddp_timeout):
         tokenized = tokenize_parallel_data(data, tokenizer, config.max_length, report)
     for line in report.lines():
         log(line)
@@ -2081,6 +2135,22 @@ def check_special_tokens(tokenizer: Any, name: str) -> None:
             )
 
 
+def learn_bpe(config: TrainingConfig, train: Any) -> Any:
+    """The joint BPE tokenizer of `train`'s sources and targets, of --vocab_size (default: by corpus size)."""
+    too_long = length_check(config.max_length)
+
+    def texts() -> Iterator[str]:  # every source, then every target, read in batches, not row by row
+        for column in ("source", "target"):
+            for batch in train.select_columns([column]).iter(batch_size=10_000):
+                # Not a text surely over --max_length, whose pair training skips: BPE training took
+                # 9 minutes, not half a second, for one line of a million characters without a space.
+                over = too_long(batch[column])
+                yield from (text for text, skip in zip(batch[column], over, strict=True) if not skip)
+
+    vocab_size = config.vocab_size or default_vocab_size(sum(len(text.split()) for text in texts()))
+    return train_bpe_tokenizer(texts(), vocab_size, length=2 * len(train))
+
+
 def load_or_train_tokenizer(
     config: TrainingConfig, data: Any, accelerator: Accelerator, output_dir: Path, resume_path: Path | None
 ) -> Any:
@@ -2108,23 +2178,9 @@ def load_or_train_tokenizer(
     folder = output_dir / "tokenizer"
     if resume_path is not None and (resume_path / CHECKPOINT_TOKENIZER / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(resume_path / CHECKPOINT_TOKENIZER)
-    if resume_path is None and accelerator.is_main_process:
-        train = data["train"]
-
-        too_long = length_check(config.max_length)
-
-        def texts() -> Iterator[str]:  # every source, then every target, read in batches, not row by row
-            for column in ("source", "target"):
-                for batch in train.select_columns([column]).iter(batch_size=10_000):
-                    # Not a text surely over --max_length, whose pair training skips: BPE training took
-                    # 9 minutes, not half a second, for one line of a million characters without a space.
-                    over = too_long(batch[column])
-                    yield from (text for text, skip in zip(batch[column], over, strict=True) if not skip)
-
-        vocab_size = config.vocab_size or default_vocab_size(sum(len(text.split()) for text in texts()))
-        tokenizer = train_bpe_tokenizer(texts(), vocab_size, length=2 * len(train))
-        tokenizer.save_pretrained(folder)
-    accelerator.wait_for_everyone()
+    with main_process_first(accelerator, "learn the BPE vocabulary", config.ddp_timeout):
+        if resume_path is None and accelerator.is_main_process:
+            learn_bpe(config, data["train"]).save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(f"No tokenizer in {folder}: the run to resume did not write one.")
     return AutoTokenizer.from_pretrained(folder)
