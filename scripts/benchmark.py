@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
 from tools.benchmark import TRAINING_BATCHES, TRAINING_MAX_TOKENS, format_tables, run, save_json
 from vanilla_transformer.cli import check_output_file, positive_int
+from vanilla_transformer.export_ctranslate2 import import_ctranslate2
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +69,11 @@ for flag, output in (("--json", args.json), ("--plot", args.plot if args.attenti
             check_output_file(output)
         except ValueError as error:
             parser.error(f"{flag} {error}")
+if args.deploy and args.device == "cpu":  # the deployment table comes after minutes of other measuring
+    try:
+        import_ctranslate2()
+    except ImportError as error:
+        parser.error(f"--deploy (the default on the CPU): {error}; or pass --no-deploy")
 results = run(
     args.presets,
     device=args.device,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import re
 import struct
@@ -140,6 +141,11 @@ def write_jsonl(pairs: Iterable[tuple[str, str]], path: Path, language: str) -> 
             file.write(json.dumps({"en": source, language: target}, ensure_ascii=False) + "\n")
 
 
+def polib_missing() -> bool:
+    """Whether `polib`, which reads the catalogs, is not installed."""
+    return importlib.util.find_spec("polib") is None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--locale-dir", type=Path, help="a locale folder (default: apt-get download)")
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-words must be positive, got {args.max_words}")
     if args.language == "en":  # the rows' "en" field is the English source
         parser.error("--language is the target language; English is the source side")
+    if polib_missing():  # said before the download: once a traceback after it
+        parser.error('reading the catalogs needs polib: pip install polib (or pip install -e ".[corpus]")')
     if args.output_dir.exists() and not args.output_dir.is_dir():
         parser.error(f"--output-dir {args.output_dir} is a file")
     try:  # an earlier corpus, or someone's own train.jsonl, was overwritten without a word

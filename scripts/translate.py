@@ -91,11 +91,10 @@ if args.engine == "ctranslate2":
         parser.error(
             "CTranslate2 divides by |Y|^alpha only: --length_penalty_form gnmt is for --engine transformers"
         )
-    from vanilla_transformer.export_ctranslate2 import CTranslate2Translator
+    from vanilla_transformer.export_ctranslate2 import CTranslate2Translator, import_ctranslate2
 
     try:
-        import ctranslate2
-
+        ctranslate2 = import_ctranslate2()  # a clear error naming the install where it is missing
         device = args.device or ("cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu")
         translator = CTranslate2Translator(args.model, device=device)
     except (OSError, ValueError, ImportError, RuntimeError) as error:

@@ -1,6 +1,7 @@
 """The benchmark compares like with like: MarianMTModel of the same shape, the same batches."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -484,3 +485,11 @@ def test_benchmark_script_refuses_bad_flags_before_measuring(tmp_path, run_in_pr
     monkeypatch.chdir(tmp_path)  # no docs/ here: the default plot is the repository's
     with pytest.raises(pytest.fail.Exception, match="measured"):
         run_in_process("benchmark.py", "--presets", "tiny")
+    # Without the ctranslate2 extra, --deploy (the default) ended the run after the first preset's
+    # measurements, in a traceback, with no table printed.
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if not installed
+    result = run_in_process("benchmark.py", "--presets", "tiny")
+    assert result.returncode == 2, result.stderr
+    assert 'pip install "ctranslate2>=4.5"' in result.stderr and "--no-deploy" in result.stderr
+    with pytest.raises(pytest.fail.Exception, match="measured"):
+        run_in_process("benchmark.py", "--presets", "tiny", "--no-deploy")

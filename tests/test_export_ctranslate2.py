@@ -297,6 +297,19 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         export_ctranslate2(listed, tmp_path / "listed-ct2", max_positions=16)
 
 
+def test_translating_with_ctranslate2_not_installed_says_how_to_install_it(
+    tmp_path, corpus, run_in_process, monkeypatch
+):
+    """`translate.py --engine ctranslate2` imported the module itself first: without the extra it said
+    only "No module named 'ctranslate2'"."""
+    trained_folder(tmp_path / "model", corpus)
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2")
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if not installed
+    result = run_in_process("translate.py", "--model", str(tmp_path / "ct2"), "--engine", "ctranslate2")
+    assert result.returncode == 2
+    assert 'need the `ctranslate2` package: pip install "ctranslate2>=4.5"' in result.stderr, result.stderr
+
+
 def test_scripts_export_and_translate_a_file(tmp_path, corpus, run_in_process):
     trained_folder(tmp_path / "model", corpus)
     exported = run_in_process("export_ctranslate2.py", str(tmp_path / "model"), str(tmp_path / "ct2"))

@@ -832,6 +832,24 @@ def test_plot_training_curves_writes_png(tmp_path, monkeypatch):
     assert panels["learning rate"] == [(None, *series("lr"))]
 
 
+def test_a_single_logged_point_is_drawn_in_every_panel(tmp_path, monkeypatch):
+    """A short run logs once: its one learning-rate value was drawn as a line without a marker, which
+    is nothing, leaving an empty panel."""
+    from matplotlib.axes import Axes
+
+    styles = {}
+    original_plot = Axes.plot
+
+    def recording_plot(self, x, y, *args, **kwargs):
+        lines = original_plot(self, x, y, *args, **kwargs)
+        styles[(self.get_ylabel() or "pending", kwargs.get("label"))] = [line.get_marker() for line in lines]
+        return lines
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    plot_training_curves([{"step": 20, "train_loss": 5.0, "lr": 1e-3}], tmp_path / "curves.png")
+    assert styles and all(markers == ["o"] for markers in styles.values()), styles
+
+
 def test_plot_training_curves_rejects_empty_history(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         plot_training_curves([], tmp_path / "curves.png")

@@ -297,6 +297,18 @@ def test_messages_corpus_writes_a_new_folder_whole_or_not_at_all(locale_dir, tmp
     assert not output.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["locale", "mine"]
 
 
+def test_messages_corpus_without_polib_says_so_before_any_download(tmp_path, monkeypatch, capsys):
+    """polib is imported where the catalogs are read: without it the script ended in a traceback, after
+    downloading and unpacking 18 Debian packages."""
+    builder = load_script("build_messages_corpus")
+    monkeypatch.setattr(builder, "fetch_locale_dir", lambda _: pytest.fail("downloaded"))
+    monkeypatch.setattr(builder, "polib_missing", lambda: True)
+    with pytest.raises(SystemExit):
+        builder.main(["--output-dir", str(tmp_path / "corpus")])
+    assert "reading the catalogs needs polib: pip install polib" in capsys.readouterr().err
+    assert not (tmp_path / "corpus").exists()
+
+
 @pytest.mark.parametrize("content", [b"not a catalog", b"\xde\x12\x04\x95"], ids=["not-mo", "cut-short"])
 def test_a_catalog_that_is_not_one_is_named(locale_dir, tmp_path, capsys, content):
     """polib's errors went up as a traceback naming no file ("unpack requires a buffer of 8 bytes")."""

@@ -1,6 +1,7 @@
 """Saving, loading (also without this package installed), Auto classes, tying and checkpointing."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, Generatio
 
 from tests.conftest import EOS, TINY_TERMS, assert_same_up_to_rounding, gradient_scale, tiny_model
 from vanilla_transformer import VanillaTransformerForConditionalGeneration, VanillaTransformerModel
+from vanilla_transformer.configuration_vanilla_transformer import check_transformers_version
 from vanilla_transformer.kernels_vanilla_transformer import set_linear_kernel
 
 
@@ -144,6 +146,40 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch
     pipelines = json.loads((resaved / "config.json").read_text())["custom_pipelines"]
     assert pipelines == json.loads((original / "config.json").read_text())["custom_pipelines"]
     assert pipelines["translation"]["impl"] == "pipeline_vanilla_transformer.TranslationPipeline"
+
+
+@pytest.mark.parametrize("old", ["4.57.6", "5.20.2"])
+def test_a_folder_loaded_by_an_older_transformers_names_the_version_it_needs(tmp_path, old):
+    """A folder's code on transformers 4.57 failed at loading with "must be called with a dataclass type
+    or instance", on 5.20 at the first `generate()` with an unexpected keyword argument 'cache'. Here
+    the installed version is made to read as the old one, the package out of reach."""
+    tiny_model().save_pretrained(tmp_path / "model")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["vanilla_transformer"] = None
+        import transformers
+        transformers.__version__ = {old!r}
+        from transformers import AutoConfig
+        AutoConfig.from_pretrained({str(tmp_path / "model")!r}, trust_remote_code=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")},
+    )
+    assert result.returncode != 0
+    expected = f"needs transformers 5.24 or later, and this Python has {old}: pip install -U"
+    assert expected in result.stderr, result.stderr[-3000:]
+    check_transformers_version("5.24.0")
+    check_transformers_version("5.25.0")
+    with pytest.raises(ImportError, match=r'pip install -U "transformers>=5.24"'):
+        check_transformers_version("5.24.0.dev0")
 
 
 def test_untied_output_projection_survives_save_and_load(tmp_path):

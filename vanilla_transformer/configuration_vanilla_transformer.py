@@ -1,7 +1,8 @@
 """Configuration of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
-Self-contained (imports only transformers): this file is copied next to saved checkpoints so that
-`AutoConfig.from_pretrained(..., trust_remote_code=True)` works without this package installed.
+Self-contained (imports only transformers and its dependency packaging): this file is copied next to
+saved checkpoints so that `AutoConfig.from_pretrained(..., trust_remote_code=True)` works without this
+package installed.
 """
 
 from __future__ import annotations
@@ -12,8 +13,27 @@ import numbers
 import os
 from typing import Any, ClassVar
 
+import transformers
+from packaging.version import Version
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
+
+# The oldest transformers this code (and a model folder's copy of it) runs on: older versions failed
+# without saying why, 4.x at loading ("must be called with a dataclass type or instance") and 5.20 at the
+# first `generate()` (an unexpected keyword argument 'cache').
+MINIMUM_TRANSFORMERS = "5.24"
+
+
+def check_transformers_version(installed: str = transformers.__version__) -> None:
+    """Raise an ImportError naming the upgrade where `installed` is older than MINIMUM_TRANSFORMERS."""
+    if Version(installed) < Version(MINIMUM_TRANSFORMERS):
+        raise ImportError(
+            f"This model's code needs transformers {MINIMUM_TRANSFORMERS} or later, and this Python has "
+            f'{installed}: pip install -U "transformers>={MINIMUM_TRANSFORMERS}" (which needs Python 3.11).'
+        )
+
+
+check_transformers_version()
 
 POSITION_ENCODING_LAYOUTS = ("interleaved", "concatenated")
 

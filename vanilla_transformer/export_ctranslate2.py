@@ -81,13 +81,18 @@ ACTIVATIONS |= dict.fromkeys(
 ACTIVATIONS |= {"silu": "SWISH", "swish": "SWISH", "tanh": "Tanh", "sigmoid": "Sigmoid"}
 
 
-def _ctranslate2() -> Any:
+CTRANSLATE2_MISSING = (
+    'CTranslate2 exports and translation need the `ctranslate2` package: pip install "ctranslate2>=4.5" '
+    '(in a checkout of this project: pip install -e ".[ctranslate2]")'
+)
+
+
+def import_ctranslate2() -> Any:
+    """The `ctranslate2` module; an ImportError that says how to install it where it is missing."""
     try:
         import ctranslate2
     except ImportError as error:  # an optional extra
-        raise ImportError(
-            'Exporting to CTranslate2 needs the `ctranslate2` package: pip install -e ".[ctranslate2]"'
-        ) from error
+        raise ImportError(CTRANSLATE2_MISSING) from error
     return ctranslate2
 
 
@@ -160,7 +165,7 @@ def ctranslate2_spec(
 ) -> Any:
     """The `ctranslate2.specs.TransformerSpec` of `model` (weights shared, not copied), with the
     tokenizer's vocabulary in id order and position encodings for `max_positions` positions."""
-    ctranslate2 = _ctranslate2()
+    ctranslate2 = import_ctranslate2()
     config = model.config
     check_exportable(config, tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
@@ -450,7 +455,7 @@ class CTranslate2Translator:
     ):
         from transformers import AutoTokenizer
 
-        ctranslate2 = _ctranslate2()
+        ctranslate2 = import_ctranslate2()
         export_dir = Path(export_dir)
         settings_file = export_dir / SETTINGS_FILE
         if not settings_file.is_file():

@@ -86,7 +86,7 @@ from .kernels_vanilla_transformer import (
 )
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
+    from typing import Unpack
 
 # When neither `max_length` nor `max_new_tokens` is given, generation stops after the source length
 # plus this many tokens (paper Section 6.1: "maximum output length to input length + 50").

@@ -74,7 +74,8 @@ def plot_training_curves(history: Sequence[Mapping[str, float]], path: str | Pat
             ax.set_ylabel("BLEU")
         else:
             steps, values = lr
-            ax.plot(steps, values, color="tab:purple")
+            # Marked where few points: one alone (a short run logs once) was drawn as nothing.
+            ax.plot(steps, values, color="tab:purple", marker="o" if len(steps) < 30 else None, markersize=3)
             ax.set_ylabel("learning rate")
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         ax.grid(alpha=0.3)
