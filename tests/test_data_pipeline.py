@@ -390,12 +390,18 @@ def test_tokenization_filters_long_training_pairs_only(tokenizer, tmp_path):
     assert tokenized["train"][0]["source_length"] == len(tokenized["train"][0]["input_ids"])
 
 
-def test_the_length_check_never_refuses_a_text_that_fits(tokenizer):
+@pytest.mark.parametrize("chunk", [None, 24], ids=["whole", "in-chunks"])
+def test_the_length_check_never_refuses_a_text_that_fits(tokenizer, chunk, monkeypatch):
     """`length_check` judges from length alone; the reference is the tokenizer's own count. Random
     texts around the bound (long words, spaces, punctuation, characters the vocabulary lacks, an NFKC
     ligature that expands, combining accents that NFKC composes) are never said to be over the limit
-    when they encode within it, and the long ones are caught."""
+    when they encode within it, and the long ones are caught; also where they are judged in pieces of 24
+    characters (as a text longer than LENGTH_CHECK_CHUNK is), cut anywhere."""
+    from vanilla_transformer import tokenization
     from vanilla_transformer.tokenization import MAX_TOKEN_CHARACTERS, characters_per_token, length_check
+
+    if chunk is not None:
+        monkeypatch.setattr(tokenization, "LENGTH_CHECK_CHUNK", chunk)
 
     rng = random.Random(0)
     pieces = ["the", "Dios", "cielos", " ", "  ", ",", "«", "жжж", "\ufb03", "e\u0301", "\t", "x" * 40]
@@ -411,12 +417,14 @@ def test_the_length_check_never_refuses_a_text_that_fits(tokenizer):
             assert not (over and fits), (max_length, text)
             caught += over
         assert caught > 10  # the check decides, not only passes
-    # Without a tokenizer: the bound of any tokenizer train_bpe_tokenizer trains.
+    # Without a tokenizer: the bound of any tokenizer train_bpe_tokenizer trains (exact for a text
+    # judged whole; in pieces, each piece counts LENGTH_CHECK_SLACK characters fewer).
     assert longest <= MAX_TOKEN_CHARACTERS
-    assert length_check(4)(["a" * (4 * MAX_TOKEN_CHARACTERS + 1), "a" * (4 * MAX_TOKEN_CHARACTERS)]) == [
-        True,
-        False,
-    ]
+    if chunk is None:
+        assert length_check(4)(["a" * (4 * MAX_TOKEN_CHARACTERS + 1), "a" * (4 * MAX_TOKEN_CHARACTERS)]) == [
+            True,
+            False,
+        ]
 
 
 def other_bpe_tokenizer(kind: str):
@@ -450,12 +458,17 @@ def other_bpe_tokenizer(kind: str):
     return tokenizer, "e\u0301" * 12
 
 
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "in-chunks"])
 @pytest.mark.parametrize("kind", ["no unk", "added token, Strip", "added token, NFC"])
-def test_the_length_check_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind):
+def test_the_length_check_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind, chunk, monkeypatch):
     """The promise holds for any fast BPE tokenizer without fuse_unk, not only the ones this package
     trains: a text these tokenizers encode within max_length is not judged too long (with added tokens
     other than special ones there is no check at all: None)."""
+    from vanilla_transformer import tokenization
     from vanilla_transformer.tokenization import length_check
+
+    if chunk is not None:
+        monkeypatch.setattr(tokenization, "LENGTH_CHECK_CHUNK", chunk)
 
     tokenizer, text = other_bpe_tokenizer(kind)
     assert len(tokenizer(text, split_special_tokens=True)["input_ids"]) <= 3
@@ -465,6 +478,53 @@ def test_the_length_check_never_refuses_a_text_that_fits_with_other_bpe_tokenize
     # Still caught where the tokenizer would in fact go over.
     if kind == "no unk":
         assert check(["the cat " * 20]) == [True]
+
+
+def test_text_judged_in_pieces_never_counts_more_than_judged_whole(monkeypatch):
+    """A cut can add to a piece's count what the whole text does not have (a word-start marker at each
+    piece's start, an accent composed across the cut): each piece counts LENGTH_CHECK_SLACK fewer. With a
+    one-character bound per token, the limit is the count itself: a text judged whole at exactly its
+    count is not over, and judged in pieces of 7 characters, cut anywhere, it must not be either."""
+    from vanilla_transformer import tokenization
+
+    monkeypatch.setattr(tokenization, "MAX_TOKEN_CHARACTERS", 1)
+    rng = random.Random(1)
+    pieces = ["the", "Dios", " ", "  ", ",", "«", "\ufb03", "e\u0301", "\u0301", "\t", "a."]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(4, 30)))
+        whole = next(n for n in range(1, 200) if tokenization.length_check(n)([text]) == [False])
+        with monkeypatch.context() as patched:
+            patched.setattr(tokenization, "LENGTH_CHECK_CHUNK", 7)
+            assert tokenization.length_check(whole)([text]) == [False], (whole, text)
+
+
+def test_a_huge_text_is_judged_in_bounded_pieces(monkeypatch):
+    """Judging a 50 MB line normalised and pre-tokenized it whole, at about 64 bytes a character: over
+    3 GB before the check that exists to spare that memory had answered. Now no piece handed to the
+    normaliser is longer than LENGTH_CHECK_CHUNK, a line surely over stops at its first piece, and a long
+    line of spaces around a few words (which fits) is read to its end and passes."""
+    from vanilla_transformer import tokenization
+
+    lengths = []
+    plain = tokenization.text_normalizer
+
+    class Recording:
+        def __init__(self):
+            self.normalizer = plain()
+
+        def normalize_str(self, text):
+            lengths.append(len(text))
+            return self.normalizer.normalize_str(text)
+
+    monkeypatch.setattr(tokenization, "text_normalizer", Recording)
+    check = tokenization.length_check(128)
+    chunk = tokenization.LENGTH_CHECK_CHUNK
+    assert check(["word " * 1_000_000]) == [True]
+    assert lengths == [chunk]  # the first piece decided
+    lengths.clear()
+    spaces = " " * (10 * chunk)
+    assert check([spaces + "In the beginning God created the heaven and the earth." + spaces]) == [False]
+    assert len(lengths) == 21 and max(lengths) == chunk
 
 
 def test_a_pair_surely_over_max_length_is_never_encoded(tokenizer, tmp_path, monkeypatch):

@@ -21,6 +21,12 @@ BASE_ALPHABET = list("0123456789.,;:!?¡¿'\"«»“”‘’()[]-–—/&%")
 # (`length_check`). Far above what natural text gives: the embedded corpus's longest at 4,000 and
 # 16,000 types are 14 and 16 characters.
 MAX_TOKEN_CHARACTERS = 32
+# `length_check` normalises and pre-tokenizes a long text this many characters at a time, stopping once
+# it is surely over: a text whole cost about 64 bytes a character (a 50 MB line, over 3 GB). Each piece's
+# count is lowered by LENGTH_CHECK_SLACK for what a cut can add (a word-start marker, an accent
+# composed across it), so that the pieces together never count more than the whole text.
+LENGTH_CHECK_CHUNK = 1 << 16
+LENGTH_CHECK_SLACK = 4
 
 
 def text_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
@@ -129,7 +135,8 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
     that many (of the characters sure to be encoded) is over the limit. Only a text longer than that as
     given is normalised and pre-tokenized to be judged; one that normalising lengthens (NFKC: a
     ligature, three letters) is caught only if it was that long already, and otherwise left to the
-    length filter after encoding."""
+    length filter after encoding. A text longer than LENGTH_CHECK_CHUNK is judged a chunk at a time,
+    in bounded memory."""
     known = None
     if tokenizer is None:
         per_token, normalizer, pre_tokenizer = MAX_TOKEN_CHARACTERS, text_normalizer(), text_pre_tokenizer()
@@ -140,14 +147,25 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
         per_token, normalizer, pre_tokenizer, known = bound
     limit = max_length * per_token
 
-    def over(text: str) -> bool:
-        if len(text) <= limit:
-            return False
+    def counted(text: str) -> int:  # characters sure to be encoded, after normalising and pre-tokenizing
         pieces = text if normalizer is None else normalizer.normalize_str(text)
         if pre_tokenizer is not None:
             pieces = "".join(piece for piece, _ in pre_tokenizer.pre_tokenize_str(pieces))
         dropped = 0 if known is None else sum(pieces.count(c) for c in set(pieces) - known)
-        return len(pieces) - dropped > limit
+        return len(pieces) - dropped
+
+    def over(text: str) -> bool:
+        if len(text) <= limit:
+            return False
+        chunk = LENGTH_CHECK_CHUNK
+        if len(text) <= chunk:
+            return counted(text) > limit
+        total = 0
+        for start in range(0, len(text), chunk):
+            total += counted(text[start : start + chunk]) - LENGTH_CHECK_SLACK
+            if total > limit:
+                return True
+        return False
 
     return lambda texts: [over(text) for text in texts]
 
