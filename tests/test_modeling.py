@@ -743,3 +743,32 @@ def test_target_lengths_get_a_forward_without_a_cache_by_default():
         assert_same_up_to_rounding(states[1, :2], full[1, :2], TINY_TERMS)
     with pytest.raises(ValueError, match="target_lengths"):
         decoder(input_ids=target, encoder_hidden_states=encoded, target_lengths=lengths, use_cache=True)
+
+
+def test_sdpa_on_the_cpu_gets_the_padding_mask_broadcast_over_the_queries():
+    """transformers' mask builder gives SDPA a (B, 1, T, S) mask, materialised: one long source batched
+    with short ones took memory in its length squared (a 10,000-token line with two short ones: over
+    3 GB). On the CPU SDPA gets (B, 1, 1, S), the same mask broadcast over the queries; elsewhere (eager
+    attention) the builder's own; and the outputs are those of the builder's mask."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    model = tiny_model("sdpa")
+    config = model.config
+    source = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
+    keep = source != PAD
+    embeds = torch.zeros(2, 5, config.d_model)
+    decoder_embeds = torch.zeros(2, 3, config.d_model)
+    built = create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=keep.long())
+    mask = modeling.padding_mask(config, embeds, keep.long())
+    assert mask.shape == (2, 1, 1, 5) and mask.dtype == torch.bool
+    assert torch.equal(mask.expand_as(built), built)
+    cross = modeling.padding_mask(config, decoder_embeds, keep.long(), torch.zeros(2, 5, config.d_model))
+    assert cross.shape == (2, 1, 1, 5) and torch.equal(cross[:, :, 0], mask[:, :, 0])
+    assert modeling.padding_mask(config, embeds, torch.ones(2, 5, dtype=torch.long)) is None
+    target = torch.tensor([[BOS, 11, 12], [BOS, 13, PAD]])
+    with torch.no_grad():
+        broadcast = model(input_ids=source, attention_mask=keep.long(), decoder_input_ids=target).logits
+        model.set_attn_implementation("eager")
+        assert modeling.padding_mask(config, embeds, keep.long()).shape == built.shape  # the builder's
+        eager = model(input_ids=source, attention_mask=keep.long(), decoder_input_ids=target).logits
+    assert_same_up_to_rounding(broadcast, eager, TINY_TERMS)

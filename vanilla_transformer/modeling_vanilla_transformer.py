@@ -514,6 +514,36 @@ def may_read(mask: torch.Tensor | None) -> bool:
     return mask is None or reads_are_free(mask)
 
 
+def padding_mask(
+    config: VanillaTransformerConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    encoder_hidden_states: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The mask of padded keys (a (B, S) `attention_mask`) as the attention function takes it; None where
+    nothing is padded. transformers' builder (`create_bidirectional_mask`) gives SDPA a (B, 1, T, S)
+    mask, materialised; on the CPU this gives it (B, 1, 1, S), broadcast over the T queries, which torch's
+    CPU flash kernel reads without expanding: one 4,000-token source batched with two short ones took
+    230 MB more memory and 3x the time in SDPA with the full mask, and a 10,000-token one over 3 GB.
+    Elsewhere (eager attention, which materialises its scores anyway; accelerators; a 4-D mask given
+    by hand; export and tracing), transformers' builder."""
+    if (
+        config._attn_implementation == "sdpa"
+        and attention_mask is not None
+        and attention_mask.dim() == 2
+        and reads_are_free(attention_mask)
+        and inputs_embeds.device.type == "cpu"
+    ):
+        return None if bool(attention_mask.all()) else attention_mask[:, None, None, :].to(torch.bool)
+    return create_bidirectional_mask(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        encoder_hidden_states=encoder_hidden_states,
+        allow_is_bidirectional_skip=may_read(attention_mask),  # (it reads whether all are 1)
+    )
+
+
 class VanillaTransformerStack(nn.Module):
     """What encoder and decoder share: token embeddings x sqrt(d_model) + sinusoidal positions (Sections
     3.4, 3.5), dropout, N layers, and with pre-LN a final LayerNorm."""
@@ -617,12 +647,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         if packing is not None:
             hidden_states = packing.pack(hidden_states)  # (N, D)
         hidden_states = dropout(hidden_states, self.dropout, self.training)
-        mask = create_bidirectional_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            allow_is_bidirectional_skip=may_read(attention_mask),  # (it reads whether all are 1)
-        )
+        mask = padding_mask(self.config, inputs_embeds, attention_mask)
 
         all_hidden_states = None
         if output_hidden_states:
@@ -814,13 +839,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         self, inputs_embeds: torch.Tensor, encoder_hidden_states: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The encoder-decoder attention mask as the attention function takes it (None: no padding)."""
-        return create_bidirectional_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=mask,
-            encoder_hidden_states=encoder_hidden_states,
-            allow_is_bidirectional_skip=may_read(mask),
-        )
+        return padding_mask(self.config, inputs_embeds, mask, encoder_hidden_states)
 
     def decoding_step(
         self,
