@@ -458,17 +458,12 @@ def other_bpe_tokenizer(kind: str):
     return tokenizer, "e\u0301" * 12
 
 
-@pytest.mark.parametrize("chunk", [None, 8], ids=["whole", "in-chunks"])
 @pytest.mark.parametrize("kind", ["no unk", "added token, Strip", "added token, NFC"])
-def test_the_length_check_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind, chunk, monkeypatch):
+def test_the_length_check_never_refuses_a_text_that_fits_with_other_bpe_tokenizers(kind):
     """The promise holds for any fast BPE tokenizer without fuse_unk, not only the ones this package
     trains: a text these tokenizers encode within max_length is not judged too long (with added tokens
     other than special ones there is no check at all: None)."""
-    from vanilla_transformer import tokenization
     from vanilla_transformer.tokenization import length_check
-
-    if chunk is not None:
-        monkeypatch.setattr(tokenization, "LENGTH_CHECK_CHUNK", chunk)
 
     tokenizer, text = other_bpe_tokenizer(kind)
     assert len(tokenizer(text, split_special_tokens=True)["input_ids"]) <= 3
@@ -496,6 +491,29 @@ def test_text_judged_in_pieces_never_counts_more_than_judged_whole(monkeypatch):
         with monkeypatch.context() as patched:
             patched.setattr(tokenization, "LENGTH_CHECK_CHUNK", 7)
             assert tokenization.length_check(whole)([text]) == [False], (whole, text)
+
+
+def test_another_tokenizers_normaliser_is_judged_on_the_whole_text(monkeypatch):
+    """A normaliser that deletes a match of any length (HTML tags) deletes nothing where a cut runs
+    through the match: judged in pieces, a text of 6 tokens with a 70,000-character tag was "surely over"
+    128 tokens, and its pair would have been dropped. Only this package's normaliser and pre-tokenizer
+    are judged in pieces."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from vanilla_transformer import tokenization
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.Replace(Regex(r"<[^>]*>"), "")
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"], show_progress=False)
+    backend.train_from_iterator(["the cat sat on the mat", "a dog ran far away"] * 50, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    text = 'the cat sat <img src="data:image/png;base64,' + "A" * 70_000 + '"> on the mat'
+    assert len(tokenizer(text, split_special_tokens=True)["input_ids"]) == 6
+    monkeypatch.setattr(tokenization, "LENGTH_CHECK_CHUNK", 1000)
+    assert tokenization.length_check(128, tokenizer)([text]) == [False]
+    assert tokenization.length_check(128, tokenizer)(["the cat " * 5000]) == [True]
 
 
 def test_a_huge_text_is_judged_in_bounded_pieces(monkeypatch):

@@ -23,8 +23,10 @@ BASE_ALPHABET = list("0123456789.,;:!?¡¿'\"«»“”‘’()[]-–—/&%")
 MAX_TOKEN_CHARACTERS = 32
 # `length_check` normalises and pre-tokenizes a long text this many characters at a time, stopping once
 # it is surely over: a text whole cost about 64 bytes a character (a 50 MB line, over 3 GB). Each piece's
-# count is lowered by LENGTH_CHECK_SLACK for what a cut can add (a word-start marker, an accent
-# composed across it), so that the pieces together never count more than the whole text.
+# count is lowered by LENGTH_CHECK_SLACK for what a cut can add with this package's normalizer and
+# pre-tokenizer (a word-start marker, an accent composed across it), so that the pieces together never
+# count more than the whole text. Only with those: another tokenizer's normalizer may delete a match of
+# any length (a Replace of `<[^>]*>` with ""), which a cut through it leaves counted.
 LENGTH_CHECK_CHUNK = 1 << 16
 LENGTH_CHECK_SLACK = 4
 
@@ -135,8 +137,9 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
     that many (of the characters sure to be encoded) is over the limit. Only a text longer than that as
     given is normalised and pre-tokenized to be judged; one that normalising lengthens (NFKC: a
     ligature, three letters) is caught only if it was that long already, and otherwise left to the
-    length filter after encoding. A text longer than LENGTH_CHECK_CHUNK is judged a chunk at a time,
-    in bounded memory."""
+    length filter after encoding. With this package's normalizer and pre-tokenizer (any tokenizer
+    `train_bpe_tokenizer` trains), a text longer than LENGTH_CHECK_CHUNK is judged a piece at a time, in
+    bounded memory; with others, whole."""
     known = None
     if tokenizer is None:
         per_token, normalizer, pre_tokenizer = MAX_TOKEN_CHARACTERS, text_normalizer(), text_pre_tokenizer()
@@ -146,6 +149,12 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
             return None
         per_token, normalizer, pre_tokenizer, known = bound
     limit = max_length * per_token
+    in_pieces = tokenizer is None or (
+        normalizer is not None
+        and pre_tokenizer is not None
+        and normalizer.__getstate__() == text_normalizer().__getstate__()
+        and pre_tokenizer.__getstate__() == text_pre_tokenizer().__getstate__()
+    )
 
     def counted(text: str) -> int:  # characters sure to be encoded, after normalising and pre-tokenizing
         pieces = text if normalizer is None else normalizer.normalize_str(text)
@@ -158,7 +167,7 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
         if len(text) <= limit:
             return False
         chunk = LENGTH_CHECK_CHUNK
-        if len(text) <= chunk:
+        if len(text) <= chunk or not in_pieces:
             return counted(text) > limit
         total = 0
         for start in range(0, len(text), chunk):

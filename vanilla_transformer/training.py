@@ -1174,7 +1174,8 @@ def main_process_first(accelerator: Accelerator, what: str, timeout_s: float) ->
     (`--ddp_timeout`, `timeout_s`) names that flag. At Accelerate's barrier an error the main process
     alone met (a bad line in a data file) was followed by the others' tracebacks of gloo's "Connection
     closed by peer", and a turn longer than the timeout (BPE learned on a large corpus) ended in gloo's
-    "Timed out waiting 1800000ms", naming no flag. `what` completes "the main process took longer than
+    "Timed out waiting 1800000ms", naming no flag (with gloo; NCCL's watchdog ends a GPU process that
+    waits too long by itself, with its own message). `what` completes "the main process took longer than
     ... to"."""
     if accelerator.num_processes == 1:
         yield
