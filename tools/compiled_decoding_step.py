@@ -120,7 +120,9 @@ def compare(config: VanillaTransformerConfig, repeats: int, backend: str = "indu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
     parser.add_argument("--repeats", type=int, default=7, help="timed decodings of each variant, in turns")
     args = parser.parse_args()

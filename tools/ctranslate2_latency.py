@@ -44,6 +44,8 @@ def latency(export_dir: str, sources: dict[str, list[list[int]]], repeats: int) 
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 4 or not sys.argv[3].isdigit():
+        sys.exit(__doc__)
     export, sources_file, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with open(sources_file) as handle:
         print(json.dumps(latency(export, json.load(handle), repeats)))

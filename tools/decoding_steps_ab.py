@@ -109,7 +109,9 @@ def compare(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--compare", default="decoding_step", choices=["decoding_step", "linear_kernel"])
     parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
     parser.add_argument("--repeats", type=int, default=15, help="timed calls of each variant, in turns")
