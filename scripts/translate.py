@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
 
 from vanilla_transformer.cli import (
     add_length_penalty_form,
@@ -26,7 +25,7 @@ from vanilla_transformer.cli import (
 )
 from vanilla_transformer.evaluation import load_model_folder
 from vanilla_transformer.modeling_vanilla_transformer import length_penalty_problem
-from vanilla_transformer.translation import LineError, translate_lines, translate_stream
+from vanilla_transformer.translation import LineError, decoded_lines, translate_lines, translate_stream
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument(
@@ -72,16 +71,6 @@ options = {
 generate_kwargs = {key: value for key, value in options.items() if value is not None}
 
 
-def decoded(stream: Iterator[bytes]) -> Iterator[str]:
-    """The input's lines as text, decoded one by one so that an error names its line; a byte-order mark
-    that starts the input (as Windows editors save UTF-8) is not part of its first line."""
-    for number, line in enumerate(stream, 1):
-        try:
-            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as error:
-            raise LineError(number, f"is not UTF-8 text ({error.reason}).") from None
-
-
 # Lines typed at a terminal are translated as they come; a file's, in windows of sentences to sort.
 window = 1 if args.input.isatty() else args.batch_size * 8
 if args.engine == "ctranslate2":
@@ -103,7 +92,7 @@ if args.engine == "ctranslate2":
         lambda texts, numbers: translator.translate(
             texts, batch_size=args.batch_size, line_numbers=numbers, **generate_kwargs
         ),
-        decoded(args.input),
+        decoded_lines(args.input),
         window=window,
         numbered=True,
     )
@@ -117,7 +106,7 @@ else:
     lines = translate_lines(
         model,
         tokenizer,
-        decoded(args.input),
+        decoded_lines(args.input),
         batch_size=args.batch_size,
         window=window,
         **generate_kwargs,

@@ -376,6 +376,24 @@ def test_translate_stream_names_the_line_of_a_sentence_error():
         list(translate_stream(engine, ["a\n", "\n", "too long\n", "c\n"], window=3))
 
 
+def test_lines_are_read_to_a_mebibyte_each():
+    """Input without line breaks was read whole (`--input /dev/zero` grew until the system stopped the
+    process). A line of MAX_LINE_BYTES and its line break ("\n" or "\r\n") is read whole, the next one
+    after it; a longer one is named once that much has been read; a byte-order mark starts no line."""
+    import io
+
+    from vanilla_transformer.translation import MAX_LINE_BYTES, decoded_lines
+
+    full = "x" * MAX_LINE_BYTES
+    for ending in ("\n", "\r\n"):
+        data = f"\ufeffa\n{full}{ending}b\nlast".encode()
+        assert list(decoded_lines(io.BytesIO(data))) == ["a\n", full + ending, "b\n", "last"]
+    reader = decoded_lines(io.BytesIO(b"a\n" + b"\0" * (MAX_LINE_BYTES + 5)))
+    assert next(reader) == "a\n"
+    with pytest.raises(LineError, match=r"^line 2 is longer than 1,048,576 bytes"):
+        next(reader)
+
+
 def test_translate_stream_stops_its_output_at_the_line_it_names():
     """A line that cannot be read (not UTF-8) or translated stopped the stream with the lines read before
     it in its window untranslated: translate.py's standard output ended at the window before (16 lines of

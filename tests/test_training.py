@@ -1972,6 +1972,14 @@ def test_translate_script_never_destroys_or_half_writes_a_file(
     bad = run_in_process("translate.py", "--model", str(output_dir), *options)
     assert bad.returncode == 1 and "line 21 is not UTF-8" in bad.stderr
     assert earlier.read_text() == "keep me\n" and not list(tmp_path.glob(".*partial"))
+    # Input without line breaks (`--input /dev/zero`, a binary file) was read whole, without bound: a
+    # line over a MiB is refused when that much has been read (`decoded_lines`).
+    unbroken = tmp_path / "unbroken.bin"
+    unbroken.write_bytes(b"Jesus wept.\n" + b"\0" * (3 << 20))
+    options[1] = str(unbroken)
+    long_line = run_in_process("translate.py", "--model", str(output_dir), *options)
+    assert long_line.returncode == 1 and "line 2 is longer than 1,048,576 bytes" in long_line.stderr
+    assert earlier.read_text() == "keep me\n"
     # SIGTERM part way (`timeout`, `kill`): the old file stays and no hidden partial file is left behind.
     many = tmp_path / "many.txt"
     many.write_text("Jesus wept.\n" * 5000)

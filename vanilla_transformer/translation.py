@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import IO, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -130,6 +130,29 @@ def translate_lines(
     return translate_stream(translate_many, lines, window=window or batch_size * 8)
 
 
+# A line is translated as one sentence; one longer than this is no sentence: input without line breaks
+# (`--input /dev/zero`, a binary file) was read whole, and grew until the system stopped the process.
+MAX_LINE_BYTES = 1 << 20
+
+
+def decoded_lines(stream: IO[bytes]) -> Iterator[str]:
+    """The input's lines as text, decoded one by one so that an error names its line; a byte-order mark
+    that starts the input (as Windows editors save UTF-8) is not part of its first line. A line is read
+    at most MAX_LINE_BYTES (and its line break) at a time: a longer one is an error that names it."""
+    limit = MAX_LINE_BYTES + 2  # "\r\n" included
+    for number, line in enumerate(iter(lambda: stream.readline(limit), b""), 1):
+        if len(line) == limit and not line.endswith(b"\n"):
+            raise LineError(
+                number,
+                f"is longer than {MAX_LINE_BYTES:,} bytes: each line is translated as one sentence (is the "
+                "input text with line breaks?).",
+            )
+        try:
+            yield line.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise LineError(number, f"is not UTF-8 text ({error.reason}).") from None
+
+
 def translate_stream(
     translate_many: Callable[..., list[str]],
     lines: Iterable[str],
@@ -185,9 +208,11 @@ def translate_stream(
 
 
 __all__ = [
+    "MAX_LINE_BYTES",
     "LineError",
     "SentenceError",
     "checked_sentences",
+    "decoded_lines",
     "one_line",
     "translate",
     "translate_lines",
