@@ -223,6 +223,26 @@ def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_label_smoothing_other_than_the_models_is_said(start, tmp_path):
+    """--label_smoothing_factor (0.1 by default) replaced a model's own label smoothing (0 for a model
+    trained without) without a word, where the unlikelihood weight is kept unless given."""
+    model_dir, data = start
+    own = json.loads((Path(model_dir) / "config.json").read_text())["label_smoothing"]
+    other = 0.2 if own != 0.2 else 0.3
+    module = "vanilla_transformer.finetuning"
+    with logged_messages(module) as warnings:
+        trainer = build_trainer(
+            small_config(model_dir, data, tmp_path / "other", max_steps=1, label_smoothing_factor=other)
+        )
+    assert trainer.model.config.label_smoothing == other
+    said = [w for w in warnings if f"Fine-tuning with label smoothing {other:g}" in w]
+    assert said and f"trained with {own:g}" in said[0] and f"--label_smoothing_factor {own:g}" in said[0]
+    with logged_messages(module) as warnings:
+        same = small_config(model_dir, data, tmp_path / "same", max_steps=1, label_smoothing_factor=own)
+        build_trainer(same)
+    assert not [w for w in warnings if "Fine-tuning with label smoothing" in w]
+
+
 def test_unlikelihood_weight_option(start, marian_start, tmp_path):
     """`--unlikelihood_weight` replaces the model's own weight in the loss Trainer optimises (the term
     written out per token, independently), is kept when not given, and is refused for a MarianMTModel."""

@@ -699,7 +699,8 @@ def test_a_card_of_separate_vocabularies_gives_both_sizes():
     """A converted Marian model with separate vocabularies was described as having one joint vocabulary."""
     config = tiny_config(share_encoder_decoder_embeddings=False, vocab_size=40, decoder_vocab_size=30)
     text = build_model_card(**card_kwargs(config=config)).text
-    assert "| vocabularies, source (en) and target (es) | 40 and 30 |" in text and "(joint en/es)" not in text
+    assert "| vocabulary sizes of the source (en) and target (es) embeddings | 40 and 30 |" in text
+    assert "(joint en/es)" not in text
     assert "| vocabulary (joint en/es) |" in build_model_card(**card_kwargs()).text
 
 
@@ -957,7 +958,7 @@ def test_model_card_states_the_architecture_optimiser_and_test_size_of_this_run(
     )
     assert "As in the paper, except where marked" in marian_like
     assert "in the `concatenated` layout (not the paper's interleaved sines and cosines)" in marian_like
-    assert "- **Separate source and target embeddings** (not the paper's" in marian_like
+    assert "- **Separate source and target embedding matrices** (the paper shares one matrix" in marian_like
     assert "not scaled by sqrt(d_model) (the paper scales them)" in marian_like
     assert "- **A bias on the output logits** (not in the paper" in marian_like
     assert (

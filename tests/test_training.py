@@ -567,6 +567,24 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     assert "**Stutter augmentation**" in card and "50% of the" in card and "1 to 3 times" in card
 
 
+def test_a_field_given_by_its_flag_and_by_config_overrides_once_each(tmp_path):
+    """--config_overrides wins over --dropout, --label_smoothing and --unlikelihood_weight: given both
+    with other values, the flag was ignored without a word. Two values are refused; the same value
+    twice, or the recipe's dropout under an override, are not a conflict."""
+    base = ["--output_dir", str(tmp_path / "run")]
+    for flag, override in (
+        (["--dropout", "0.1"], "dropout=0.3"),
+        (["--label_smoothing", "0.2"], "label_smoothing=0"),
+        (["--unlikelihood_weight", "1"], "unlikelihood_weight=2"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config([*base, *flag, "--config_overrides", override])
+    with pytest.raises(ValueError, match=r"--dropout 0.1 and --config_overrides dropout=0.3\. Give one"):
+        TrainingConfig(output_dir=str(tmp_path / "run"), dropout=0.1, config_overrides="dropout=0.3")
+    assert parse_config([*base, "--dropout", "0.3", "--config_overrides", "dropout=0.3"]).dropout == 0.3
+    assert parse_config([*base, "--config_overrides", "dropout=0.3,label_smoothing=0"]).dropout == 0.0
+
+
 @pytest.mark.parametrize("repeats", [1, 4])
 def test_stutters_lengthen_a_batch_by_at_most_three_tokens_per_repeat(repeats):
     """What README states of --max_tokens: the bound holds before stutter augmentation, which lengthens a

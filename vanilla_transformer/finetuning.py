@@ -529,6 +529,14 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     # stays off. Other models (a MarianMTModel folder) ignore that field: Trainer smooths for them.
     own_loss = model.config.model_type == VanillaTransformerConfig.model_type
     if own_loss:
+        if model.config.label_smoothing != config.label_smoothing_factor:  # the default (0.1) included
+            logger.warning(
+                f"Fine-tuning with label smoothing {config.label_smoothing_factor:g} "
+                f"(--label_smoothing_factor), where {config.model} was trained with "
+                f"{model.config.label_smoothing:g}; the fine-tuned model records "
+                f"{config.label_smoothing_factor:g}. Pass --label_smoothing_factor "
+                f"{model.config.label_smoothing:g} to keep the model's."
+            )
         model.config.label_smoothing = config.label_smoothing_factor
         if config.unlikelihood_weight is not None:
             model.config.unlikelihood_weight = config.unlikelihood_weight

@@ -352,6 +352,21 @@ class TrainingConfig:
                 fields[name] = getattr(self, name)
         return fields
 
+    def check_one_value_per_field(self) -> None:
+        """Refuse a model field given by its flag and by --config_overrides with another value (before the
+        recipe fills the flags): --config_overrides won, and the flag was ignored without a word."""
+        overrides = parse_overrides(self.config_overrides)
+        given = {name: getattr(self, name) for name in ("dropout", "unlikelihood_weight")}
+        if self.label_smoothing != TrainingConfig.label_smoothing:  # its default cannot be told from a flag
+            given["label_smoothing"] = self.label_smoothing
+        clashes = [
+            f"--{name} {value:g} and --config_overrides {name}={overrides[name]:g}"
+            for name, value in given.items()
+            if value is not None and name in overrides and overrides[name] != value
+        ]
+        if clashes:
+            raise ValueError(f"Two values for one model field: {'; '.join(clashes)}. Give one of them.")
+
     def decoding(self) -> dict[str, Any]:
         """The generation settings for BLEU and for the model folder: beam search stops when every beam
         is finished (Section 6.1) and applies the length penalty; greedy search (`num_beams` 1) has
@@ -366,6 +381,7 @@ class TrainingConfig:
         resolve_languages(self)
         if self.preset not in PRESETS:
             raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}.")
+        self.check_one_value_per_field()
         for name, value in RECIPES[self.preset].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
