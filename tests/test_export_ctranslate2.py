@@ -222,6 +222,9 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
         CTranslate2Translator(tmp_path / "ct2").translate([3])
     with pytest.raises(ValueError, match="not a folder written by export_ctranslate2"):
         CTranslate2Translator(tmp_path / "model")
+    # No folder at all (a mistyped path; an export killed between its two renames) is said as such.
+    with pytest.raises(FileNotFoundError, match=r"No CTranslate2 export at .*missing \(no such folder\)"):
+        CTranslate2Translator(tmp_path / "missing")
     # An export copied without its tokenizer: transformers' message advised installing sentencepiece.
     shutil.copytree(tmp_path / "ct2", tmp_path / "untokenized")
     for name in ("tokenizer.json", "tokenizer_config.json"):

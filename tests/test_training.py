@@ -984,6 +984,13 @@ def test_checkpoints_are_flushed_before_they_are_named_and_removed_whole(tmp_pat
     monkeypatch.setattr(training_module.shutil, "rmtree", rmtree)
     save_checkpoint(accelerator, tmp_path, {"step": 12, "run_id": "r"}, keep=1)
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000012"]
+    # A resume with no update left writes no checkpoint: the run's start clears what a kill left (a
+    # whole old checkpoint stayed in the finished folder).
+    stale = folder / ".removing-step-00000008"
+    (stale / "model").mkdir(parents=True)
+    (stale / "model" / "model.safetensors").write_bytes(b"weights")
+    training_module.make_accelerator(parse_config(["--output_dir", str(tmp_path)]), tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000012"]
 
 
 def test_a_kill_before_an_off_schedule_checkpoint_is_removed_leaves_it_out_of_the_average(

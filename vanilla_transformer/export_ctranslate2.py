@@ -458,6 +458,8 @@ class CTranslate2Translator:
         ctranslate2 = import_ctranslate2()
         export_dir = Path(export_dir)
         settings_file = export_dir / SETTINGS_FILE
+        if not export_dir.is_dir():  # not "a folder without the settings file"
+            raise FileNotFoundError(f"No CTranslate2 export at {export_dir} (no such folder).")
         if not settings_file.is_file():
             raise ValueError(
                 f"{export_dir} is not a folder written by export_ctranslate2 (no {SETTINGS_FILE})."

@@ -733,10 +733,18 @@ def retire_later_checkpoints(output_dir: str | Path, resume_path: Path | None) -
     return moved
 
 
+def clear_interrupted_removals(output_dir: Path) -> None:
+    """Delete the `.removing-step-N` folders a kill left in `output_dir`'s checkpoints (`remove_checkpoint`):
+    at the next checkpoint's write, and at a run's start, as a resumed run with no update left writes
+    none (a whole old checkpoint stayed in the finished run's folder)."""
+    for stale in (output_dir / "checkpoints").glob(".removing-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def remove_checkpoint(path: Path) -> None:
     """Delete checkpoint `path` so that a kill midway leaves no half-deleted step-N for `latest` or the
-    average to meet: it is renamed `.removing-step-N` first (one rename), then deleted; the next
-    checkpoint's write clears what a kill left."""
+    average to meet: it is renamed `.removing-step-N` first (one rename), then deleted; what a kill left
+    is cleared by `clear_interrupted_removals`."""
     doomed = path.with_name(f".removing-{path.name}")
     shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
@@ -761,8 +769,7 @@ def save_checkpoint(
     partial = folder / f".partial-step-{state['step']:08d}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
-        for stale in folder.glob(".removing-step-*"):  # left by a kill while a checkpoint was removed
-            shutil.rmtree(stale, ignore_errors=True)
+        clear_interrupted_removals(output_dir)
         partial.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
@@ -1265,6 +1272,7 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     sharded = accelerator.distributed_type == DistributedType.FSDP
     if accelerator.is_main_process:  # a run killed while publishing its folder left it half moved
         finish_interrupted_publish(output_dir)
+        clear_interrupted_removals(output_dir)
     accelerator.wait_for_everyone()
     if (
         os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
