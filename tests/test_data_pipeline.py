@@ -231,6 +231,30 @@ def test_a_hub_translation_feature_row_with_a_null_side_is_empty_not_refused():
     assert data["train"]["source"] == ["Hallo", None] and data["train"]["target"] == ["Salut", None]
 
 
+def test_a_compressed_file_is_named_as_such(tmp_path):
+    """A gzip file named .tsv was "not UTF-8 text ... convert it, e.g. `iconv -f LATIN1 -t UTF-8`"."""
+    import bz2
+    import gzip
+    import io
+    import lzma
+    import zipfile
+
+    rows = "en\tes\nhi\thola\n"
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as folder:
+        folder.writestr("pairs.tsv", rows)
+    packed = {
+        "gzip-compressed": gzip.compress(rows.encode()),
+        "bzip2-compressed": bz2.compress(rows.encode()),
+        "xz-compressed": lzma.compress(rows.encode()),
+        "a zip archive": archive.getvalue(),
+    }
+    for kind, data in packed.items():
+        (tmp_path / "pairs.tsv").write_bytes(data)
+        with pytest.raises(DataError, match=rf"pairs\.tsv is {kind}, not text; decompress it first"):
+            load_parallel_data(train_file=tmp_path / "pairs.tsv")
+
+
 def test_line_breaks_inside_a_sentence_become_spaces(tmp_path):
     """A model trained on targets with line breaks wrote them, and a line-by-line translation gained lines."""
     rows = '{"en": "one\\ntwo", "es": " uno\\r\\n\\r\\ndos\\u2028tres "}\n'

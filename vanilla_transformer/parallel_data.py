@@ -85,8 +85,38 @@ def text_digest(dataset: Any) -> str:
     return digest.hexdigest()
 
 
+# The first bytes of compressed files and archives: a gzip file named .tsv got the hint for Latin-1 text.
+# Those of gzip, xz and zstd are not UTF-8; those of bzip2 ("BZh", a digit, its block's magic number) and
+# zip ("PK" and two control characters) begin no text.
+COMPRESSED_MAGIC = {
+    b"\x1f\x8b": ("gzip-compressed", "gzip -dc"),
+    b"\xfd7zXZ\x00": ("xz-compressed", "xz -dc"),
+    b"\x28\xb5\x2f\xfd": ("zstd-compressed", "zstd -dc"),
+    b"PK\x03\x04": ("a zip archive", "unzip -p"),
+}
+BZIP2_MAGIC = re.compile(rb"BZh[1-9]1AY&SY")
+
+
+def check_not_compressed(path: Path) -> None:
+    """Raise a DataError naming the compression of a compressed file, with the command that decompresses
+    it."""
+    with path.open("rb") as handle:
+        head = handle.read(10)
+    found = [value for magic, value in COMPRESSED_MAGIC.items() if head.startswith(magic)]
+    if BZIP2_MAGIC.match(head):
+        found.append(("bzip2-compressed", "bzip2 -dc"))
+    if found:
+        (compression, command), text = found[0], f"{path.stem}.text{path.suffix}"
+        raise DataError(
+            f"{path} is {compression}, not text; decompress it first, e.g. "
+            f"`{command} {path.name} > {text}`, and name {text} here."
+        )
+
+
 def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
-    """Raise a ValueError naming the line of the first byte sequence that is not UTF-8."""
+    """Raise a ValueError naming the line of the first byte sequence that is not UTF-8, or the
+    compression of a compressed file (`check_not_compressed`)."""
+    check_not_compressed(path)
     decoder = codecs.getincrementaldecoder("utf-8")()
     line = 1
     with path.open("rb") as handle:
