@@ -335,9 +335,16 @@ def test_delimited_files_are_parsed_strictly(tmp_path):
     comma = write(tmp_path / "c.csv", 'en,es\n"one, two",uno\none, two,dos\n')
     with pytest.raises(ValueError, match=r"c\.csv, line 3: 3 fields where the header has 2"):
         load_parallel_data(train_file=comma, validation_file=comma)
-    lists = write(tmp_path / "l.jsonl", '{"en": ["a", "b"], "es": "x"}\n{"en": ["c"], "es": "y"}\n')
-    with pytest.raises(ValueError, match=r"column 'en' holds .* not text"):
+    # A JSON Lines file is named with its line (its column, datasets' type for it, were "Json(decode=True)")
+    lists = write(tmp_path / "l.jsonl", '{"en": "a", "es": "x"}\n\n{"en": ["c"], "es": "y"}\n')
+    with pytest.raises(DataError, match=r"l\.jsonl, line 3: 'en' holds a JSON array, not a string"):
         load_parallel_data(train_file=lists, validation_file=lists)
+    flag = write(tmp_path / "b.jsonl", '{"en": "a", "es": "x", "id": 7}\n{"en": "c", "es": false}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl, line 2: 'es' holds a JSON boolean, not a string"):
+        load_parallel_data(train_file=flag, validation_file=flag)
+    array = write(tmp_path / "a.json", '[{"en": "a", "es": "x"}, {"en": 5, "es": "y"}]')
+    with pytest.raises(DataError, match=r"column 'en' holds values of type \w+, not text"):
+        load_parallel_data(train_file=array, validation_file=array)
     with pytest.raises(ValueError, match="is empty: it needs a header row"):
         load_parallel_data(train_file=write(tmp_path / "empty.tsv", ""), validation_file=good)
     # pandas read the second "es" as "es.1": the first column was trained on, whichever was meant.

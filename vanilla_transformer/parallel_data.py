@@ -13,7 +13,7 @@ import csv
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -227,8 +227,12 @@ def _csv_quoted(field: str) -> bool:
 LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate's escape: alone, or half of a pair
 
 
-def check_jsonl(path: Path) -> None:
-    """Raise a ValueError naming file and line unless every non-blank line is one JSON object."""
+JSON_TYPES = {bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
+
+
+def check_jsonl(path: Path, columns: Collection[str] = ()) -> None:
+    """Raise a ValueError naming file and line unless every non-blank line is one JSON object, whose
+    `columns` (those it has) hold strings or null."""
     with path.open(encoding="utf-8-sig") as handle:  # a byte-order mark, as datasets' reader skips it
         rows = 0
         for number, line in enumerate(handle, 1):
@@ -251,6 +255,12 @@ def check_jsonl(path: Path) -> None:
                         f"{path}, line {number}: a \\u escape of half a character (a lone UTF-16 surrogate), "
                         "which is not text; fix or remove the row."
                     ) from None
+            for column in columns:
+                if row.get(column) is not None and not isinstance(row[column], str):
+                    raise DataError(
+                        f"{path}, line {number}: {column!r} holds a JSON {JSON_TYPES[type(row[column])]}, "
+                        "not a string: every sentence must be text."
+                    )
             rows += 1
     if rows == 0:
         raise DataError(f"{path} is empty: it needs one JSON object per line.")
@@ -294,7 +304,7 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
                     "once."
                 )
         elif path.suffix == ".jsonl":
-            check_jsonl(path)
+            check_jsonl(path, columns)
         elif _empty_json(path):  # datasets said "Could not parse F: " with no reason, or "... no data!"
             raise DataError(f"{path} is empty: it needs a JSON array of objects (or JSON Lines, as .jsonl).")
         suffixes.add(path.suffix)
@@ -410,8 +420,13 @@ def _to_source_target(data: DatasetDict, source_column: str, target_column: str)
         for column in (source_column, target_column):
             kind = dataset.features[column]
             if not (isinstance(kind, Value) and kind.dtype in ("string", "large_string", "null")):
+                held = (
+                    f"{kind.dtype} values"
+                    if isinstance(kind, Value)
+                    else f"values of type {type(kind).__name__}"
+                )
                 raise DataError(
-                    f"The {split} data's column {column!r} holds {kind}, not text: every value must be a "
+                    f"The {split} data's column {column!r} holds {held}, not text: every value must be a "
                     "string (a JSON number, list or object is not a sentence)."
                 )
         data[split] = dataset.select_columns([source_column, target_column]).rename_columns(
