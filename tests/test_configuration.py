@@ -59,6 +59,11 @@ def test_presets_and_overrides():
     # transformers' own fields and the standard names are fields.
     aliased = VanillaTransformerConfig.from_preset("tiny", hidden_size=64, output_attentions=True)
     assert aliased.d_model == 64 and aliased.output_attentions is True
+    # A property or method passed the check, and setting `head_dim` failed as an AttributeError.
+    with pytest.raises(ValueError, match=r"\['head_dim'\] are no fields .* d_model / num_heads: set those\)"):
+        VanillaTransformerConfig.from_preset("tiny", head_dim=32)
+    with pytest.raises(ValueError, match=r"\['save_pretrained'\] are no fields"):
+        VanillaTransformerConfig.from_preset("tiny", save_pretrained=1)
 
 
 def test_standard_attribute_names_are_aliases():
@@ -94,8 +99,8 @@ def test_standard_attribute_names_are_aliases():
         ),
         ({"layer_norm_eps": 0.0}, "`layer_norm_eps`"),
         ({"layer_norm_eps": float("nan")}, "`layer_norm_eps`"),
-        ({"qkv_init_gain": 0.0}, "`qkv_init_gain` must be a positive number"),
-        ({"qkv_init_gain": float("inf")}, "`qkv_init_gain`"),
+        ({"qkv_init_gain": 0.0}, "`qkv_init_gain` must be a positive finite number"),
+        ({"qkv_init_gain": float("inf")}, "`qkv_init_gain` must be a positive finite number, got inf"),
         # Types: these passed and failed later in torch (or in a comparison naming no field).
         ({"d_model": 32.0}, "`d_model` must be a positive integer, got 32.0"),
         ({"num_heads": True}, "`num_heads` must be a positive integer, got True"),
@@ -251,7 +256,7 @@ def test_a_configuration_with_numpy_numbers_prints_and_saves_as_python_numbers(t
         ({"label_smoothing": 1.5}, r"`label_smoothing` must be in \[0, 1\), got 1.5"),
         ({"label_smoothing": -0.5}, r"`label_smoothing` must be in \[0, 1\), got -0.5"),
         ({"label_smoothing": "0.1"}, "`label_smoothing` must be a number, got '0.1'"),
-        ({"unlikelihood_weight": -1.0}, "`unlikelihood_weight` must be a non-negative number, got -1.0"),
+        ({"unlikelihood_weight": -1.0}, "`unlikelihood_weight` must be a non-negative finite number, got -1"),
     ],
 )
 def test_loss_settings_set_after_the_model_is_built_are_checked_as_they_are_set(changes, message):

@@ -271,7 +271,7 @@ def test_unlikelihood_weight_option(start, marian_start, tmp_path):
     with pytest.raises(ValueError, match="this package's models only"):
         build_trainer(small_config(marian_start, data, tmp_path / "m", max_steps=1, unlikelihood_weight=1.0))
     for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="--unlikelihood_weight must be a non-negative number"):
+        with pytest.raises(ValueError, match="--unlikelihood_weight must be a non-negative finite number"):
             FinetuneConfig(model="m", train_file="t", output_dir="o", unlikelihood_weight=bad)
 
 
@@ -301,7 +301,7 @@ def test_bad_finetune_options():
     ):
         with pytest.raises(ValueError, match=f"--{name} must be positive"):
             FinetuneConfig(model="m", train_file="t", output_dir="o", **{name: value})
-    with pytest.raises(ValueError, match="--learning_rate must be a positive number"):
+    with pytest.raises(ValueError, match="--learning_rate must be a positive finite number"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", learning_rate=float("nan"))
     with pytest.raises(ValueError, match=r"--seed must be between 0 and 2\*\*32 - 1, got -1"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", seed=-1)

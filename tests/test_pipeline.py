@@ -373,6 +373,12 @@ def test_stop_sequences_and_return_type_as_transformers_pipelines_take_them(save
     assert text == tokenizer.decode(alone[1][:end], skip_special_tokens=True).strip() and text.endswith(stop)
     with pytest.raises(ValueError, match="stop_sequence must be a non-empty string"):
         translator(SENTENCES[1], stop_sequence="")
+    # A vocabulary of another script: "ValueError: substring not found" from inside transformers.
+    cyrillic = ["Вначале сотворил Бог небо и землю.", "Иисус прослезился.", "И сказал Бог."] * 10
+    other = TranslationPipeline(model=model, tokenizer=train_bpe_tokenizer(cyrillic, 99), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"stop_sequence cannot be matched with this tokenizer: .*'<unk>"):
+        other(cyrillic[0], stop_sequence="Бог")
+    assert other(cyrillic[0])[0]["translation_text"] is not None
 
     from transformers.pipelines.text_generation import ReturnType
 
@@ -382,7 +388,7 @@ def test_stop_sequences_and_return_type_as_transformers_pipelines_take_them(save
     )
     for kind in (ReturnType.NEW_TEXT, "TEXT"):
         assert translator(SENTENCES[1], return_type=kind) == translator(SENTENCES[1])
-    with pytest.raises(ValueError, match=r"return_type must be ReturnType\.TENSORS"):
+    with pytest.raises(ValueError, match=r"ReturnType\.TENSORS \(the token ids\) or ReturnType\.NEW_TEXT "):
         translator(SENTENCES[1], return_type=ReturnType.FULL_TEXT)
     with pytest.raises(ValueError, match="Give return_type, or return_tensors and return_text, not both"):
         translator(SENTENCES[1], return_type=ReturnType.TENSORS, return_text=True)

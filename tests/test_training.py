@@ -1551,7 +1551,7 @@ def test_bad_flags_are_rejected(tmp_path):
     assert "no_repeat_ngram_size" not in TrainingConfig().decoding()  # off by default: not the paper's
     with pytest.raises(ValueError, match="--no_repeat_ngram_size must not be negative"):
         TrainingConfig(no_repeat_ngram_size=-1)
-    with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative number"):
+    with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative finite number"):
         TrainingConfig(unlikelihood_weight=-1)
     assert TrainingConfig(preset="base").model_fields().get("unlikelihood_weight", 0) == 0  # the paper's loss
     assert TrainingConfig().stutter_rate == 0.25 and TrainingConfig(preset="base").stutter_rate == 0

@@ -119,7 +119,7 @@ def test_chunked_loss_matches_full_logits_with_candidates(dtype):
 
 @pytest.mark.parametrize("value", [-0.5, float("nan"), float("inf")])
 def test_bad_weight_is_refused(value):
-    with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative number"):
+    with pytest.raises(ValueError, match="`unlikelihood_weight` must be a non-negative finite number"):
         tiny_model(unlikelihood_weight=value)
 
 

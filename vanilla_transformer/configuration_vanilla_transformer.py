@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import numbers
 import os
 from typing import Any, ClassVar
@@ -90,14 +91,15 @@ def check_loss_value(name: str, value: Any) -> None:
     if name == "label_smoothing" and not 0.0 <= value < 1.0:
         raise ValueError(f"`label_smoothing` must be in [0, 1), got {value}.")
     if name == "unlikelihood_weight" and not 0 <= value < float("inf"):
-        raise ValueError(f"`unlikelihood_weight` must be a non-negative number, got {value}.")
+        raise ValueError(f"`unlikelihood_weight` must be a non-negative finite number, got {value}.")
 
 
 class VanillaTransformerConfig(PretrainedConfig):
     """Hyper-parameters of the encoder-decoder Transformer (paper Section 3, Table 3).
 
     The defaults are the paper's base model. Field names follow the paper's symbols; the standard
-    transformers names (`hidden_size`, `num_attention_heads`, `num_hidden_layers`, ...) are aliases.
+    transformers names (`hidden_size`, `num_attention_heads`, `encoder_layers`, ...) are aliases;
+    `num_hidden_layers` names the decoder's layers (`num_decoder_layers`), which generation caches hold.
 
     Args:
         vocab_size: size of the joint source/target vocabulary.
@@ -287,9 +289,9 @@ class VanillaTransformerConfig(PretrainedConfig):
                 raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
         # (`LOSS_FIELDS` are checked as they are set, in the constructor too: `__setattr__`)
         if not 0 < self.qkv_init_gain < float("inf"):  # NaN included
-            raise ValueError(f"`qkv_init_gain` must be a positive number, got {self.qkv_init_gain}.")
+            raise ValueError(f"`qkv_init_gain` must be a positive finite number, got {self.qkv_init_gain}.")
         if not 0 < self.layer_norm_eps < float("inf"):  # NaN included
-            raise ValueError(f"`layer_norm_eps` must be a positive number, got {self.layer_norm_eps}.")
+            raise ValueError(f"`layer_norm_eps` must be a positive finite number, got {self.layer_norm_eps}.")
         if not isinstance(self.activation_function, str) or self.activation_function not in ACT2FN:
             raise ValueError(
                 f"Unknown `activation_function` {self.activation_function!r}; "
@@ -341,12 +343,29 @@ class VanillaTransformerConfig(PretrainedConfig):
             raise ValueError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
         config = cls(**PRESETS[name])
         fields = {field.name for field in dataclasses.fields(cls)}
-        unknown = [key for key in overrides if key not in fields and not hasattr(config, key)]
+        unknown = [key for key in overrides if key not in fields and not cls._settable(config, key)]
         if unknown:
             close = {key: difflib.get_close_matches(key, sorted(fields), n=1) for key in unknown}
             hints = "".join(f" ({key}: did you mean {match[0]!r}?)" for key, match in close.items() if match)
+            if "head_dim" in unknown:  # a field of many transformers configurations
+                hints += " (head_dim is d_model / num_heads: set those)"
             raise ValueError(f"from_preset: {unknown} are no fields of {cls.__name__}{hints}.")
         return cls(**{**PRESETS[name], **overrides})
+
+    @staticmethod
+    def _settable(config: PretrainedConfig, key: str) -> bool:
+        """Whether `key` is an alias or an attribute of `config` the constructor may set: not a property
+        without a setter (`head_dim`, whose setting failed as an AttributeError; `output_attentions` has
+        one) nor a method (`save_pretrained`)."""
+        if key in config.attribute_map:
+            return True
+        try:
+            found = inspect.getattr_static(config, key)
+        except AttributeError:
+            return False
+        if isinstance(found, property):
+            return found.fset is not None
+        return not (isinstance(found, (classmethod, staticmethod)) or callable(found))
 
 
 __all__ = ["PRESETS", "VanillaTransformerConfig"]

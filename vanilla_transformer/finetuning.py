@@ -102,14 +102,14 @@ class FinetuneConfig:
         if not 0 <= self.seed < 2**32:  # what numpy's generator, which Trainer seeds, accepts
             raise ValueError(f"--seed must be between 0 and 2**32 - 1, got {self.seed}.")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            raise ValueError(f"--learning_rate must be a positive number, got {self.learning_rate}.")
+            raise ValueError(f"--learning_rate must be a positive finite number, got {self.learning_rate}.")
         if not 0 <= self.label_smoothing_factor < 1:  # NaN included
             raise ValueError("--label_smoothing_factor must be in [0, 1).")
         if self.unlikelihood_weight is not None and not (
             math.isfinite(self.unlikelihood_weight) and self.unlikelihood_weight >= 0
         ):
             raise ValueError(
-                f"--unlikelihood_weight must be a non-negative number, got {self.unlikelihood_weight}."
+                f"--unlikelihood_weight must be a non-negative finite number, got {self.unlikelihood_weight}."
             )
         # The fine-tuned model must not overwrite the one it starts from, nor land beside another model's
         # files (its card and scores would describe the wrong weights).

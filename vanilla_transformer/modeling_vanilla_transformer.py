@@ -3,8 +3,9 @@
 It imports torch, transformers and two sibling files: the configuration, and
 `kernels_vanilla_transformer.py`, the machinery beside the paper (kernels chosen by measurement, cheaper
 dropout on CPU, packing of padded batches, the chunked loss, input checks, leaner generation steps, what
-`save_pretrained` adds). All three are copied next to saved
-checkpoints so that `AutoModelForSeq2SeqLM.from_pretrained(..., trust_remote_code=True)` works without
+`save_pretrained` adds). All three are copied next to saved checkpoints, with
+`pipeline_vanilla_transformer.py` (the translation pipeline), so that
+`AutoModelForSeq2SeqLM.from_pretrained(..., trust_remote_code=True)` and `pipeline(...)` work without
 this package.
 
 Read top to bottom it follows the paper: positional encoding (3.5), scaled dot-product attention
@@ -1246,9 +1247,10 @@ class VanillaTransformerForConditionalGeneration(
             input_ids: (B, S) source token ids. attention_mask: (B, S), 1 = token, 0 = padding.
             decoder_input_ids: (B, T) target ids shifted right; built from `labels` when omitted.
             decoder_attention_mask: (B, P + T), 0 on target padding (causality is always applied).
-            labels: (B, T) target ids, -100 where no loss is wanted (padding). The positions after
-                a row's last label are not computed (causal attention: nothing depends on them);
-                their logits are those of a zero decoder state.
+            labels: (B, T) target ids, -100 where no loss is wanted (padding). Where no logits are
+                returned (`return_logits`), the positions after a row's last label are not computed
+                (causal attention: no loss term depends on them); returned logits are those of a
+                forward without labels.
             num_items_in_batch: number of non-ignored target tokens in the whole (accumulated) batch;
                 the loss is then sum / num_items_in_batch instead of a per-batch mean.
             return_logits: with `labels`, False skips the (B, T, V) logits (`logits` is None): the
@@ -1614,7 +1616,7 @@ class VanillaTransformerForConditionalGeneration(
 
     def _prompt_length(self, config: GenerationConfig, kwargs: dict[str, Any]) -> int:
         """The decoder input `generate` starts from: the start token, or the prompt given, which it
-        prefixes with the start token unless every row begins with it."""
+        prefixes with the start token unless a row begins with it (as transformers does)."""
         prompt = kwargs.get("decoder_input_ids")
         if prompt is None:
             return 1

@@ -100,6 +100,25 @@ class _CheckedDataset(Dataset):
         return _checked_text(self.texts[index], index)
 
 
+STOP_STRING_PREFIX = (
+    "abcdef"  # transformers' `StopStringCriteria.clean_tokenizer_vocab` reads tokens after it
+)
+
+
+def check_stop_strings(tokenizer: Any) -> None:
+    """Raise a ValueError unless `tokenizer` writes STOP_STRING_PREFIX: transformers' `StopStringCriteria`
+    decodes each token of the vocabulary after that text, and failed with "substring not found" deep
+    inside `generate` for a tokenizer that cannot write those letters (one learned on other scripts)."""
+    ids = tokenizer(STOP_STRING_PREFIX, add_special_tokens=False)["input_ids"]
+    written = tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens(ids))
+    if STOP_STRING_PREFIX not in written:
+        raise ValueError(
+            "stop_sequence cannot be matched with this tokenizer: transformers' stop strings read the "
+            f"vocabulary after the text {STOP_STRING_PREFIX!r}, which this tokenizer writes as {written!r}. "
+            "Stop at the end token instead, or cut the translations at the string afterwards."
+        )
+
+
 class TranslationPipeline(Pipeline):
     """Translate a string, a list of strings or a stream of strings with `model.generate`.
 
@@ -120,7 +139,9 @@ class TranslationPipeline(Pipeline):
     - `clean_up_tokenization_spaces`: passed to the tokenizer's `decode` (default False).
     - `stop_sequence`: a string, or a list of strings, that ends a translation once generated (it is kept
       in the text); `generate`'s `stop_strings`, given the pipeline's tokenizer. The end token still ends
-      it too (transformers 4 replaced the end token by the stop sequence's first token).
+      it too (transformers 4 replaced the end token by the stop sequence's first token). transformers
+      reads the vocabulary for it after the text "abcdef", so the tokenizer must write those letters
+      (`check_stop_strings`).
     - `src_lang`, `tgt_lang`: refused; the model translates one language pair and takes no language code.
     """
 
@@ -175,8 +196,8 @@ class TranslationPipeline(Pipeline):
             kind = getattr(return_type, "name", return_type)
             if kind not in ("TENSORS", "TEXT", "NEW_TEXT"):
                 raise ValueError(
-                    "return_type must be ReturnType.TENSORS (the token ids) or ReturnType.TEXT (the text); "
-                    f"got {return_type!r}."
+                    "return_type must be ReturnType.TENSORS (the token ids) or ReturnType.NEW_TEXT (the "
+                    f"text), or the name 'TENSORS' or 'TEXT'; got {return_type!r}."
                 )
             if return_tensors is not None or return_text is not None:
                 raise ValueError("Give return_type, or return_tensors and return_text, not both.")
@@ -188,6 +209,8 @@ class TranslationPipeline(Pipeline):
                     f"stop_sequence must be a non-empty string or a list of them; got {stop_sequence!r}."
                 )
             generate_kwargs["stop_strings"] = list(strings)
+            if self.tokenizer is not None:
+                check_stop_strings(self.tokenizer)
         if generate_kwargs.get("stop_strings") is not None and "tokenizer" not in generate_kwargs:
             generate_kwargs["tokenizer"] = self.tokenizer  # `generate` matches the strings with it
         postprocess_params = {}
