@@ -57,7 +57,8 @@ parser.add_argument(
     "--card",
     action=argparse.BooleanOptionalAction,
     default=True,
-    help="score the average on the run's test split and write its model card (what push_to_hub.py needs)",
+    help="score the average on the split the run scored (its test split, else validation) and write its "
+    "model card (what push_to_hub.py needs)",
 )
 parser.add_argument(
     "--batch_size", type=positive_int, default=32, help="sentences per batch when scoring (default: 32)"

@@ -43,7 +43,8 @@ parser.add_argument(
     "--deploy",
     action=argparse.BooleanOptionalAction,
     default=True,
-    help="also time CTranslate2 float32/int8 exports beside both models' generate(), each in its own process",
+    help="also time CTranslate2 float32/int8 exports beside both models' generate(), each in its own process "
+    "(on the CPU only: with another --device, no deployment table)",
 )
 parser.add_argument(
     "--compile",

@@ -8,8 +8,9 @@ side, msgstr the translation. Kept: translated, non-fuzzy singular messages; key
 (`_File`, `&Open`) removed, whitespace collapsed; pairs whose printf/brace placeholders differ between the
 sides, with a side longer than `--max-words` words, or identical on both sides are dropped. Whole catalogs
 go to validation or test (chosen by a hash of the catalog's name), so near-duplicate messages of one
-program never straddle the split; held-out messages also seen in training, up to case, spaces and
-punctuation (messages shared by several programs), are dropped. Writes
+program never straddle the split. An English message is kept once, from the first catalog (by name) that
+has it, in whichever split that catalog is; then held-out messages that differ from a training one only in
+case, spaces and punctuation (messages shared by several programs) are dropped. Writes
 `train.jsonl`, `validation.jsonl`, `test.jsonl` with fields `en` and the language code into a new (or
 empty) folder, which appears once all three are complete. Needs `pip install polib`.
 
@@ -96,8 +97,8 @@ def catalog_pairs(path: Path, max_words: int) -> Iterator[tuple[str, str]]:
 
 
 def build(catalogs: Iterable[Path], max_words: int) -> dict[str, list[tuple[str, str]]]:
-    """Pairs per split: one per English message (its first translation); held-out ones unseen in train,
-    also as near-duplicates (`near_key`)."""
+    """Pairs per split: one per English message (its first catalog's translation, in that catalog's
+    split); held-out ones unseen in train, also as near-duplicates (`near_key`)."""
     splits: dict[str, list[tuple[str, str]]] = {"train": [], "validation": [], "test": []}
     seen: set[str] = set()
     for path in sorted(catalogs, key=lambda p: p.name):

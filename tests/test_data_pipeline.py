@@ -275,6 +275,16 @@ def test_bad_data_gives_clear_errors(tmp_path):
         hint = rf"not UTF-8 text but {wide}, .*\(line 1\); convert it, e.g. `iconv -f {wide} -t UTF-8`"
         with pytest.raises(ValueError, match=hint):
             load_parallel_data(train_file=data)
+    # Cut inside its last character: a UnicodeDecodeError naming neither file nor line.
+    for cut, line in (
+        (b"en\tes\nhi\thola\n" + "é".encode()[:1], 3),
+        (b"en\tes\nhi\thol" + "€".encode()[:2], 2),
+    ):
+        (tmp_path / "cut.tsv").write_bytes(cut)
+        with pytest.raises(
+            DataError, match=rf"cut\.tsv is not UTF-8 text: it ends inside a character, on line {line}"
+        ):
+            load_parallel_data(train_file=tmp_path / "cut.tsv")
     stray = write(tmp_path / "stray.tsv", "en\tes\nhi\thola\na\x00b\tc\n")  # UTF-8 with a stray NUL
     assert load_parallel_data(train_file=stray, validation_file=stray)[0]["train"][1]["source"] == "a\x00b"
     with pytest.raises(ValueError, match="has no column 'de'"):

@@ -388,10 +388,17 @@ def test_lines_are_read_to_a_mebibyte_each():
     for ending in ("\n", "\r\n"):
         data = f"\ufeffa\n{full}{ending}b\nlast".encode()
         assert list(decoded_lines(io.BytesIO(data))) == ["a\n", full + ending, "b\n", "last"]
-    reader = decoded_lines(io.BytesIO(b"a\n" + b"\0" * (MAX_LINE_BYTES + 5)))
-    assert next(reader) == "a\n"
-    with pytest.raises(LineError, match=r"^line 2 is longer than 1,048,576 bytes"):
-        next(reader)
+    # One byte more, with either line break or none, is refused (with "\n", it was read).
+    for longer in (
+        b"\0" * (MAX_LINE_BYTES + 5),
+        (full + "y\n").encode(),
+        (full + "y\r\n").encode(),
+        b"y" + full.encode(),
+    ):
+        reader = decoded_lines(io.BytesIO(b"a\n" + longer))
+        assert next(reader) == "a\n"
+        with pytest.raises(LineError, match=r"^line 2 is longer than 1,048,576 bytes"):
+            next(reader)
 
 
 def test_translate_stream_stops_its_output_at_the_line_it_names():

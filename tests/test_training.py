@@ -568,7 +568,7 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
 
 
 def test_a_field_given_by_its_flag_and_by_config_overrides_once_each(tmp_path):
-    """--config_overrides wins over --dropout, --label_smoothing and --unlikelihood_weight: given both
+    """--config_overrides won over --dropout, --label_smoothing and --unlikelihood_weight: given both
     with other values, the flag was ignored without a word. Two values are refused; the same value
     twice, or the recipe's dropout under an override, are not a conflict."""
     base = ["--output_dir", str(tmp_path / "run")]
@@ -1575,6 +1575,9 @@ def test_bad_flags_are_rejected(tmp_path):
         ValueError, match=r"needs --dataset_name \(without it the run trains on the data files"
     ):
         TrainingConfig(dataset_config="de-en", train_file=__file__)
+    # A vocabulary size beside an existing tokenizer was ignored (and kept in the recipe resumes compare).
+    with pytest.raises(ValueError, match="--vocab_size 8000 sizes the BPE tokenizer a run learns; with --"):
+        TrainingConfig(tokenizer_name="Helsinki-NLP/opus-mt-en-de", vocab_size=8000)
     with pytest.raises(ValueError, match="--test_samples must be positive"):
         TrainingConfig(test_samples=-5)  # it once failed only after training, when scoring nothing
     # A mistyped tracker was a traceback from Accelerate; an uninstalled one logged nothing, silently.

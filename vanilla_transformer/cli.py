@@ -72,8 +72,10 @@ def dataclass_parser(cls: type, description: str) -> argparse.ArgumentParser:
                 if isinstance(kind, types.UnionType)
                 else kind
             )
-        # argparse prints no help line for an empty help, so a field without one shows its default alone.
-        options["help"] = item.metadata.get("help") or "(default: %(default)s)"
+        # argparse prints no help line for an empty help, so a field without one shows its default alone
+        # (where it has one: not "(default: None)").
+        shown = default not in (None, "") and not options["required"]
+        options["help"] = item.metadata.get("help") or ("(default: %(default)s)" if shown else "")
         parser.add_argument(f"--{item.name}", **options)
     return parser
 

@@ -67,12 +67,9 @@ class DataReport:
 
 
 def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read in 1 MiB blocks (`hashlib.file_digest` needs Python 3.11)."""
-    digest = hashlib.sha256()
+    """The SHA-256 of a file's bytes, read in blocks."""
     with Path(path).open("rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def text_digest(dataset: Any) -> str:
@@ -142,7 +139,11 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
                     f"e.g. `iconv -f LATIN1 -t UTF-8`."
                 ) from None
             line += chunk.count(b"\n")
-        decoder.decode(b"", final=True)
+        if decoder.getstate()[0]:  # was a UnicodeDecodeError naming neither file nor line
+            raise DataError(
+                f"{path} is not UTF-8 text: it ends inside a character, on line {line} (a file cut short, "
+                "as an interrupted download or copy leaves it?)."
+            )
 
 
 def check_delimited(path: Path) -> list[str]:

@@ -259,7 +259,10 @@ class TrainingConfig:
     adam_beta2: float = 0.98
     adam_epsilon: float = 1e-9
     label_smoothing: float = field(default=0.1, metadata={"help": "epsilon_ls of the loss"})
-    dropout: float | None = field(default=None, metadata={"help": "override the preset's dropout"})
+    dropout: float | None = field(
+        default=None,
+        metadata={"help": "P_drop on sub-layer outputs and embeddings (default: recipe, else the preset's)"},
+    )
     unlikelihood_weight: float | None = field(
         default=None,
         metadata={
@@ -483,6 +486,11 @@ class TrainingConfig:
                 f"--dataset_config {self.dataset_config} is a configuration of a Hub dataset: it needs "
                 "--dataset_name (without it the run trains on "
                 + ("the data files)." if any(files.values()) else "the embedded corpus).")
+            )
+        if self.tokenizer_name and self.vocab_size is not None:
+            raise ValueError(
+                f"--vocab_size {self.vocab_size} sizes the BPE tokenizer a run learns; with --tokenizer_name "
+                "the run learns none and the model takes that tokenizer's vocabulary. Remove one of them."
             )
         if self.tokenizer_name and looks_local(self.tokenizer_name):
             folder = Path(self.tokenizer_name)
@@ -1284,7 +1292,7 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
             "runs plain data parallelism (DDP over gloo), which trains the same model with full copies."
         )
     if sharded and getattr(accelerator.state.fsdp_plugin.state_dict_type, "name", "") != "FULL_STATE_DICT":
-        raise ValueError(
+        raise InputError(
             "FSDP checkpoints must be written whole (fsdp_state_dict_type: FULL_STATE_DICT, as in "
             "configs/accelerate/fsdp.yaml): the final model averages the last checkpoints' weights."
         )
@@ -2207,7 +2215,7 @@ def load_or_train_tokenizer(
         if resume_path is None and accelerator.is_main_process:
             learn_bpe(config, data["train"]).save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"No tokenizer in {folder}: the run to resume did not write one.")
+        raise InputError(f"No tokenizer in {folder}: the run to resume did not write one.")
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -141,7 +141,8 @@ def decoded_lines(stream: IO[bytes]) -> Iterator[str]:
     at most MAX_LINE_BYTES (and its line break) at a time: a longer one is an error that names it."""
     limit = MAX_LINE_BYTES + 2  # "\r\n" included
     for number, line in enumerate(iter(lambda: stream.readline(limit), b""), 1):
-        if len(line) == limit and not line.endswith(b"\n"):
+        ending = 2 if line.endswith(b"\r\n") else 1 if line.endswith(b"\n") else 0
+        if len(line) - ending > MAX_LINE_BYTES:
             raise LineError(
                 number,
                 f"is longer than {MAX_LINE_BYTES:,} bytes: each line is translated as one sentence (is the "
