@@ -506,6 +506,7 @@ def test_model_card_language_metadata_takes_language_codes_with_regions_and_scri
         (("zh-Hant", "zh-Hans"), ["zh"], ["zh-Hant", "zh-Hans"]),
         (("eng_Latn", "zho_Hans"), ["eng", "zho"], ["eng-Latn", "zho-Hans"]),
         (("EN", "de"), ["en", "de"], None),
+        (("en", "pt-BR"), ["en", "pt"], ["en", "pt-BR"]),  # both languages named in the tags
     ]
     for (source, target), language, bcp47 in cases:
         data = ModelCard(str(build_model_card(**card_kwargs(source_lang=source, target_lang=target)))).data
@@ -562,7 +563,11 @@ def test_model_card_states_the_recipe_and_the_repetition_share():
         and "(fairseq's 2^-0.5" not in plain
     )
     assert "The `tiny` recipe: the paper's (Section 5) adapted to a short run" in text
-    assert "linear decay to zero at the end of the run (1,650 updates or 8.5 minutes of training" in text
+    assert "end of the run (1,650 updates or 8.5 minutes of training, whichever comes first)" in text
+    # One limit: nothing to come first (the card said "(1,650 updates, whichever comes first)").
+    for limits, said in (({"max_train_minutes": None}, "(1,650 updates)"), ({"max_steps": None}, "(8.5 min")):
+        one = " ".join(str(build_model_card(**card_kwargs(training=training | limits))).split())
+        assert f"end of the run {said}" in one and "whichever" not in one
     assert "| outputs with a word 4-gram repeated 3+ times | 1.2% (references: 0.0%) |" in text
     paper = " ".join(str(build_model_card(**card_kwargs(training=TRAINING | {"preset": "base"}))).split())
     assert "The recipe of the paper (Section 5):" in paper and "min(step^-0.5" in paper
@@ -639,7 +644,11 @@ def test_the_model_index_names_the_hub_datasets_config_as_loaded():
 
 
 def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_own():
-    hub_base = {"finetuned_from": "Helsinki-NLP/opus-mt-en-es", "finetuned_from_hub": True}
+    hub_base = {
+        "finetuned_from": "Helsinki-NLP/opus-mt-en-es",
+        "finetuned_from_hub": True,
+        "max_grad_norm": 1.0,
+    }
     tuned = build_model_card(
         **card_kwargs(training=TRAINING | hub_base, metrics=METRICS | {"max_length_offset": None})
     )
@@ -650,8 +659,12 @@ def test_a_fine_tuned_model_card_links_its_hub_base_model_and_no_recipe_of_its_o
     assert "transformers' `inverse_sqrt`" in text and "The recipe of the paper" not in text
     assert "Far less training" not in text and "Rare repetition loops" not in text
     assert "source length +" not in text.split("Decoding:")[1].split("The paper")[0]  # no length rule set
-    local = build_model_card(**card_kwargs(training=TRAINING | {"finetuned_from": "tiny-en-es"}))
+    assert "clipped to norm 1.0 (Trainer's default; the paper does not clip)" in text
+    local = build_model_card(
+        **card_kwargs(training=TRAINING | {"finetuned_from": "tiny-en-es", "max_grad_norm": 5.0})
+    )
     assert local.data.base_model is None and "fine-tuned from `tiny-en-es`" in " ".join(local.text.split())
+    assert "clipped to norm 5.0 (the paper does not clip)" in " ".join(local.text.split())
     assert "base_model_relation" not in str(local)
     scratch = build_model_card(**card_kwargs())
     assert scratch.data.base_model is None and "trained from scratch" in " ".join(scratch.text.split())

@@ -32,6 +32,7 @@ from tools.benchmark import (
     generation_inputs,
     median_time,
 )
+from vanilla_transformer.cli import positive_int
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.kernels_vanilla_transformer import kept_copies
 from vanilla_transformer.machine import describe_machine, format_machine
@@ -124,7 +125,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
-    parser.add_argument("--repeats", type=int, default=7, help="timed decodings of each variant, in turns")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=7, help="timed decodings of each variant, in turns"
+    )
     args = parser.parse_args()
     print(format_machine(describe_machine()))  # what the figures were measured on
     print("| preset | variant | ms per token | / eager step | first call (s) | same tokens as eager |")

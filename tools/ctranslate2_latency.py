@@ -3,7 +3,8 @@
     python tools/ctranslate2_latency.py EXPORT_DIR SOURCES_JSON REPEATS
 
 SOURCES_JSON maps "batch beams" to lists of token-id rows. For each setting the median seconds with one
-intra-op thread and with one per core, the faster of the two, and the output ids of the first, as JSON.
+intra-op thread and with one per core, the faster of the two, and the faster one's output ids (both decode
+the same), as JSON.
 (torch's OpenMP threads, once started, keep spinning and slow CTranslate2's own several-fold on a small
 machine; and on some CPUs int8 runs faster on one thread than on two, so both are measured.)
 """

@@ -26,6 +26,7 @@ from unittest import mock
 import torch
 
 from tools.benchmark import BENCHMARK_VOCABULARY, build_model, generation_inputs
+from vanilla_transformer.cli import positive_int
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.kernels_vanilla_transformer import linear_kernel
 from vanilla_transformer.modeling_vanilla_transformer import VanillaTransformerDecoderLayer
@@ -114,7 +115,9 @@ def main() -> None:
     )
     parser.add_argument("--compare", default="decoding_step", choices=["decoding_step", "linear_kernel"])
     parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
-    parser.add_argument("--repeats", type=int, default=15, help="timed calls of each variant, in turns")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=15, help="timed calls of each variant, in turns"
+    )
     args = parser.parse_args()
     baseline, candidate = variants(args.compare)
     print(f"| preset | generate() | {baseline} (s) | {candidate} (s) | ratio | same tokens |")

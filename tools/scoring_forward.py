@@ -28,6 +28,7 @@ import torch
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
 from vanilla_transformer import kernels_vanilla_transformer as kernels
 from vanilla_transformer import modeling_vanilla_transformer as modeling
+from vanilla_transformer.cli import positive_int
 from vanilla_transformer.machine import describe_machine, format_machine
 
 WAYS = ("shipped", "checked copies", "unchecked copies")
@@ -75,12 +76,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--presets", nargs="+", default=["tiny", "base"])
-    parser.add_argument("--lengths", nargs="+", type=int, default=[8, 30], help="target tokens")
-    parser.add_argument("--source_length", type=int, default=30)
-    parser.add_argument("--vocab_size", type=int, default=8000)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--calls", type=int, default=15, help="forwards per round and way")
+    parser.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=["tiny", "base", "big"])
+    parser.add_argument("--lengths", nargs="+", type=positive_int, default=[8, 30], help="target tokens")
+    parser.add_argument("--source_length", type=positive_int, default=30)
+    parser.add_argument("--vocab_size", type=positive_int, default=8000)
+    parser.add_argument("--rounds", type=positive_int, default=8)
+    parser.add_argument("--calls", type=positive_int, default=15, help="forwards per round and way")
     args = parser.parse_args(argv)
     print(format_machine(describe_machine()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms per forward")

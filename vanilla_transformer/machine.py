@@ -123,7 +123,7 @@ def describe_gpu(device: torch.device | str, dtype: torch.dtype = torch.float32)
 
 
 def format_machine(description: dict[str, Any]) -> str:
-    """One line: 'AMD EPYC, 2 cores (2 threads), avx2 fma avx512f, matmul 178 GFLOP/s (float32)', then
+    """One line: 'AMD EPYC, 2 cores (2 threads), avx2 fma avx512f, measured float32 matmul 178 GFLOP/s', then
     the GPU and its measured matmul rate where the description has one."""
     isa = " ".join(description.get("isa") or []) or "no AVX2"
     threads = description["torch_threads"]
@@ -134,7 +134,7 @@ def format_machine(description: dict[str, Any]) -> str:
 
 
 def format_gpu(description: dict[str, Any]) -> str:
-    """'<GPU name>, measured bfloat16 matmul <rate> TFLOP/s' (the rate where it was measured)."""
+    """'<GPU name>, measured <dtype> matmul <rate> TFLOP/s' (the rate and its dtype where measured)."""
     line = description["gpu"]
     if "gpu_matmul_tflops" in description:
         rate = description["gpu_matmul_tflops"]

@@ -66,9 +66,9 @@ ARCHITECTURE_FIELDS = (
     "position_encoding_layout",
     "tie_word_embeddings",
 )
-# The shape that names a preset; dropout is a training setting (the tiny recipe trains without).
 # Source sentences of the card's usage examples when the caller gives none (the embedded corpus's language).
 DEFAULT_EXAMPLES = ("In the beginning, God created the heavens and the earth.", "Jesus wept.", "God is love.")
+# The shape that names a preset; dropout is a training setting (the tiny recipe trains without).
 PRESET_FIELDS = ("d_model", "num_heads", "d_ff", "num_encoder_layers", "num_decoder_layers")
 
 
@@ -228,8 +228,9 @@ def _template_variables(
 def _hub_languages(*codes: str) -> tuple[list[str], list[str] | None]:
     """The metadata's `language` and `language_bcp47` for language codes as given ("en", "pt-BR",
     "zh_Hant", "zho_Hans"). The Hub takes ISO 639 codes only, lowercase, in `language` (a region or a
-    script is an error there): each code's language, once; the codes with a region or a script go to
-    `language_bcp47` ("_" written "-"), None where there are none."""
+    script is an error there): each code's language, once. Where a code has a region or a script, every
+    code goes to `language_bcp47` as given ("_" written "-"), so that it names both languages; None where
+    none has."""
     tags = [code.replace("_", "-") for code in codes]
     languages = [tag.split("-")[0].lower() for tag in tags]
     bcp47 = [tag for tag, language in zip(tags, languages, strict=True) if tag.lower() != language]
