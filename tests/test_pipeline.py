@@ -122,6 +122,38 @@ def test_a_model_in_training_mode_translates_without_dropout(saved):
     assert not noisy.model.encoder.training
 
 
+def test_translations_in_threads_share_one_eval_mode(saved):
+    """Each block recorded the model's mode and put it back: a thread that ended first restored training
+    mode (dropout) under another's decoding, and the last left the model in eval mode. `translate` also
+    switched the shared fast tokenizer's padding on for its batches, which another thread's call then
+    found (unpadded batches, "Unable to create tensor"): it pads with `tokenizer.pad` now."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vanilla_transformer.pipeline_vanilla_transformer import evaluation_mode
+
+    _, model, tokenizer = saved
+    noisy = tiny_model(seed=38, dropout=0.5).to(model.device).train()
+    noisy.model.encoder.eval()
+    first, second = evaluation_mode(noisy), evaluation_mode(noisy)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # blocks that end out of order, as threads' do
+    assert not noisy.training and not noisy.model.decoder.training
+    second.__exit__(None, None, None)
+    assert noisy.training and noisy.model.decoder.training and not noisy.model.encoder.training
+
+    expected = translate(model, tokenizer, SENTENCES, num_beams=2, max_new_tokens=6)
+    assert tokenizer.backend_tokenizer.padding is None  # left as every thread's call expects it
+    with ThreadPoolExecutor(4) as pool:
+        results = list(
+            pool.map(
+                lambda _: translate(noisy, tokenizer, SENTENCES, num_beams=2, max_new_tokens=6), range(8)
+            )
+        )
+    assert results == [expected] * 8
+    assert noisy.training and noisy.model.decoder.training and not noisy.model.encoder.training
+
+
 def test_pipeline_task_by_name_from_the_folder(saved):
     folder, model, tokenizer = saved
     # On the fixture model's device (a GPU, once a pipeline has put it there), so that outputs compare.

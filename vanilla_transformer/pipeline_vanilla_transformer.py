@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
 from typing import Any
@@ -33,17 +34,35 @@ _ACCEPTED = (
 )
 
 
+# Models inside `evaluation_mode` (by id; each kept alive by its block): blocks open on it, and the modes
+# its modules had before the first.
+_EVALUATING: dict[int, tuple[int, dict[torch.nn.Module, bool]]] = {}
+_EVALUATING_LOCK = threading.Lock()
+
+
 @contextmanager
 def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """`model` in eval mode (no dropout) for the block; then each module's own mode is put back, so a
-    frozen submodule left in eval mode by a fine-tuning script stays so."""
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
+    frozen submodule left in eval mode by a fine-tuning script stays so. Blocks on one model in several
+    threads (or nested) share one eval mode, put back when the last ends: each block recorded and put
+    back its own, so that a thread restored training mode, dropout included, under another's decoding,
+    and the model stayed in eval mode after the last."""
+    with _EVALUATING_LOCK:
+        blocks, modes = _EVALUATING.get(id(model), (0, {}))
+        if blocks == 0:
+            modes = {module: module.training for module in model.modules()}
+            model.eval()
+        _EVALUATING[id(model)] = (blocks + 1, modes)
     try:
         yield model
     finally:
-        for module, mode in modes.items():
-            module.training = mode
+        with _EVALUATING_LOCK:
+            blocks, modes = _EVALUATING.pop(id(model))
+            if blocks > 1:
+                _EVALUATING[id(model)] = (blocks - 1, modes)
+            else:
+                for module, mode in modes.items():
+                    module.training = mode
 
 
 def one_line(text: str) -> str:

@@ -72,7 +72,11 @@ def translate(
     # was encoded with word-start tokens at its ends that no training source has, and translated
     # differently.
     sentences = [one_line(sentence) for sentence in sentences]
-    lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
+    # Encoded once, padded per batch by `pad`: a second call with padding switched on changed the fast
+    # tokenizer's padding setting, which it keeps for every thread, so that another thread's batch at
+    # times came back unpadded ("Unable to create tensor").
+    encoded = tokenizer(sentences)["input_ids"]
+    lengths = [len(ids) for ids in encoded]
     # A blank sentence is "" without going to the model, which given only the end token would write
     # whatever it learnt most often.
     translations = {i: "" for i, sentence in enumerate(sentences) if not sentence}
@@ -82,8 +86,7 @@ def translate(
     with evaluation_mode(model), torch.inference_mode():
         for start in range(0, len(order), batch_size):
             indices = order[start : start + batch_size]
-            inputs = tokenizer([sentences[i] for i in indices], padding=True, return_tensors="pt")
-            inputs.pop("token_type_ids", None)  # encoder-decoder models take none
+            inputs = tokenizer.pad({"input_ids": [encoded[i] for i in indices]}, return_tensors="pt")
             try:
                 outputs = model.generate(**inputs.to(model.device), **generate_kwargs)
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
