@@ -17,7 +17,7 @@ from transformers.pipelines.pt_utils import KeyDataset
 
 from tests.conftest import tiny_model
 from vanilla_transformer import TranslationPipeline
-from vanilla_transformer.tokenization import train_bpe_tokenizer
+from vanilla_transformer.tokenization import SPECIAL_TOKENS, train_bpe_tokenizer
 from vanilla_transformer.translation import translate
 
 SENTENCES = ["In the beginning, God created the heavens and the earth.", "Jesus wept.", "And God said."]
@@ -410,7 +410,29 @@ def test_stop_sequences_and_return_type_as_transformers_pipelines_take_them(save
     other = TranslationPipeline(model=model, tokenizer=train_bpe_tokenizer(cyrillic, 99), max_new_tokens=4)
     with pytest.raises(ValueError, match=r"stop_sequence cannot be matched with this tokenizer: .*'<unk>"):
         other(cyrillic[0], stop_sequence="Бог")
+    with pytest.raises(ValueError, match="stop_sequence cannot be matched"):  # as generate's keyword too
+        other(cyrillic[0], stop_strings=["Бог"])
     assert other(cyrillic[0])[0]["translation_text"] is not None
+    # A byte-level vocabulary is read byte by byte, without the letters: it matches.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(
+        cyrillic, trainers.BpeTrainer(vocab_size=99, special_tokens=list(SPECIAL_TOKENS))
+    )
+    bytewise = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    assert "abcdef" not in bytewise.decode(bytewise("abcdef")["input_ids"])
+    assert isinstance(
+        TranslationPipeline(model=model, tokenizer=bytewise, max_new_tokens=4)(
+            cyrillic[0], stop_sequence="Бог"
+        )[0]["translation_text"],
+        str,
+    )
 
     from transformers.pipelines.text_generation import ReturnType
 

@@ -1578,6 +1578,8 @@ def test_bad_flags_are_rejected(tmp_path):
     # A vocabulary size beside an existing tokenizer was ignored (and kept in the recipe resumes compare).
     with pytest.raises(ValueError, match="--vocab_size 8000 sizes the BPE tokenizer a run learns; with --"):
         TrainingConfig(tokenizer_name="Helsinki-NLP/opus-mt-en-de", vocab_size=8000)
+    resumed = {"resume_from_checkpoint": "latest", "tokenizer_name": "Helsinki-NLP/opus-mt-en-de"}
+    assert TrainingConfig(**resumed, vocab_size=8000).vocab_size == 8000  # as earlier runs recorded it
     with pytest.raises(ValueError, match="--test_samples must be positive"):
         TrainingConfig(test_samples=-5)  # it once failed only after training, when scoring nothing
     # A mistyped tracker was a traceback from Accelerate; an uninstalled one logged nothing, silently.

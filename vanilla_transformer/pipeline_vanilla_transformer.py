@@ -119,23 +119,33 @@ class _CheckedDataset(Dataset):
         return _checked_text(self.texts[index], index)
 
 
-STOP_STRING_PREFIX = (
-    "abcdef"  # transformers' `StopStringCriteria.clean_tokenizer_vocab` reads tokens after it
-)
+# transformers' `StopStringCriteria.clean_tokenizer_vocab` reads tokens after it
+STOP_STRING_PREFIX = "abcdef"
 
 
-def check_stop_strings(tokenizer: Any) -> None:
-    """Raise a ValueError unless `tokenizer` writes STOP_STRING_PREFIX: transformers' `StopStringCriteria`
-    decodes each token of the vocabulary after that text, and failed with "substring not found" deep
-    inside `generate` for a tokenizer that cannot write those letters (one learned on other scripts)."""
-    ids = tokenizer(STOP_STRING_PREFIX, add_special_tokens=False)["input_ids"]
-    written = tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens(ids))
-    if STOP_STRING_PREFIX not in written:
-        raise ValueError(
-            "stop_sequence cannot be matched with this tokenizer: transformers' stop strings read the "
-            f"vocabulary after the text {STOP_STRING_PREFIX!r}, which this tokenizer writes as {written!r}. "
-            "Stop at the end token instead, or cut the translations at the string afterwards."
+def check_stop_strings(tokenizer: Any, strings: list[str]) -> None:
+    """Raise a ValueError that says why where transformers' `StopStringCriteria` cannot read `tokenizer`'s
+    vocabulary for `strings`: but for byte-level vocabularies it decodes each token after the text
+    STOP_STRING_PREFIX, and failed with "substring not found" deep inside `generate` for a tokenizer that
+    cannot write those letters (one learned on other scripts)."""
+    from transformers import StopStringCriteria
+
+    try:
+        StopStringCriteria(tokenizer, strings)  # transformers keeps what it read for `generate`'s
+    except ValueError as error:
+        ids = tokenizer(STOP_STRING_PREFIX, add_special_tokens=False)["input_ids"]
+        written = tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens(ids))
+        reason = (
+            f"they read the vocabulary after the text {STOP_STRING_PREFIX!r}, which this tokenizer writes "
+            f"as {written!r}"
+            if STOP_STRING_PREFIX not in written
+            else f"they cannot read its vocabulary ({(str(error).splitlines() or [''])[0]})"
         )
+        raise ValueError(
+            f"stop_sequence cannot be matched with this tokenizer: transformers' stop strings need a "
+            f"vocabulary they can read, and {reason}. Stop at the end token instead, or cut the "
+            "translations at the string afterwards."
+        ) from None
 
 
 class TranslationPipeline(Pipeline):
@@ -159,8 +169,8 @@ class TranslationPipeline(Pipeline):
     - `stop_sequence`: a string, or a list of strings, that ends a translation once generated (it is kept
       in the text); `generate`'s `stop_strings`, given the pipeline's tokenizer. The end token still ends
       it too (transformers 4 replaced the end token by the stop sequence's first token). transformers
-      reads the vocabulary for it after the text "abcdef", so the tokenizer must write those letters
-      (`check_stop_strings`).
+      reads the vocabulary for it, but for byte-level ones, after the text "abcdef": a tokenizer that
+      cannot write those letters is refused with that reason (`check_stop_strings`).
     - `src_lang`, `tgt_lang`: refused; the model translates one language pair and takes no language code.
     """
 
@@ -228,10 +238,10 @@ class TranslationPipeline(Pipeline):
                     f"stop_sequence must be a non-empty string or a list of them; got {stop_sequence!r}."
                 )
             generate_kwargs["stop_strings"] = list(strings)
-            if self.tokenizer is not None:
-                check_stop_strings(self.tokenizer)
         if generate_kwargs.get("stop_strings") is not None and "tokenizer" not in generate_kwargs:
             generate_kwargs["tokenizer"] = self.tokenizer  # `generate` matches the strings with it
+        if generate_kwargs.get("stop_strings") and generate_kwargs["tokenizer"] is not None:
+            check_stop_strings(generate_kwargs["tokenizer"], generate_kwargs["stop_strings"])
         postprocess_params = {}
         if return_tensors is not None:
             postprocess_params["return_tensors"] = bool(return_tensors)

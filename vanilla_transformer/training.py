@@ -487,7 +487,8 @@ class TrainingConfig:
                 "--dataset_name (without it the run trains on "
                 + ("the data files)." if any(files.values()) else "the embedded corpus).")
             )
-        if self.tokenizer_name and self.vocab_size is not None:
+        # (Not on resuming: runs before this check recorded both, and a resume compares the recipe's.)
+        if self.tokenizer_name and self.vocab_size is not None and not self.resume_from_checkpoint:
             raise ValueError(
                 f"--vocab_size {self.vocab_size} sizes the BPE tokenizer a run learns; with --tokenizer_name "
                 "the run learns none and the model takes that tokenizer's vocabulary. Remove one of them."
