@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sacrebleu
 import torch
 from conftest import logged_messages
 from safetensors import SafetensorError
@@ -461,6 +462,18 @@ def test_scores_are_against_the_reference_texts_not_the_decoded_labels():
     assert bleu_metric_fn(tokenizer)(outputs)["chrf"] == 100  # what the decoded labels said
     other = Dataset.from_dict({"target": texts[::-1], "labels": labels[::-1]})  # not these labels
     assert bleu_metric_fn(tokenizer, other)(outputs)["chrf"] == 100  # falls back to decoding
+    # The outputs are scored as the tokenizer decodes them, detokenised: sacreBLEU on those texts.
+    decoded = tokenizer.batch_decode(labels, skip_special_tokens=True)
+    scores = bleu_metric_fn(tokenizer, references)(outputs)
+    assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(decoded, [texts]).score, abs=1e-9)
+    assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(decoded, [texts]).score, abs=1e-9)
+    whole = ["hello world, good day", "good day, hello world"]  # texts the vocabulary writes score 100
+    exact = [tokenizer(text_target=text)["input_ids"] for text in whole]
+    longest = max(map(len, exact))
+    exact = np.array([ids + [-100] * (longest - len(ids)) for ids in exact])
+    matched = Dataset.from_dict({"target": whole, "labels": exact.tolist()})
+    perfect = bleu_metric_fn(tokenizer, matched)(EvalPrediction(predictions=exact, label_ids=exact))
+    assert perfect["bleu"] == pytest.approx(100) and perfect["chrf"] == pytest.approx(100)
 
 
 def test_outputs_are_scored_against_the_reference_texts_of_their_pairs(start, tmp_path):
@@ -768,7 +781,10 @@ def test_a_resume_on_an_edited_training_file_is_refused(start, tmp_path):
     with pytest.raises(InputError, match=r"trained on other pairs than --train_file .* \(260 then, 160 now"):
         finetune(resumed)
     pairs.write_text("".join(lines), encoding="utf-8")
-    assert finetune(resumed)["after_bleu"] >= 0  # the data it was trained on: resumed
+    finetune(resumed)  # the data it was trained on: resumed, from step 1
+    state = json.loads((tmp_path / "tuned" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry][:1] == [1]  # the first run's
 
 
 def test_a_checkpoint_records_its_flags_before_it_counts_as_whole(start, tmp_path, monkeypatch):

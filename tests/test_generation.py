@@ -21,7 +21,7 @@ def source() -> torch.Tensor:
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_cached_decoding_equals_uncached(attn_implementation, source):
-    model = tiny_model(attn_implementation)
+    model = tiny_model(attn_implementation, layer_norm_eps=0.1)  # cached steps compute their own norms
     target = torch.randint(3, 99, (3, 10))
     with torch.no_grad():
         full = model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
@@ -546,7 +546,8 @@ def perturbed(model):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"norm_first": True}, {"activation_function": "gelu"}],
+    # A layer norm epsilon of its own: the default's, hard-coded in a step, would change nothing seen.
+    [{"layer_norm_eps": 0.1}, {"norm_first": True, "layer_norm_eps": 0.1}, {"activation_function": "gelu"}],
     ids=["post-LN", "pre-LN", "gelu"],
 )
 def test_decoding_steps_without_module_calls_equal_the_module_path(source, overrides, monkeypatch):

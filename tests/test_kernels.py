@@ -802,3 +802,18 @@ def test_attention_environment_variable():
     assert kernels._parse_attention_mode(" MatMul ") == "matmul"
     with pytest.raises(ValueError, match=r"VANILLA_TRANSFORMER_DECODE_ATTENTION='fast' .* sdpa or matmul"):
         kernels._parse_attention_mode("fast")
+
+
+def test_layer_norm_of_is_the_modules_norm_with_its_epsilon():
+    """Cached decoding steps compute layer norms without the module call: with the module's epsilon, which
+    dominates the variance of small inputs (a hard-coded default would pass models built with it)."""
+    norm = torch.nn.LayerNorm(8, eps=0.1)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    inputs = 0.2 * torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.layer_norm_of(norm, inputs), norm(inputs), rtol=0, atol=0)
+    mean, variance = inputs.mean(-1, keepdim=True), inputs.var(-1, unbiased=False, keepdim=True)
+    formula = (inputs - mean) / torch.sqrt(variance + 0.1) * norm.weight + norm.bias  # the paper's LayerNorm
+    torch.testing.assert_close(kernels.layer_norm_of(norm, inputs).detach(), formula.detach())

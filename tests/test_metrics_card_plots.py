@@ -240,6 +240,20 @@ def test_translate_equals_one_sentence_at_a_time(tokenizer, batch_size):
     assert translate(model, tokenizer, SOURCES, batch_size=batch_size, **kwargs) == expected
 
 
+def test_translate_detokenises_as_the_tokenizer_decodes():
+    """With a word-level tokenizer a translation's tokens joined by spaces are its text: outputs written
+    as tokens would pass the test above. With this package's BPE tokenizer they are not."""
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    bpe = train_bpe_tokenizer(SOURCES * 5, 80)
+    model = tiny_model(vocab_size=len(bpe), seed=9)
+    kwargs = {"num_beams": 1, "do_sample": False, "max_new_tokens": 9}
+    expected = generate_one_by_one(model, bpe, SOURCES, **kwargs)
+    pieces = [" ".join(bpe.tokenize(text)) for text in expected]
+    assert sum(a != b for a, b in zip(expected, pieces, strict=True)) >= 3, "pick a seed with longer outputs"
+    assert translate(model, bpe, SOURCES, batch_size=4, **kwargs) == expected
+
+
 class EchoModel(torch.nn.Module):
     """Stands in for a seq2seq model: "translates" a batch into its own (padded) input ids."""
 

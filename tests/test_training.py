@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sacrebleu
 import torch
 from accelerate import Accelerator
 from datasets import Dataset, DatasetDict, arrow_dataset
@@ -2212,6 +2213,10 @@ def test_evaluate_script_prints_bleu_and_signature(trained, corpus_files, tmp_pa
     assert (tmp_path / "own.txt").read_text().splitlines() == translate(model, tokenizer, sources)
     assert "BLEU" in result.stdout and "nrefs:1|case:mixed|eff:no|tok:13a" in result.stdout
     assert "chrF" in result.stdout and len(hypotheses.read_text().splitlines()) == 6
+    # The scores printed are sacreBLEU's of the outputs written against the test targets.
+    outputs, references = hypotheses.read_text().splitlines(), test_split["target"][:6]
+    bleu, chrf = sacrebleu.corpus_bleu(outputs, [references]), sacrebleu.corpus_chrf(outputs, [references])
+    assert f"BLEU  {bleu.score:.2f} " in result.stdout and f"chrF  {chrf.score:.2f} " in result.stdout
     assert "outputs with a word 4-gram repeated 3+ times:" in result.stdout
     # n-gram blocking (off by default): with size 1 no output repeats a token.
     blocked = tmp_path / "blocked.txt"
