@@ -94,10 +94,45 @@ def trained_folder(path, corpus, steps: int = 40, **overrides):
     return model, tokenizer
 
 
+def scored_pairs(tokenizer, corpus) -> tuple[list[list[str]], list[list[str]]]:
+    """Four test sources (with their end token) and the first 12 tokens of their targets, as tokens."""
+    pairs = corpus["test"].select(range(4))
+    sources = [tokenizer.tokenize(s, add_special_tokens=True) for s in pairs["en"]]
+    return sources, [tokenizer.tokenize(t)[:12] for t in pairs["es"]]
+
+
+def teacher_forced_log_probs(model, tokenizer, sources, targets) -> torch.Tensor:
+    """The model's log-probability of each target token and of the end token after them, as a forward with
+    the targets given (each pair alone)."""
+    rows = []
+    for source, target in zip(sources, targets, strict=True):
+        labels = [*tokenizer.convert_tokens_to_ids(target), tokenizer.eos_token_id]
+        start = model.generation_config.decoder_start_token_id
+        with torch.no_grad():
+            logits = model(
+                input_ids=torch.tensor([tokenizer.convert_tokens_to_ids(source)]),
+                decoder_input_ids=torch.tensor([[start, *labels[:-1]]]),
+            ).logits[0]
+        rows.append(logits.log_softmax(-1)[torch.arange(len(labels)), labels])
+    return torch.cat(rows)
+
+
+def assert_same_log_probs(model, tokenizer, export, corpus) -> torch.Tensor:
+    """CTranslate2's scores of given targets (`score_batch`) equal the model's to float32 rounding: tokens
+    alone would not show an error of 1e-3 in a log-probability. Returns the model's."""
+    sources, targets = scored_pairs(tokenizer, corpus)
+    engine = ctranslate2.Translator(str(export), intra_threads=2)
+    got = torch.cat([torch.tensor(result.log_probs) for result in engine.score_batch(sources, targets)])
+    expected = teacher_forced_log_probs(model, tokenizer, sources, targets)
+    assert_same_up_to_rounding(got, expected, TINY_TERMS)
+    return expected
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_float32_export_generates_the_same_tokens(tmp_path, corpus, variant):
     model, tokenizer = trained_folder(tmp_path / "model", corpus, **VARIANTS[variant])
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=256)
+    assert_same_log_probs(model, tokenizer, tmp_path / "ct2", corpus)
     engine = ctranslate2.Translator(str(tmp_path / "ct2"), intra_threads=2)
     settings = json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())
     length_penalty = settings["length_penalty"]
@@ -617,28 +652,10 @@ def test_every_activation_ctranslate2_computes_is_exported(tmp_path, corpus, act
     other activation."""
     model, tokenizer = trained_folder(tmp_path / "model", corpus, activation_function=activation)
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=64)
-    pairs = corpus["test"].select(range(4))
-    sources = [tokenizer.tokenize(s, add_special_tokens=True) for s in pairs["en"]]
-    targets = [tokenizer.tokenize(t)[:12] for t in pairs["es"]]
-    engine = ctranslate2.Translator(str(tmp_path / "ct2"), intra_threads=2)
-    scored = engine.score_batch(sources, targets)
-
-    def log_probs(source, target):
-        labels = [*tokenizer.convert_tokens_to_ids(target), tokenizer.eos_token_id]
-        start = model.generation_config.decoder_start_token_id
-        with torch.no_grad():
-            logits = model(
-                input_ids=torch.tensor([tokenizer.convert_tokens_to_ids(source)]),
-                decoder_input_ids=torch.tensor([[start, *labels[:-1]]]),
-            ).logits[0]
-        return logits.log_softmax(-1)[torch.arange(len(labels)), labels]
-
-    got = torch.cat([torch.tensor(result.log_probs) for result in scored])
-    expected = torch.cat([log_probs(s, t) for s, t in zip(sources, targets, strict=True)])
-    assert_same_up_to_rounding(got, expected, TINY_TERMS)
+    expected = assert_same_log_probs(model, tokenizer, tmp_path / "ct2", corpus)
     for layer in [*model.model.encoder.layers, *model.model.decoder.layers]:
         layer.activation_fn = ACT2FN[NEAREST_ACTIVATIONS[activation]]
-    other = torch.cat([log_probs(s, t) for s, t in zip(sources, targets, strict=True)])
+    other = teacher_forced_log_probs(model, tokenizer, *scored_pairs(tokenizer, corpus))
     with pytest.raises(AssertionError):  # the comparison tells the two apart
         assert_same_up_to_rounding(other, expected, TINY_TERMS)
 
