@@ -44,9 +44,9 @@ _EVALUATING_LOCK = threading.Lock()
 def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """`model` in eval mode (no dropout) for the block; then each module's own mode is put back, so a
     frozen submodule left in eval mode by a fine-tuning script stays so. Blocks on one model in several
-    threads (or nested) share one eval mode, put back when the last ends: each block recorded and put
-    back its own, so that a thread restored training mode, dropout included, under another's decoding,
-    and the model stayed in eval mode after the last."""
+    threads (or nested) share one eval mode, put back when the last ends. (Each block once recorded and
+    put back its own: a thread restored training mode, dropout included, under another's decoding, and
+    the model stayed in eval mode after the last.)"""
     with _EVALUATING_LOCK:
         blocks, modes = _EVALUATING.get(id(model), (0, {}))
         if blocks == 0:
@@ -125,13 +125,13 @@ STOP_STRING_PREFIX = "abcdef"
 
 def check_stop_strings(tokenizer: Any, strings: list[str]) -> None:
     """Raise a ValueError that says why where transformers' `StopStringCriteria` cannot read `tokenizer`'s
-    vocabulary for `strings`: but for byte-level vocabularies it decodes each token after the text
+    vocabulary for `strings`. Except in byte-level vocabularies it decodes each token after the text
     STOP_STRING_PREFIX, and failed with "substring not found" deep inside `generate` for a tokenizer that
     cannot write those letters (one learned on other scripts)."""
     from transformers import StopStringCriteria
 
     try:
-        StopStringCriteria(tokenizer, strings)  # transformers keeps what it read for `generate`'s
+        StopStringCriteria(tokenizer, strings)  # transformers caches what it reads: `generate` reuses it
     except ValueError as error:
         ids = tokenizer(STOP_STRING_PREFIX, add_special_tokens=False)["input_ids"]
         written = tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens(ids))
