@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -136,6 +137,11 @@ def test_save_and_load_round_trip(tmp_path):
     assert saved["model_type"] == "vanilla_transformer"
     loaded = VanillaTransformerConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
+    # Against the values set, not only `to_dict` on both sides (a field it dropped compared equal).
+    assert saved["norm_first"] is True and saved["position_encoding_layout"] == "concatenated"
+    assert loaded.norm_first is True and loaded.position_encoding_layout == "concatenated"
+    fields = [f.name for f in dataclasses.fields(config) if f.name != "transformers_version"]  # set on saving
+    assert all(getattr(loaded, name) == getattr(config, name) for name in fields)
 
 
 @pytest.mark.parametrize(

@@ -120,3 +120,15 @@ def test_deepspeed_is_refused_with_what_to_launch_instead():
     assert "configs/accelerate/fsdp.yaml" in message and "--multi_gpu" in message
     assert deepspeed_refused({"ACCELERATE_USE_DEEPSPEED": "false"}) is None
     assert deepspeed_refused({}) is None
+
+
+def test_matmul_rate_is_two_n_cubed_over_the_median_time(monkeypatch):
+    """2 n^3 operations per n x n product, over the median of the timed calls after the first (any
+    positive figure passed before, a rate half the true one included)."""
+    from types import SimpleNamespace
+
+    from vanilla_transformer import machine
+
+    ticks = iter([0.0, 10.0, 10.5, 20.0, 20.25, 30.0, 31.0])  # the first call untimed; 0.5, 0.25, 1 s
+    monkeypatch.setattr(machine, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert machine.matmul_rate(size=64, repeats=3) == 2 * 64**3 / 0.5

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_TERMS, assert_same_up_to_rounding, tiny_model
+from vanilla_transformer import visualization
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.visualization import (
     MAP_DPI,
@@ -67,7 +68,7 @@ def test_maps_are_the_models_attention_weights(model, tokenizer):
     assert_same_up_to_rounding(maps.encoder_self[0], expected, TINY_TERMS)
 
 
-def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path):
+def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path, monkeypatch):
     maps = attention_maps(model, tokenizer, SOURCE, TARGET)
     figure = plot_attention_grid(
         maps.decoder_self, maps.decoder_tokens, maps.decoder_tokens, tmp_path / "d.png", title="t"
@@ -86,6 +87,24 @@ def test_rendered_panels_hold_exactly_those_weights(model, tokenizer, tmp_path):
     paths = plot_attention_maps(maps, tmp_path / "maps")
     assert sorted(paths) == ["cross_attention", "decoder_self_attention", "encoder_self_attention"]
     assert all(path.stat().st_size > 10_000 for path in paths.values())
+    # Each picture of its kind's weights, its rows labelled by the queries and its columns by the keys
+    # (the cross-attention rows labelled by the decoder inputs, one token early, passed the checks above).
+    drawn = {}
+    monkeypatch.setattr(
+        visualization,
+        "plot_attention_grid",
+        lambda w, q, k, path, **_: drawn.setdefault(Path(path).stem, (w, q, k)),
+    )
+    plot_attention_maps(maps, tmp_path / "again")
+    expected = {
+        "encoder_self_attention": (maps.encoder_self, maps.source_tokens, maps.source_tokens),
+        "decoder_self_attention": (maps.decoder_self, maps.decoder_tokens, maps.decoder_tokens),
+        "cross_attention": (maps.cross, maps.target_tokens, maps.source_tokens),
+    }
+    assert drawn.keys() == expected.keys()
+    for name, (weights, queries, keys) in expected.items():
+        assert drawn[name][0] is weights and drawn[name][1:] == (queries, keys), name
+    assert maps.target_tokens != maps.decoder_tokens  # so that the labels tell the two apart
 
 
 def test_pictures_too_large_to_render_are_refused_before_any_is_drawn(tmp_path):
