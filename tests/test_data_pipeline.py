@@ -263,6 +263,45 @@ def test_line_breaks_inside_a_sentence_become_spaces(tmp_path):
     assert data["train"][0] == {"source": "one two", "target": "uno dos tres"}
 
 
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_a_nul_byte_stays_in_its_field_with_any_pandas(tmp_path, monkeypatch, suffix):
+    """pandas' C parser before 3.1 ended a field at a NUL byte: "a\\0b" was read as "a", with no error.
+    Here read_csv behaves so (a stand-in for pandas 3.0) and the field must still come through whole."""
+    import pandas
+
+    read_csv = pandas.read_csv
+
+    def cut_at_nul(frame):
+        return frame.map(lambda value: value.split("\0")[0] if isinstance(value, str) else value)
+
+    class CutReader:  # the chunks of read_csv(iterator=True), each cut
+        def __init__(self, reader):
+            self.reader = reader
+
+        def __iter__(self):
+            return map(cut_at_nul, self.reader)
+
+        def __getattr__(self, name):
+            return getattr(self.reader, name)
+
+    def like_pandas_before_3_1(*args, **kwargs):
+        frames = read_csv(*args, **kwargs)
+        if kwargs.get("engine") == "python":  # its Python parser kept the field then too
+            return frames
+        return CutReader(frames) if kwargs.get("iterator") else cut_at_nul(frames)
+
+    monkeypatch.setattr(pandas, "read_csv", like_pandas_before_3_1)
+    separator = "\t" if suffix == ".tsv" else ","
+    unique = os.urandom(8).hex()  # new contents, so datasets reads the file instead of its cache
+    clean = write(tmp_path / f"clean{suffix}", f"en{separator}es\nhi{separator}hola {unique}\n")
+    assert load_parallel_data(train_file=clean, validation_file=clean)[0]["train"]["target"] == [
+        f"hola {unique}"
+    ]
+    text = f"en{separator}es\nhi{separator}hola\na\0b{separator}c {unique}\n"
+    data = load_parallel_data(train_file=write(tmp_path / f"nul{suffix}", text), validation_file=clean)[0]
+    assert data["train"]["source"] == ["hi", "a\0b"] and data["train"]["target"] == ["hola", f"c {unique}"]
+
+
 def test_bad_data_gives_clear_errors(tmp_path):
     good = write(tmp_path / "good.tsv", "en\tes\nhi\thola\n")
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -267,6 +267,12 @@ def check_jsonl(path: Path, columns: Collection[str] = ()) -> None:
         raise DataError(f"{path} is empty: it needs one JSON object per line.")
 
 
+def _holds_nul(path: Path, block: int = 1 << 20) -> bool:
+    """Whether a file has a NUL byte anywhere."""
+    with path.open("rb") as handle:
+        return any(b"\0" in chunk for chunk in iter(lambda: handle.read(block), b""))
+
+
 def _empty_json(path: Path, head: int = 4096) -> bool:
     """Whether a .json file holds nothing, or an empty array (judged on its first `head` bytes)."""
     with path.open("rb") as handle:
@@ -280,6 +286,7 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
     fields: dict[str, int] = {}  # a delimited file's number of columns
+    with_nul: set[str] = set()  # the delimited files' splits with a NUL byte in their text
     digests: dict[str, str] = {}  # a file's contents, which name its cache (see below)
     for split, path in paths.items():
         if path.is_dir():
@@ -295,6 +302,8 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
         if FILE_BUILDERS[path.suffix] == "csv":
             header = check_delimited(path)
             fields[split] = len(header)
+            if _holds_nul(path):
+                with_nul.add(split)
             # pandas renames a repeated name ("es", "es.1"): the run would read the first column of the
             # name without a word, whichever of them the user meant. (A name the run does not read, or
             # columns without a name, a spreadsheet's trailing empty ones, read as "Unnamed: 2", are none
@@ -327,7 +336,13 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
         # Every delimited field is text: pandas would otherwise read a column, or a block of 10,000 rows
         # of one (datasets reads a file in such chunks), that looks numeric as numbers, turning "007" into
         # 7 and "1.50" into 1.5, or refusing the file.
-        as_text = {"converters": dict.fromkeys(range(fields[split]), str)} if split in fields else {}
+        parsing: dict[str, Any] = (
+            {"converters": dict.fromkeys(range(fields[split]), str)} if split in fields else {}
+        )
+        # pandas' C parser before 3.1 ends a field at a NUL byte, so "a\0b" was read as "a" with no
+        # error; its Python parser keeps the field whole (slower, so only for such files).
+        if split in with_nul:
+            parsing["engine"] = "python"
         # datasets finds its cache of a local file by the file's path and modification time alone: a file
         # rewritten with the same time (`cp -p`, `rsync -a`, `touch -r`, a coarse-clock file system) was
         # read as its earlier contents, after the checks above had passed the new ones. The contents'
@@ -339,7 +354,7 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
                 data_files={split: str(path)},
                 split=split,
                 **options,
-                **as_text,
+                **parsing,
             )
         except Exception as error:  # datasets wraps parser errors in several exception types
             raise DataError(f"Could not parse {path}: {error}") from error
