@@ -116,3 +116,25 @@ def test_sdist_carries_what_its_tests_need_and_builds_the_same_wheel(checkout, w
         assert (
             wheel.read("vanilla_transformer/model_card_template.md") == (ROOT / "model_card.md").read_bytes()
         )
+
+
+def test_dependency_floors_are_read_as_pins():
+    """tools.dependency_floors installs each requirement at its `>=` bound; one without a bound has no
+    floor to install, so it is refused rather than left to float to the newest release."""
+    from tools.dependency_floors import floor_pins, project_floors
+
+    assert floor_pins(["a>=1.2,<2", "b_c>=0.3", "vanilla_transformer[test]"]) == ["a==1.2", "b_c==0.3"]
+    for unbounded in ("c", "c==1.0", "c<2"):
+        with pytest.raises(ValueError, match="no single lower bound"):
+            floor_pins([unbounded])
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    pins = project_floors(ROOT / "pyproject.toml", ["test"])
+    assert pins[0].startswith("torch==")  # installed first, as the README does
+    names = {
+        Requirement(text).name
+        for text in [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    }
+    assert {pin.split("==")[0] for pin in pins} == names  # every dependency has a floor
+    with pytest.raises(ValueError, match="No extra 'gpu'"):
+        project_floors(ROOT / "pyproject.toml", ["gpu"])
