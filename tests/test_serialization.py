@@ -260,6 +260,22 @@ def test_resizing_the_base_model_resizes_the_decoder_vocabulary_too(tmp_path, ba
     assert model.shared.weight.shape[0] == 120
 
 
+def test_resizing_a_model_with_two_embedding_matrices_is_refused_before_anything_changes():
+    """Both classes refuse a model with a source and a target matrix: the base model once let
+    transformers grow the encoder's matrix, then refused in `set_input_embeddings` ("set each embedding
+    itself"), leaving 120 rows against `vocab_size` 99, a folder that saved and did not load."""
+    config = tiny_model().config
+    config.share_encoder_decoder_embeddings, config.decoder_vocab_size = False, 50
+    for model in (VanillaTransformerModel(config), VanillaTransformerForConditionalGeneration(config)):
+        base = model.get_encoder().embed_tokens
+        before = (base.weight.shape, model.config.vocab_size, model.config.decoder_vocab_size)
+        for size in (120, None):
+            with pytest.raises(ValueError, match="Resizing needs one embedding matrix shared"):
+                model.resize_token_embeddings(size)
+        assert model.get_encoder().embed_tokens is base
+        assert (base.weight.shape, model.config.vocab_size, model.config.decoder_vocab_size) == before
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(batch):
     def gradients(checkpointing: bool) -> dict[str, torch.Tensor]:
         model = tiny_model().train()  # dropout is 0 in the tiny test config

@@ -205,11 +205,17 @@ def test_ctrl_c_names_the_checkpoint_to_resume_from_without_a_traceback(tmp_path
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 240
-    while not list_checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 240
+        while (
+            not list_checkpoints(tmp_path / "run") and process.poll() is None and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:  # a run past the timeout (its 10,000 updates) is not left behind
+        process.kill()
+        process.wait()
     assert process.returncode == 130, stderr[-2000:]
     last = list_checkpoints(tmp_path / "run")[-1].name
     assert f"interrupted: {last} is the last checkpoint; --resume_from_checkpoint latest" in stderr

@@ -892,9 +892,15 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
 def check_resized_vocabulary(
     config: VanillaTransformerConfig, new_num_tokens: int | None, pad_to_multiple_of: int | None
 ) -> None:
-    """The configuration's own checks on the vocabulary size `resize_token_embeddings` would give (the
-    decoder's too where the matrix is shared): a special token's id left outside it is refused before
-    anything changes."""
+    """Refuse, before anything changes, what `resize_token_embeddings` cannot do right: a model with two
+    embedding matrices (transformers would resize the encoder's alone), or a size that leaves a special
+    token's id outside the vocabulary (the configuration's own checks, the decoder's too)."""
+    if not config.share_encoder_decoder_embeddings:
+        raise ValueError(
+            "Resizing needs one embedding matrix shared by encoder and decoder "
+            "(share_encoder_decoder_embeddings=True): this model has one of each (separate vocabularies, "
+            "or one vocabulary in two matrices, as some converted Marian models)."
+        )
     if new_num_tokens is None:
         return
     resized = copy.copy(config)
@@ -963,15 +969,13 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         pad_to_multiple_of: int | None = None,
         mean_resizing: bool = True,
     ) -> nn.Embedding:
-        """`PreTrainedModel.resize_token_embeddings` (the source embeddings), with `decoder_vocab_size`
-        following `vocab_size` where the matrix is shared: left as it was, the decoder refused the new
-        ids and the saved folder failed to load. A size that would leave a special token's id outside
-        the vocabulary is refused before anything changes."""
-        shared = self.config.share_encoder_decoder_embeddings
+        """`PreTrainedModel.resize_token_embeddings` of the shared matrix, with `decoder_vocab_size`
+        following `vocab_size`: left as it was, the decoder refused the new ids and the saved folder
+        failed to load. A size that would leave a special token's id outside
+        the vocabulary, or a model with two embedding matrices, is refused before anything changes."""
         check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
-        if shared:
-            self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
+        self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
         return embeddings
 
     def get_encoder(self, modality: str | None = None) -> VanillaTransformerEncoder:
@@ -1428,12 +1432,6 @@ class VanillaTransformerForConditionalGeneration(
         that would leave a special token's id outside the vocabulary is refused before anything changes
         (such a model would generate with warnings, save, and then fail to load). A final logits bias
         (converted OPUS-MT models) is cut or extended with zeros, as MarianMTModel's is."""
-        if not self.config.share_encoder_decoder_embeddings:  # transformers would resize one of the two
-            raise ValueError(
-                "Resizing needs one embedding matrix shared by encoder and decoder "
-                "(share_encoder_decoder_embeddings=True): this model has one of each (separate vocabularies, "
-                "or one vocabulary in two matrices, as some converted Marian models)."
-            )
         check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
