@@ -932,3 +932,23 @@ def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch, error, message)
     monkeypatch.setattr(datasets, "load_dataset", failing)
     with pytest.raises(parallel_data.DataError, match=message):
         load_parallel_data(dataset_name="wmt/wmt14", dataset_config="xx-yy")
+
+
+def test_splits_that_leave_nothing_to_train_or_validate_on_are_named(tmp_path, tokenizer):
+    """The ends of the data checks: a file of one pair repeated (every held-out pair is also a training
+    pair), a length bound nothing fits, and a bound too small for a word and the end token."""
+    repeated = write(tmp_path / "same.tsv", "en\tes\n" + "thank you\tgracias\n" * 30)
+    with pytest.raises(DataError, match="Every held-out validation pair also occurs in train"):
+        load_parallel_data(train_file=repeated, validation_size=5)
+    pairs = {"source": ["a long sentence " * 8] * 3, "target": ["una frase larga " * 8] * 3}
+    data = DatasetDict({"train": Dataset.from_dict(pairs), "validation": Dataset.from_dict(pairs)})
+    with pytest.raises(DataError, match="No training pair is within max_length=4 tokens"):
+        tokenize_parallel_data(data, tokenizer, max_length=4)
+    held_out = parallel_data.DataReport(validation_held_out=True)
+    data["train"] = Dataset.from_dict({"source": ["a"], "target": ["b"]})
+    with pytest.raises(DataError, match="No held-out validation pair is within max_length=4 tokens"):
+        tokenize_parallel_data(data, tokenizer, max_length=4, report=held_out)
+    assert len(tokenize_parallel_data(data, tokenizer, max_length=4)["validation"]) == 3  # its own: whole
+    for bound in (1, 0):
+        with pytest.raises(DataError, match=f"max_length must be at least 2 tokens, got {bound}"):
+            tokenize_parallel_data(data, tokenizer, max_length=bound)

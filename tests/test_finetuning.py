@@ -289,6 +289,58 @@ def test_pairs_left_out_are_reported(start, tmp_path, caplog):
     assert re.search(r"skipped \d+ train pairs longer than max_length", caplog.text)
 
 
+def test_the_script_prints_the_scores_before_and_after_and_exits_cleanly_on_errors(
+    start, tmp_path, run_in_process, monkeypatch
+):
+    """scripts/finetune.py as a user runs it: a table of the scores before and after (the card's, for
+    those it records), and an error line with no traceback for a file that is missing or flags that
+    cannot work."""
+    model_dir, data = start
+    returned = []
+
+    def recorded(config):
+        returned.append(finetune(config))
+        return returned[-1]
+
+    monkeypatch.setattr("vanilla_transformer.finetuning.finetune", recorded)
+    common = ["--model", str(model_dir), "--validation_size", "40", "--max_eval_samples", "8"]
+    output = tmp_path / "tuned"
+    run = run_in_process(
+        "finetune.py", *common, "--train_file", str(data), "--output_dir", str(output), "--max_steps", "2"
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    table = {}
+    for line in run.stdout.splitlines():
+        if match := re.fullmatch(r"(\w+) +before +(\S+) +after +(\S+)", line):
+            table[match[1]] = float(match[2]), float(match[3])
+    assert list(table) == ["loss", "bleu", "chrf", "gen_len"], run.stdout
+    for name, (before, after) in table.items():
+        metrics = returned[0]
+        assert (before, after) == (round(metrics[f"before_{name}"], 3), round(metrics[f"after_{name}"], 3))
+    card = {
+        result.metric_type: result.metric_value for result in check_model_folder(output).data.eval_results
+    }
+    assert table["bleu"][1] == pytest.approx(card["bleu"], abs=0.01)
+    assert table["chrf"][1] == pytest.approx(card["chrf"], abs=0.01)
+    assert all(table["gen_len"][when] > 0 for when in (0, 1)) and table["loss"][0] > 0
+
+    missing = run_in_process(
+        "finetune.py",
+        *common,
+        "--train_file",
+        str(tmp_path / "nope.tsv"),
+        "--output_dir",
+        str(tmp_path / "o"),
+    )
+    last = missing.stderr.splitlines()[-1]  # after the weights' loading bar
+    assert missing.returncode == 1 and last.startswith("error: train file ") and "nope.tsv" in last
+    assert "Traceback" not in missing.stderr and not (tmp_path / "o").exists()
+    bad = run_in_process(
+        "finetune.py", *common, "--train_file", str(data), "--output_dir", "o", "--max_steps", "0"
+    )
+    assert bad.returncode == 2 and "--max_steps must be positive" in bad.stderr  # argparse's usage error
+
+
 def test_bad_finetune_options():
     with pytest.raises(ValueError, match="--max_steps must be positive"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", max_steps=0)
@@ -304,6 +356,9 @@ def test_bad_finetune_options():
             FinetuneConfig(model="m", train_file="t", output_dir="o", **{name: value})
     with pytest.raises(ValueError, match="--learning_rate must be a positive finite number"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", learning_rate=float("nan"))
+    for factor in (1.0, -0.1, float("nan")):  # 1 would spread every label's whole weight uniformly
+        with pytest.raises(ValueError, match=r"--label_smoothing_factor must be in \[0, 1\)"):
+            FinetuneConfig(model="m", train_file="t", output_dir="o", label_smoothing_factor=factor)
     with pytest.raises(ValueError, match=r"--seed must be between 0 and 2\*\*32 - 1, got -1"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", seed=-1)
     # A column's language cannot be guessed: the card named the embedded corpus's, English and Spanish.

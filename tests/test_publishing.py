@@ -200,6 +200,26 @@ def test_a_killed_write_is_discarded(tmp_path):
     assert not partial.exists()
 
 
+def test_states_no_single_kill_leaves_are_brought_back_without_loss(tmp_path):
+    """Two states that only overlapping runs or hands leave: an old folder set aside (`.replaced`) with no
+    folder in its place is put back, not deleted; a stale `.replaced` beside a folder and a complete new one
+    is removed and the new one published, keeping the folder's other files."""
+    folder = tmp_path / "model"
+    _, ready, replaced = staging_paths(folder.resolve())
+    replaced.mkdir()
+    write_files(replaced, OLD | KEPT)
+    finish_interrupted_publish(folder)
+    assert read_files(folder) == OLD | KEPT and not replaced.exists()
+
+    replaced.mkdir()
+    write_files(replaced, {"config.json": "stale"})
+    ready.mkdir()
+    write_files(ready, NEW)
+    finish_interrupted_publish(folder)
+    assert read_files(folder) == NEW | KEPT
+    assert not any(p.exists() for p in staging_paths(folder.resolve()))
+
+
 def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """A volume mounted at the folder (Docker, Kubernetes) cannot be replaced by a rename: the finished
     model once stayed in the hidden sibling, on the parent's file system, and every later run failed."""

@@ -51,6 +51,7 @@ from vanilla_transformer.training import (
     list_checkpoints,
     make_loader,
     parse_config,
+    parse_overrides,
     resolve_checkpoint,
     retire_later_checkpoints,
     save_checkpoint,
@@ -1519,6 +1520,33 @@ def test_pairs_that_cannot_be_cut_into_a_batch_per_process_are_the_inputs_error(
     assert len(TokenBatchSampler(*lengths.values(), 100, num_shards=3)) == 3  # one batch per process
 
 
+def test_config_overrides_are_typed_by_the_models_fields():
+    parsed = parse_overrides(
+        " d_model=128, norm_first=TRUE,dropout=0.25,share_encoder_decoder_embeddings=false"
+    )
+    assert parsed == {
+        "d_model": 128,
+        "norm_first": True,
+        "dropout": 0.25,
+        "share_encoder_decoder_embeddings": False,
+    }
+    assert [type(parsed[name]) for name in ("d_model", "dropout")] == [int, float]
+    assert parse_overrides("") == parse_overrides(None) == {}
+    for text, message in (
+        ("norm_first=yes", r"norm_first='yes' is not a valid bool"),  # bool("yes") would be True
+        ("d_model=1.5", r"d_model='1.5' is not a valid int"),
+        ("dropout=abc", r"dropout='abc' is not a valid float"),
+        ("vocab_size=10", "vocab_size comes from the tokenizer"),
+        (
+            "dtype=float16",
+            r"'dtype=float16' is not NAME=VALUE with NAME one of the model's fields \(activation",
+        ),
+        ("d_model", r"'d_model' is not NAME=VALUE"),
+    ):
+        with pytest.raises(ValueError, match=f"--config_overrides: {message}"):
+            parse_overrides(text)
+
+
 def test_bad_flags_are_rejected(tmp_path):
     # A tokenizer path that is not one: refused with the flags, not by a traceback after loading the data.
     with pytest.raises(ValueError, match="--tokenizer_name: no tokenizer folder at /nope"):
@@ -1537,6 +1565,16 @@ def test_bad_flags_are_rejected(tmp_path):
     assert TrainingConfig(max_steps=100).lr_schedule == "inverse_sqrt"  # the paper's: no end to reach
     with pytest.raises(ValueError, match="--max_train_minutes must be positive, or 0 for no limit"):
         TrainingConfig(max_train_minutes=-1)
+    for scale in (0.0, -1.0):
+        with pytest.raises(ValueError, match="--lr_scale must be positive"):
+            TrainingConfig(lr_scale=scale)
+    with pytest.raises(ValueError, match="--mixed_precision must be no, fp16 or bf16, got 'fp8'"):
+        TrainingConfig(mixed_precision="fp8")
+    with pytest.raises(ValueError, match="--max_grad_norm must be positive, got 0"):
+        TrainingConfig(max_grad_norm=0.0)
+    for name in ("warmup_steps", "eval_steps", "no_repeat_ngram_size"):
+        with pytest.raises(ValueError, match="--eval_steps and --no_repeat_ngram_size must not be negative"):
+            TrainingConfig(**{name: -1})
     assert TrainingConfig(preset="base").max_train_minutes is None  # the paper's recipe has no time limit
     # Checked when the flags are read, not after minutes of data loading and BPE training.
     with pytest.raises(ValueError, match="`num_heads` must be a positive integer"):
@@ -2135,6 +2173,8 @@ def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, ca
                 pairs.write_text("en\tpt\nhello world\thola mundo\n", encoding="utf-8")
             evaluate_model(model, device="cpu", data_options=options, num_beams=1)
         assert ("model card says" in caplog.text) == said, caplog.text
+    with pytest.raises(ValueError, match=r"No 'validation' split in the data \(splits: \['test'\]\)"):
+        evaluate_model(model, split="validation", device="cpu", data_options=options)
 
 
 def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypatch):
