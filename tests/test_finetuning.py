@@ -675,7 +675,8 @@ def test_several_processes_run_on_cpus_only_without_an_accelerator(
     start, tmp_path, monkeypatch, device, on_cpus
 ):
     """Several processes without a CUDA GPU were all told `use_cpu`: on an Intel XPU (or Ascend NPU,
-    Gaudi) machine, whose devices Trainer distributes over, the fine-tune then ran on the CPUs."""
+    Gaudi) machine, whose devices Trainer distributes over, the fine-tune then ran on the CPUs; on CPUs
+    with torch's CUDA build, the processes were not told, and each ran alone as rank 0."""
     from vanilla_transformer import finetuning
 
     model_dir, data = start
@@ -689,8 +690,12 @@ def test_several_processes_run_on_cpus_only_without_an_accelerator(
         raise Stop
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: device and torch.device(device))
+
+    # As torch's builds answer: a CUDA build names CUDA without a GPU too, unless asked for one available.
+    def current_accelerator(check_available=False):
+        return torch.device("cuda") if not check_available else device and torch.device(device)
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", current_accelerator)
     monkeypatch.setattr(finetuning, "Seq2SeqTrainingArguments", recorded)
     with pytest.raises(Stop):
         build_trainer(small_config(model_dir, data, tmp_path / "tuned"))

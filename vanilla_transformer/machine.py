@@ -200,11 +200,9 @@ def deepspeed_refused(environ: Mapping[str, str] | None = None) -> str | None:
 def distributed_accelerator() -> bool:
     """Whether processes here run on an accelerator that Accelerate (and Trainer) distribute over: a
     CUDA GPU, or another one torch knows (XPU, NPU, HPU, ...), but not Apple's MPS, which has no
-    process group."""
-    if torch.cuda.is_available():
-        return True
-    accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
-    current = accelerator.current_accelerator() if accelerator is not None else None
+    process group. One that is there: torch's CUDA build (PyPI's default on Linux) names CUDA as its
+    accelerator on a machine without a GPU, where several CPU processes once each ran alone as rank 0."""
+    current = torch.accelerator.current_accelerator(check_available=True)
     return current is not None and current.type != "mps"
 
 
