@@ -4,8 +4,8 @@ and run the tests there: a floor that no run has used is a promise nobody checke
     python -m tools.dependency_floors /tmp/floors-venv                      # the default suite
     python -m tools.dependency_floors /tmp/floors-venv -- tests/test_modeling.py -x
 
-Each requirement `name>=X` of the dependencies and of the extras named by `--extras` (the test extra
-by default) is installed as `name==X`, torch first (from the package index: a CUDA build where the
+Each requirement `name>=X` of the dependencies, of the test extra and of the extras named by `--extras`
+is installed as `name==X`, torch first (from the package index: a CUDA build where the
 index serves one, several GB), then the package itself without dependencies, editable, from this
 checkout. pip is asked to check the set (`pip check`) before the tests run. Needs the package index.
 """
@@ -55,12 +55,15 @@ def project_floors(pyproject: Path, extras: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("environment", type=Path, help="folder of the virtual environment (created)")
-    parser.add_argument("--extras", nargs="*", default=["test"], help="extras whose floors join (test)")
+    parser.add_argument("--extras", nargs="*", default=[], help="extras whose floors join the test extra's")
     parser.add_argument("pytest_args", nargs="*", help="after --: arguments for pytest (default: none)")
     args = parser.parse_args(argv)
     if args.environment.exists():
         parser.error(f"{args.environment} exists; name a new folder (the environment is built from scratch).")
-    pins = project_floors(ROOT / "pyproject.toml", args.extras)
+    try:
+        pins = project_floors(ROOT / "pyproject.toml", ["test", *args.extras])
+    except ValueError as error:
+        parser.error(str(error))
     print("floors:", " ".join(pins), flush=True)
     venv.create(args.environment, with_pip=True)
     python = str(args.environment / "bin" / "python")
