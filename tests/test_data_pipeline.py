@@ -297,9 +297,11 @@ def test_a_nul_byte_stays_in_its_field_with_any_pandas(tmp_path, monkeypatch, su
     assert load_parallel_data(train_file=clean, validation_file=clean)[0]["train"]["target"] == [
         f"hola {unique}"
     ]
-    text = f"en{separator}es\nhi{separator}hola\na\0b{separator}c {unique}\n"
+    long = "w" * 140_000  # over the csv module's default field limit, which pandas' Python parser has
+    text = f"en{separator}es\nhi{separator}hola\na\0b{separator}c {unique}\n{long}{separator}x\n"
     data = load_parallel_data(train_file=write(tmp_path / f"nul{suffix}", text), validation_file=clean)[0]
-    assert data["train"]["source"] == ["hi", "a\0b"] and data["train"]["target"] == ["hola", f"c {unique}"]
+    assert data["train"]["source"] == ["hi", "a\0b", long]
+    assert data["train"]["target"] == ["hola", f"c {unique}", "x"]
 
 
 def test_bad_data_gives_clear_errors(tmp_path):

@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,16 +155,22 @@ def check_delimited(path: Path) -> list[str]:
     CSV: standard quoting (fields with commas, quotes or line breaks are double-quoted, quotes doubled).
     A row that repeats the header (files concatenated with their headers) is refused too.
     """
-    # The csv module refuses a field over 128 KiB (a traceback, "field larger than field limit"), which
-    # pandas reads: a long sentence is the length checks' to judge. Its limit is global, so restored.
-    limit = csv.field_size_limit(FIELD_SIZE_LIMIT)
-    try:
+    with unlimited_csv_fields():
         return _check_delimited(path)
-    finally:
-        csv.field_size_limit(limit)
 
 
 FIELD_SIZE_LIMIT = 2**31 - 1  # the largest the csv module takes on every platform
+
+
+@contextmanager
+def unlimited_csv_fields() -> Iterator[None]:
+    """The csv module refuses a field over 128 KiB ("field larger than field limit"), which pandas' C
+    parser reads: a long sentence is the length checks' to judge. The limit is global, so restored."""
+    limit = csv.field_size_limit(FIELD_SIZE_LIMIT)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(limit)
 
 
 def _check_delimited(path: Path) -> list[str]:
@@ -340,7 +347,8 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
             {"converters": dict.fromkeys(range(fields[split]), str)} if split in fields else {}
         )
         # pandas' C parser before 3.1 ends a field at a NUL byte, so "a\0b" was read as "a" with no
-        # error; its Python parser keeps the field whole (slower, so only for such files).
+        # error; its Python parser (the csv module's, so with its field limit lifted) keeps the field
+        # whole (slower, so only for such files).
         if split in with_nul:
             parsing["engine"] = "python"
         # datasets finds its cache of a local file by the file's path and modification time alone: a file
@@ -348,14 +356,15 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
         # read as its earlier contents, after the checks above had passed the new ones. The contents'
         # digest as the configuration's name keeps one cache per contents.
         try:
-            data[split] = load_dataset(
-                FILE_BUILDERS[suffix],
-                name=f"sha256-{digests[split]}",
-                data_files={split: str(path)},
-                split=split,
-                **options,
-                **parsing,
-            )
+            with unlimited_csv_fields():
+                data[split] = load_dataset(
+                    FILE_BUILDERS[suffix],
+                    name=f"sha256-{digests[split]}",
+                    data_files={split: str(path)},
+                    split=split,
+                    **options,
+                    **parsing,
+                )
         except Exception as error:  # datasets wraps parser errors in several exception types
             raise DataError(f"Could not parse {path}: {error}") from error
     return data
