@@ -314,8 +314,8 @@ def test_the_script_prints_the_scores_before_and_after_and_exits_cleanly_on_erro
         if match := re.fullmatch(r"(\w+) +before +(\S+) +after +(\S+)", line):
             table[match[1]] = float(match[2]), float(match[3])
     assert list(table) == ["loss", "bleu", "chrf", "gen_len"], run.stdout
+    metrics = returned[0]
     for name, (before, after) in table.items():
-        metrics = returned[0]
         assert (before, after) == (round(metrics[f"before_{name}"], 3), round(metrics[f"after_{name}"], 3))
     card = {
         result.metric_type: result.metric_value for result in check_model_folder(output).data.eval_results

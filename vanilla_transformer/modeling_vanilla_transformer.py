@@ -971,8 +971,8 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
     ) -> nn.Embedding:
         """`PreTrainedModel.resize_token_embeddings` of the shared matrix, with `decoder_vocab_size`
         following `vocab_size`: left as it was, the decoder refused the new ids and the saved folder
-        failed to load. A size that would leave a special token's id outside
-        the vocabulary, or a model with two embedding matrices, is refused before anything changes."""
+        failed to load. A size that would leave a special token's id outside the vocabulary, or a model
+        with two embedding matrices, is refused before anything changes."""
         check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
