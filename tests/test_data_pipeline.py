@@ -366,6 +366,11 @@ def test_bad_data_gives_clear_errors(tmp_path):
     for text in ("", " \n", "\ufeff", "[]", "[ \n ]\n"):  # once "Could not parse e.json: " and no reason
         with pytest.raises(DataError, match=r"e\.json is empty: it needs a JSON array of objects"):
             load_parallel_data(test_file=write(tmp_path / "e.json", text), for_training=False)
+    # datasets' own message for these is "An error occurred while generating the dataset": the reason is
+    # its exception's cause (a file cut short in a copy; a top level that is no array of objects)
+    for text, reason in (('[{"en": "a", "es": "b"}', "position 23"), ('"hello"', "object to string")):
+        with pytest.raises(DataError, match=rf"c\.json: .*{reason}.* \(a \.json file holds one JSON array"):
+            load_parallel_data(test_file=write(tmp_path / "c.json", text), for_training=False)
     with pytest.raises(ValueError, match="same type"):
         load_parallel_data(train_file=good, validation_file=write(tmp_path / "v.jsonl", '{"en": "a"}\n'))
 

@@ -22,6 +22,7 @@ from vanilla_transformer.cli import InputError
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.finetuning import FinetuneConfig, bleu_metric_fn, build_trainer, finetune
 from vanilla_transformer.hub import check_model_folder
+from vanilla_transformer.parallel_data import DataError
 from vanilla_transformer.tokenization import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,11 +342,13 @@ def test_the_script_prints_the_scores_before_and_after_and_exits_cleanly_on_erro
     assert bad.returncode == 2 and "--max_steps must be positive" in bad.stderr  # argparse's usage error
 
 
-def test_bad_finetune_options():
+def test_bad_finetune_options(tmp_path):
     with pytest.raises(ValueError, match="--max_steps must be positive"):
         FinetuneConfig(model="m", train_file="t", output_dir="o", max_steps=0)
+    (tmp_path / "pairs.tsv").write_text("en\tes\nhello\thola\n", encoding="utf-8")
+    pairs = str(tmp_path / "pairs.tsv")
     with pytest.raises(FileNotFoundError, match="not a model folder"):
-        build_trainer(FinetuneConfig(model=str(Path(__file__).parent), train_file="t", output_dir="o"))
+        build_trainer(FinetuneConfig(model=str(Path(__file__).parent), train_file=pairs, output_dir="o"))
     for name, value in (
         ("gradient_accumulation_steps", 0),
         ("max_eval_samples", 0),
@@ -926,3 +929,31 @@ def test_trainer_label_smoothing_says_the_unlikelihood_term_is_dropped(tmp_path,
         trainer.train()
     dropped = [w for w in warnings if "without its unlikelihood term" in w]
     assert len(dropped) == (1 if label_smoothing_factor else 0), warnings
+
+
+def test_data_files_are_checked_before_the_model_is_loaded(tmp_path, monkeypatch):
+    """A missing, folder or unsupported --train_file/--validation_file is refused before the model is
+    read: a Hub model would be downloaded first."""
+    import vanilla_transformer.finetuning as finetuning
+
+    loads = []
+    monkeypatch.setattr(finetuning, "load_model_folder", lambda *a, **k: loads.append(a) or 1 / 0)
+    (tmp_path / "pairs.tsv").write_text("en\tes\nhello\thola\n", encoding="utf-8")
+    (tmp_path / "notes.txt").write_text("hello\n", encoding="utf-8")
+    output = str(tmp_path / "tuned")
+    for files, error, message in (
+        ({"train_file": str(tmp_path / "missing.tsv")}, FileNotFoundError, "train file .*missing.tsv does"),
+        ({"train_file": str(tmp_path)}, DataError, "train file .* is a folder"),
+        ({"train_file": str(tmp_path / "notes.txt")}, DataError, "unsupported file type '.txt'"),
+        (
+            {"train_file": str(tmp_path / "pairs.tsv"), "validation_file": str(tmp_path / "dev.tsv")},
+            FileNotFoundError,
+            "validation file .*dev.tsv does not exist",
+        ),
+    ):
+        with pytest.raises(error, match=message):
+            build_trainer(FinetuneConfig(model="some-user/some-model", output_dir=output, **files))
+    assert loads == []
+    with pytest.raises(ZeroDivisionError):  # files that exist: the model is loaded next
+        build_trainer(FinetuneConfig(model="m", train_file=str(tmp_path / "pairs.tsv"), output_dir=output))
+    assert len(loads) == 1

@@ -2473,7 +2473,9 @@ def test_more_processes_than_gpus_end_training_before_any_work(tmp_path, monkeyp
     # A folder that does not exist: the model is read (and not found) at once; a repo id would be tried
     # on the Hub first, with retries (20 s and more where the machine is offline).
     missing = str(tmp_path / "no-model")
-    finetune = FinetuneConfig(model=missing, train_file="t", output_dir=str(tmp_path / "ft"))
+    (tmp_path / "pairs.tsv").write_text("en\tes\nhello\thola\n", encoding="utf-8")
+    pairs = str(tmp_path / "pairs.tsv")
+    finetune = FinetuneConfig(model=missing, train_file=pairs, output_dir=str(tmp_path / "ft"))
     with pytest.raises(
         ValueError, match=r"2 processes .* sees 1 GPU: .*--num_processes 1 .*CUDA_VISIBLE_DEVICES="
     ):

@@ -45,7 +45,13 @@ from .machine import (
 )
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
-from .parallel_data import load_parallel_data, resolve_languages, text_digest, tokenize_parallel_data
+from .parallel_data import (
+    check_data_paths,
+    load_parallel_data,
+    resolve_languages,
+    text_digest,
+    tokenize_parallel_data,
+)
 from .publishing import check_writable_place, disk_full_message
 
 logger = logging.getLogger(__name__)
@@ -522,6 +528,9 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         raise ValueError(problem)
     if alone := one_process_of_several():
         logger.warning(alone)
+    # The data files' paths first: a missing one is said before the model is loaded (or downloaded)
+    files = {"train": config.train_file, "validation": config.validation_file}
+    check_data_paths({split: path for split, path in files.items() if path})
     model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
     freeze_unsaved_parameters(model)
     # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)

@@ -287,15 +287,11 @@ def _empty_json(path: Path, head: int = 4096) -> bool:
     return len(text) < head and text.replace(b"[", b"", 1).replace(b"]", b"", 1).strip() == b""
 
 
-def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDict:
-    """The data files' splits; `columns`, the names the run reads, must each name one column of a
-    delimited file."""
-    paths = {split: Path(path) for split, path in files.items()}
-    suffixes = set()
-    fields: dict[str, int] = {}  # a delimited file's number of columns
-    with_nul: set[str] = set()  # the delimited files' splits with a NUL byte in their text
-    digests: dict[str, str] = {}  # a file's contents, which name its cache (see below)
-    for split, path in paths.items():
+def check_data_paths(files: Mapping[str, str | Path]) -> None:
+    """Refuse a data file (by split) that is missing, a folder, or of a type no loader reads: what can
+    be told before any work (a fine-tune checks it before loading its model)."""
+    for split, name in files.items():
+        path = Path(name)
         if path.is_dir():
             raise DataError(f"{split} file {path} is a folder; name a file ({', '.join(FILE_BUILDERS)}).")
         if not path.is_file():
@@ -304,6 +300,18 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
             raise DataError(
                 f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
             )
+
+
+def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDict:
+    """The data files' splits; `columns`, the names the run reads, must each name one column of a
+    delimited file."""
+    paths = {split: Path(path) for split, path in files.items()}
+    suffixes = set()
+    fields: dict[str, int] = {}  # a delimited file's number of columns
+    with_nul: set[str] = set()  # the delimited files' splits with a NUL byte in their text
+    digests: dict[str, str] = {}  # a file's contents, which name its cache (see below)
+    check_data_paths(paths)
+    for split, path in paths.items():
         check_utf8(path)
         digests[split] = file_sha256(path)
         if FILE_BUILDERS[path.suffix] == "csv":
@@ -366,7 +374,17 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
                     **parsing,
                 )
         except Exception as error:  # datasets wraps parser errors in several exception types
-            raise DataError(f"Could not parse {path}: {error}") from error
+            # ... and says "An error occurred while generating the dataset": the reason is its cause's
+            cause = error
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            hint = (
+                " (a .json file holds one JSON array of objects, each with a text per column; JSON Lines, "
+                "an object per line, go in a .jsonl file)"
+                if suffix == ".json"
+                else ""
+            )
+            raise DataError(f"Could not parse {path}: {first_line(cause)}{hint}") from error
     return data
 
 
