@@ -421,6 +421,7 @@ def test_joint_projection_equals_the_separate_layers():
         (" ONEDNN ", "onednn"),
         ("mkl", "mkl"),
     ],
+    ids=lambda item: "unset" if item is None else item.replace(" ", "_"),  # ids without spaces
 )
 def test_environment_variable(value, mode):
     assert kernels._parse_mode(value) == mode
