@@ -12,6 +12,11 @@ lookup; this model's own kernels are switched to torch's for that run, so that i
 too): what is left is the rest, and products = with - without. The zero outputs change the tokens, not
 the work of a step, as every step runs to the same length (no end token). Where the rest is already
 far below MarianMTModel's and the products are equal, the products are what sets the ratio.
+
+The time spent outside the model's `forward` in the first run (the calls with products) is the
+generation loop's: transformers' own work around each step (the logits' copy, log-softmax, top-k or
+argmax, the beams' bookkeeping, the cache's reordering, the stopping checks), which no change to a
+model's forward removes.
 """
 
 from __future__ import annotations
@@ -61,36 +66,70 @@ def products_replaced(counts: dict[str, int]) -> Iterator[None]:
         kernels.set_linear_kernel(mode)
 
 
+@contextlib.contextmanager
+def forward_timed(model: torch.nn.Module, spent: list[float]) -> Iterator[None]:
+    """Inside it each call of `model.forward` adds its seconds to `spent[0]`."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    forward = model.forward
+    model.forward = timed
+    try:
+        yield
+    finally:
+        del model.forward  # the class's again
+
+
 def per_later_step(
-    models: dict[str, torch.nn.Module], source: torch.Tensor, options: dict[str, Any], repeats: int
+    models: dict[str, torch.nn.Module],
+    source: torch.Tensor,
+    options: dict[str, Any],
+    repeats: int,
+    in_forward: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Seconds per decoding step after the second, each model's: (median call with 32 new tokens -
-    median call with 2) / 30, the models taking turns call by call."""
-    medians = {}
+    median call with 2) / 30, the models taking turns call by call. Into `in_forward`, if given, the same
+    for the seconds spent inside the model's `forward`."""
+    medians, forward_medians = {}, {}
     with torch.inference_mode():
         for new_tokens in (2, 2 + LATER_STEPS):
             settings = {**options, "max_new_tokens": new_tokens}
             times: dict[str, list[float]] = {kind: [] for kind in models}
+            forward_times: dict[str, list[float]] = {kind: [] for kind in models}
             for model in models.values():
                 model.generate(source, **settings)  # warm-up (and this length's kernel choices)
             for _ in range(repeats):
                 for kind, model in models.items():
-                    start = time.perf_counter()
-                    model.generate(source, **settings)
-                    times[kind].append(time.perf_counter() - start)
+                    spent = [0.0]
+                    with forward_timed(model, spent) if in_forward is not None else contextlib.nullcontext():
+                        start = time.perf_counter()
+                        model.generate(source, **settings)
+                        times[kind].append(time.perf_counter() - start)
+                    forward_times[kind].append(spent[0])
             medians[new_tokens] = {kind: statistics.median(t) for kind, t in times.items()}
+            forward_medians[new_tokens] = {kind: statistics.median(t) for kind, t in forward_times.items()}
+    if in_forward is not None:
+        for kind in models:
+            later = forward_medians[2 + LATER_STEPS][kind] - forward_medians[2][kind]
+            in_forward[kind] = later / LATER_STEPS
     return {kind: (medians[2 + LATER_STEPS][kind] - medians[2][kind]) / LATER_STEPS for kind in models}
 
 
 def split(preset: str, batch_size: int, beams: int, repeats: int) -> dict[str, Any]:
-    """Per later step, each model's time with its products and without them (seconds), and the number of
-    products replaced per later step."""
+    """Per later step, each model's time with its products and without them, and outside its `forward`
+    (seconds), and the number of products replaced per later step."""
     from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 
     config = VanillaTransformerConfig.from_preset(preset, vocab_size=BENCHMARK_VOCABULARY)
     models = {kind: build_model(kind, config, "cpu", torch.float32).eval() for kind in MODELS}
     source, options = generation_inputs(models, "cpu", batch_size, beams)
-    whole = per_later_step(models, source, options, repeats)
+    in_forward: dict[str, float] = {}
+    whole = per_later_step(models, source, options, repeats, in_forward)
     products = {}
     for kind, model in models.items():
         counts = {"products": 0}
@@ -101,7 +140,8 @@ def split(preset: str, batch_size: int, beams: int, repeats: int) -> dict[str, A
             products[kind] = (counts["products"] - 2 * before) // LATER_STEPS
     with products_replaced({"products": 0}):
         rest = per_later_step(models, source, options, repeats)
-    return {"whole": whole, "rest": rest, "products_per_step": products}
+    loop = {kind: whole[kind] - in_forward[kind] for kind in models}
+    return {"whole": whole, "rest": rest, "loop": loop, "products_per_step": products}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -126,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "whole step": whole,
         "products": {kind: whole[kind] - rest[kind] for kind in MODELS},
         "rest": rest,
+        "of which the generation loop": result["loop"],
     }
     for name, row in rows.items():
         ours, marian = row["ours"], row["marian"]
