@@ -585,6 +585,51 @@ def test_decoding_steps_without_module_calls_equal_the_module_path(source, overr
     assert_same_up_to_rounding(lean_scores[finite], plain_scores[finite], TINY_TERMS)
 
 
+def test_a_hook_for_every_module_changes_what_the_same_hook_on_each_module_does(source):
+    """A hook registered for every module (`register_module_forward_hook`: activation capture,
+    ablation) is called by each module on every path: the stacked Q/K/V product of cached steps, the
+    loss without (N, V) logits and the in-place ReLU took their modules' work without calling them, and
+    such a hook changed nothing there. The same hook registered on each module itself (which every path
+    honours) is the reference: the same logits, tokens and loss, and the same modules called."""
+    model = perturbed(tiny_model("sdpa"))
+    names = {module: name for name, module in model.named_modules()}
+    changed = ("decoder.layers.0.self_attn.v_proj", "decoder.layers.1.activation_fn", "lm_head")
+    called: list[str] = []
+
+    def change(module, args, output):  # halves three modules' outputs
+        name = names[module].removeprefix("model.")
+        if name in changed:
+            called.append(name)
+            return output * 0.5
+
+    target = torch.randint(3, 99, (source.shape[0], 6), generator=torch.Generator().manual_seed(3))
+    options = {"num_beams": 3, "max_new_tokens": 7, "min_new_tokens": 7}
+
+    def run() -> tuple:
+        called.clear()
+        with torch.no_grad():
+            logits = model(input_ids=source, decoder_input_ids=target).logits  # use_cache: True
+            tokens = model.generate(source, **options)
+        model.train()  # dropout 0: the training loss, computed without logits where it can be
+        loss = model(input_ids=source, labels=target).loss.detach()
+        model.eval()
+        return logits, tokens, loss, sorted(set(called))
+
+    handles = [module.register_forward_hook(change) for module in model.modules()]
+    reference = run()
+    for handle in handles:
+        handle.remove()
+    assert reference[3] == sorted(changed)
+    with torch.nn.modules.module.register_module_forward_hook(change):
+        hooked = run()
+    assert hooked[3] == sorted(changed)
+    assert_same_up_to_rounding(hooked[0], reference[0], TINY_TERMS)
+    assert torch.equal(hooked[1], reference[1])
+    assert_same_up_to_rounding(hooked[2], reference[2], TINY_TERMS)
+    unchanged = run()  # the hook gone: the fast paths again, and other results
+    assert unchanged[3] == [] and not torch.allclose(unchanged[2], reference[2])
+
+
 def test_a_cached_step_with_gradients_equals_the_full_forward(source, monkeypatch):
     """Called directly with gradients on, a cached step takes the layers' `decoding_step` with separate
     Q, K, V products (the stacked copy is for inference only); its logits equal the last position of an

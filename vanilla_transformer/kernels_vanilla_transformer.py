@@ -610,13 +610,19 @@ class Linear(nn.Linear):
         return super()._apply(fn, *args, **kwargs)
 
 
+# Fails closed (as if there were one) where this private function of torch is missing.
+_any_global_hook: Callable[[], object] = getattr(nn.modules.module, "_has_any_global_hook", lambda: True)
+
+
 def unwrapped(module: nn.Module, *classes: type) -> bool:
     """Whether `module` is exactly one of `classes` with nothing wrapped around its forward (forward or
-    backward hooks, an instance's own `forward` as accelerate's offloading sets, a subclass such as an
-    adapter's), so that a caller may do its forward's work without calling it."""
+    backward hooks, its own or those for every module, an instance's own `forward` as accelerate's
+    offloading sets, a subclass such as an adapter's), so that a caller may do its forward's work without
+    calling it."""
     attributes = module.__dict__  # accelerate sets `_hf_hook` and `forward` there
     return (
         type(module) in classes
+        and not _any_global_hook()
         and not module._forward_hooks
         and not module._forward_pre_hooks
         and not module._backward_hooks
@@ -648,10 +654,6 @@ def layer_norm_of(norm: nn.LayerNorm, inputs: torch.Tensor) -> torch.Tensor:
     """`norm(inputs)` for an unwrapped `nn.LayerNorm`, without the module call."""
     parameters = norm._parameters
     return torch.layer_norm(inputs, norm.normalized_shape, parameters["weight"], parameters["bias"], norm.eps)
-
-
-# Fails closed (as if there were one) where this private function of torch is missing.
-_any_global_hook: Callable[[], object] = getattr(nn.modules.module, "_has_any_global_hook", lambda: True)
 
 
 def global_module_hooks() -> bool:

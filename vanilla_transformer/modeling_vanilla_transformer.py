@@ -275,7 +275,7 @@ class VanillaTransformerLayer(GradientCheckpointingLayer):
         # and an in-place ReLU on a view makes autograd copy the (tokens x d_ff) gradient three times.
         rows = self._sublayer_input(hidden_states, self.final_layer_norm).reshape(-1, residual.shape[-1])
         hidden_states = self.fc1(rows)  # (tokens, F)
-        if isinstance(self.activation_fn, nn.ReLU):  # in place: saves a (tokens x d_ff) tensor
+        if unwrapped(self.activation_fn, nn.ReLU):  # in place: saves a (tokens x d_ff) tensor
             hidden_states = F.relu(hidden_states, inplace=True)
         else:
             hidden_states = self.activation_fn(hidden_states)
@@ -433,7 +433,7 @@ class VanillaTransformerDecoderLayer(VanillaTransformerLayer):
         # Feed-forward network, as `_feed_forward` computes it.
         inner = linear_of(fc1, sublayer_input(hidden_states, ffn_norm))
         activation = self.activation_fn
-        inner = F.relu(inner, inplace=True) if isinstance(activation, nn.ReLU) else activation(inner)
+        inner = F.relu(inner, inplace=True) if unwrapped(activation, nn.ReLU) else activation(inner)
         return sublayer_output(hidden_states, linear_of(fc2, inner), ffn_norm)
 
 
