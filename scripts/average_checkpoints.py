@@ -33,6 +33,7 @@ from vanilla_transformer.evaluation import (
     warn_without_generation_config,
 )
 from vanilla_transformer.publishing import (
+    check_files_readable,
     check_folder_json,
     check_has_tokenizer,
     check_new_folder,
@@ -84,9 +85,10 @@ if looks_local(args.model) and not Path(args.model).is_dir():
 local = looks_local(args.model) or Path(args.model).is_dir()  # "my-model": a folder here, or a Hub id
 if local:
     try:
+        check_files_readable(args.model)
         check_has_tokenizer(args.model)
         check_folder_json(args.model)  # a broken generation config would be saved as none at all
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:
         parser.error(str(error))
 problems = foreign_checkpoints(Path(args.model), args.checkpoints)
 if problems:
@@ -119,8 +121,8 @@ else:
 try:
     model = VanillaTransformerForConditionalGeneration.from_pretrained(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-except (OSError, ValueError) as error:
-    parser.error(first_line(error))
+except (OSError, ValueError, SafetensorError) as error:  # safetensors' (a truncated file) is neither
+    parser.error(f"the model in {args.model} could not be read: {first_line(error)}")
 if local:
     warn_without_generation_config(Path(args.model), model)  # the average would be saved greedy
 try:
@@ -157,7 +159,7 @@ try:
                 steps=steps,
                 scores=scores,
             )
-except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
+except Exception as error:  # safetensors' and tokenizers' errors are not OSErrors
     message = disk_full_message(error, output, model, "Nothing was written: free some space and run again.")
     if message is None:
         raise

@@ -8,9 +8,13 @@ Needs `pip install -e ".[ctranslate2]"`. Logic in vanilla_transformer/export_ctr
 """
 
 import argparse
+import shutil
+import sys
+from pathlib import Path
 
 from vanilla_transformer.cli import positive_int
 from vanilla_transformer.export_ctranslate2 import DEFAULT_MAX_POSITIONS, QUANTIZATIONS, export_ctranslate2
+from vanilla_transformer.publishing import mebibytes, out_of_space
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("model_dir", help="a model folder written by scripts/train.py (or save_pretrained)")
@@ -35,5 +39,11 @@ try:
         args.model_dir, args.output_dir, quantization=args.quantization, max_positions=args.max_positions
     )
 except (OSError, ValueError, ImportError) as error:
+    if out_of_space(error):  # the folder is written aside: an earlier export stays as it was
+        sys.exit(
+            f"error: writing {args.output_dir} failed ({error}): "
+            f"{mebibytes(shutil.disk_usage(Path(args.output_dir).resolve().parent).free)} MiB free there. "
+            "An earlier export there is intact: free some space and run again."
+        )
     parser.error(str(error))
 print(f"wrote {folder}")

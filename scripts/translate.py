@@ -132,4 +132,5 @@ except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
     sys.exit(141)
 except OSError as error:  # the output cannot be written: a full disk, a read-only folder, ...
-    sys.exit(f"error: {error}")
+    written = "standard output" if args.output == "-" else f"--output {args.output}"
+    sys.exit(f"error: writing {written} failed: {error}")

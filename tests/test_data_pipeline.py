@@ -5,6 +5,7 @@ import json
 import os
 import random
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict, Features, Translation
@@ -959,3 +960,48 @@ def test_splits_that_leave_nothing_to_train_or_validate_on_are_named(tmp_path, t
     for bound in (1, 0):
         with pytest.raises(DataError, match=f"max_length must be at least 2 tokens, got {bound}"):
             tokenize_parallel_data(data, tokenizer, max_length=bound)
+
+
+def test_a_cache_or_file_that_cannot_be_used_is_named_not_the_data(tmp_path, monkeypatch):
+    """A full or read-only datasets cache was reported as the data file being unparseable ("Could not
+    parse train.tsv: An error occurred while generating the dataset"), and a data file this user may not
+    read ended in a PermissionError traceback. Each is now said as what it is."""
+    import errno
+
+    import datasets
+
+    good = write(tmp_path / "good.tsv", "en\tes\nhi\thola\n")
+    for cause, said in (
+        (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+        (OSError(errno.EROFS, "Read-only file system", "/ro/hf"), "Read-only file system"),
+    ):
+
+        def failing(*args, cause=cause, **kwargs):
+            raise RuntimeError("An error occurred while generating the dataset") from cause
+
+        with monkeypatch.context() as patched:
+            patched.setattr(datasets, "load_dataset", failing)
+            with pytest.raises(DataError) as error:
+                load_parallel_data(test_file=good, for_training=False)
+        message = str(error.value)
+        assert message.startswith(f"Could not load {good}: datasets' cache in ") and said in message
+        assert "set HF_DATASETS_CACHE (or HF_HOME) to a writable folder" in message
+    own = OSError(errno.EACCES, "Permission denied", str(good))  # the data file's own: not the cache's
+
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("An error occurred while generating the dataset") from own
+
+    with monkeypatch.context() as patched:
+        patched.setattr(datasets, "load_dataset", unreadable)
+        with pytest.raises(DataError, match=r"^Could not parse .*good\.tsv: \[Errno 13\] Permission denied"):
+            load_parallel_data(test_file=good, for_training=False)
+    opening = Path.open
+
+    def denied(self, *args, **kwargs):
+        if self == Path(good):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return opening(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+    with pytest.raises(DataError, match=r"^train file .*good\.tsv cannot be read: Permission denied\.$"):
+        load_parallel_data(train_file=good, validation_file=good)

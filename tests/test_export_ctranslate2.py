@@ -6,6 +6,7 @@ each source's length + 50); CTranslate2 is an independent implementation of the 
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -679,3 +680,50 @@ def test_torch_dynamic_quantization_leaves_this_model_in_float32_as_the_readme_s
     linears = [m for m in quantized.modules() if isinstance(m, nn.Linear) or "Linear" in type(m).__name__]
     assert linears and all(type(m) is Linear for m in linears)
     assert torch.equal(quantized(input_ids=source, decoder_input_ids=source).logits, before)
+
+
+def test_a_full_disk_is_explained_by_the_export_and_translate_scripts(
+    tmp_path, corpus, run_in_process, monkeypatch
+):
+    """export_ctranslate2.py on a full disk printed its usage and "[Errno 28] No space left on device"
+    (naming no folder), and translate.py's --output failure did not name --output. The earlier export
+    and output file stay as they were."""
+    import contextlib
+    import errno
+    import io
+
+    import vanilla_transformer.cli
+    import vanilla_transformer.export_ctranslate2 as export_module
+
+    trained_folder(tmp_path / "model", corpus)
+    export = ["export_ctranslate2.py", str(tmp_path / "model"), str(tmp_path / "ct2")]
+    assert run_in_process(*export).returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ct2").iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(export_module, "publish_folder", full_disk)
+        result = run_in_process(*export)
+    assert result.returncode == 1 and "usage:" not in result.stderr
+    assert re.search(
+        rf"error: writing {re.escape(str(tmp_path / 'ct2'))} failed \(\[Errno 28\] No space left on "
+        r"device\): [\d.,]+ MiB free there\. An earlier export there is intact",
+        result.stderr,
+    ), result.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ct2").iterdir()} == before
+    (tmp_path / "en.txt").write_text("In the beginning.\n")
+    (tmp_path / "es.txt").write_text("kept\n")
+    files = ["--input", str(tmp_path / "en.txt"), "--output", str(tmp_path / "es.txt")]
+
+    @contextlib.contextmanager
+    def filling_up(path, *args, **kwargs):  # the disk fills while the translations are written
+        yield io.StringIO()
+        full_disk()
+
+    monkeypatch.setattr(vanilla_transformer.cli, "replaced_when_complete", filling_up)
+    result = run_in_process("translate.py", "--model", str(tmp_path / "model"), *files)
+    assert result.returncode == 1
+    assert f"error: writing --output {tmp_path / 'es.txt'} failed: [Errno 28] No space left" in result.stderr
+    assert (tmp_path / "es.txt").read_text() == "kept\n"

@@ -957,3 +957,35 @@ def test_data_files_are_checked_before_the_model_is_loaded(tmp_path, monkeypatch
     with pytest.raises(ZeroDivisionError):  # files that exist: the model is loaded next
         build_trainer(FinetuneConfig(model="m", train_file=str(tmp_path / "pairs.tsv"), output_dir=output))
     assert len(loads) == 1
+
+
+def test_a_full_disk_while_trainer_writes_a_checkpoint_is_explained(start, tmp_path, monkeypatch):
+    """A full disk while Trainer wrote a checkpoint ended in a traceback (safetensors' error, torch's
+    "iostream error", an OSError), and the unfinished checkpoint stayed, holding its space. Now the
+    message names the last whole checkpoint and how to go on, the unfinished one is gone, and a resume
+    finishes the fine-tune."""
+    start_dir, data = start
+    output = tmp_path / "tuned"
+    options = {"eval_steps": 3, "max_eval_samples": 4, "num_beams": 1, "per_device_train_batch_size": 16}
+    saving = PreTrainedModel.save_pretrained
+
+    def full_disk_at_the_second(self, directory, *args, **kwargs):
+        if Path(directory).name == "checkpoint-6":
+            (Path(directory) / "model.safetensors").write_bytes(b"half")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return saving(self, directory, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(PreTrainedModel, "save_pretrained", full_disk_at_the_second)
+        with pytest.raises(InputError) as error:
+            finetune(small_config(start_dir, data, output, max_steps=9, **options))
+    message = str(error.value)
+    assert re.match(
+        rf"^Writing checkpoint checkpoint-6 in {re.escape(str(output))} failed \(.*os error 28\)", message
+    )
+    assert "MiB free in" in message and "The last whole checkpoint is checkpoint-3" in message
+    assert sorted(p.name for p in output.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    metrics = finetune(
+        small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint="latest", **options)
+    )
+    assert metrics["after_loss"] > 0 and (output / "model.safetensors").is_file()

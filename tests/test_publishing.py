@@ -246,9 +246,9 @@ def test_mount_points_are_read_from_mountinfo_bind_mounts_included(tmp_path, mon
     escaped = str(volume).replace(" ", "\\040")
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(f"36 35 98:0 /data {escaped} rw,noatime shared:1 - ext4 /dev/sda1 rw\n")
-    assert publishing._mount_points(mountinfo) == {volume}
-    assert publishing._mount_points(tmp_path / "absent") == set()
-    monkeypatch.setattr(publishing, "_mount_points", lambda: {volume})
+    assert publishing.mount_points(mountinfo) == {volume}
+    assert publishing.mount_points(tmp_path / "absent") == set()
+    monkeypatch.setattr(publishing, "mount_points", lambda: {volume})
     with pytest.raises(ValueError, match="is a mount point"):
         check_renamable(volume)
 
@@ -343,3 +343,58 @@ def test_a_json_file_that_cannot_be_read_is_named(tmp_path):
     (tmp_path / "generation_config.json").mkdir()
     with pytest.raises(ValueError, match=r"generation_config.json cannot be read: Is a directory"):
         read_json_object(tmp_path / "generation_config.json")
+
+
+def test_a_file_mounted_on_its_own_is_refused_as_an_output_before_any_work(tmp_path, monkeypatch):
+    """`docker run -v out.txt:/out.txt`: the output, written beside it and renamed, failed with EBUSY
+    only once every line was translated."""
+    from vanilla_transformer.cli import check_output_file
+
+    mounted = tmp_path / "out.txt"
+    mounted.write_text("kept\n")
+    monkeypatch.setattr(publishing, "mount_points", lambda: {mounted})
+    with pytest.raises(ValueError, match=r"out\.txt is a mount point .*name a file in a mounted folder"):
+        check_output_file(mounted)
+    assert check_output_file(tmp_path / "other.txt") == tmp_path / "other.txt"
+    monkeypatch.setattr(publishing, "mount_points", lambda: {tmp_path})  # a mounted folder: fine
+    assert check_output_file(mounted) == mounted
+
+
+def test_a_dangling_link_as_the_folder_to_write_is_refused(tmp_path):
+    """An --output_dir that is a link to a folder not yet made failed in the first folder made inside it
+    (a traceback from the tokenizer's save, or "File exists")."""
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "elsewhere" / "run")
+    with pytest.raises(ValueError, match=r"run is a symbolic link to .*elsewhere/run, which does not exist"):
+        check_writable_place(link)
+    (tmp_path / "elsewhere" / "run").mkdir(parents=True)
+    check_writable_place(link)  # made: fine
+
+
+def test_an_unreadable_file_of_a_model_folder_is_named(tmp_path, monkeypatch):
+    """safetensors reports a weights file this user may not read as missing ("No such file or
+    directory"): a folder of another user's mode 0600 files was said not to hold its weights."""
+    from conftest import tiny_config
+
+    from vanilla_transformer import VanillaTransformerForConditionalGeneration
+    from vanilla_transformer.evaluation import load_model_folder
+    from vanilla_transformer.publishing import check_files_readable
+    from vanilla_transformer.tokenization import train_bpe_tokenizer
+
+    folder = tmp_path / "model"
+    tokenizer = train_bpe_tokenizer(["a small text to learn from"] * 4, vocab_size=40)
+    config = tiny_config(vocab_size=len(tokenizer))
+    VanillaTransformerForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    check_files_readable(folder)
+    weights = folder / "model.safetensors"
+    opening = Path.open
+
+    def denied(self, *args, **kwargs):
+        if self == weights:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return opening(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+    with pytest.raises(PermissionError, match=r"model\.safetensors cannot be read \(Permission denied\)"):
+        load_model_folder(folder, "cpu")

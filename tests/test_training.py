@@ -395,6 +395,21 @@ def test_average_checkpoints_explains_a_full_disk(trained, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no folder, no staging folder left
 
 
+def test_average_checkpoints_names_a_damaged_model_folder(trained, tmp_path, run_in_process):
+    """A truncated model.safetensors in --model (whose configuration and tokenizer the average takes)
+    gave safetensors' traceback."""
+    output_dir, _ = trained
+    damaged = tmp_path / "damaged"
+    shutil.copytree(output_dir, damaged, ignore=shutil.ignore_patterns("checkpoints"))
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    checkpoints = [str(p) for p in list_checkpoints(output_dir)]
+    args = ["--model", str(damaged), "--no-card", "--output", str(tmp_path / "averaged"), "--checkpoints"]
+    result = run_in_process("average_checkpoints.py", *args, *checkpoints)
+    assert result.returncode == 2 and f"error: the model in {damaged} could not be read: " in result.stderr
+    assert not (tmp_path / "averaged").exists()
+
+
 def test_average_checkpoints_refuses_an_output_it_cannot_write_before_averaging(
     trained, tmp_path, monkeypatch, run_in_process
 ):
@@ -1074,6 +1089,35 @@ def test_a_full_disk_under_the_safetensors_writer_is_explained(tmp_path, monkeyp
     with pytest.raises(SafetensorError, match="shared with another"):  # not blamed on the disk
         save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=3)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == kept
+
+
+def test_a_full_disk_under_the_tokenizer_writer_is_explained(tmp_path, monkeypatch):
+    """tokenizers' writer (Rust) reports a full disk as a plain Exception, neither an OSError nor a
+    SafetensorError: a checkpoint's tokenizer then failed with a traceback and left its unfinished
+    folder. Now the message says so, the folder is removed and the earlier checkpoint kept; any other
+    Exception is raised as it is."""
+    from collections import namedtuple
+
+    accelerator = Accelerator()
+    tokenizer = train_bpe_tokenizer(["a small text to learn from"] * 4, vocab_size=40)
+    save_checkpoint(accelerator, tmp_path, {"step": 4, "run_id": "r"}, keep=3, tokenizer=tokenizer)
+    message = "No space left on device (os error 28)"  # what tokenizers' `save` raises, as an Exception
+
+    def failing(*args, **kwargs):
+        raise Exception(message)
+
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", failing)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(training_module.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    with pytest.raises(
+        InputError, match=rf"^Writing checkpoint step-00000008 failed \({re.escape(message)}\)"
+    ):
+        save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=3, tokenizer=tokenizer)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    message = "a tokenizer bug"
+    with pytest.raises(Exception, match=message):  # not blamed on the disk, which has room
+        save_checkpoint(accelerator, tmp_path, {"step": 8, "run_id": "r"}, keep=3, tokenizer=tokenizer)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
 
 
 def test_a_full_disk_while_the_model_folder_is_written_is_explained(tmp_path, corpus_files, monkeypatch):

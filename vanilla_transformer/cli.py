@@ -134,6 +134,14 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
         )
     if not path.exists():
         return path
+    from .publishing import mount_points
+
+    if stat.S_ISREG(os.stat(path).st_mode) and path.resolve() in mount_points():
+        raise ValueError(
+            f"{output} is a mount point (a file mounted on its own, as `docker run -v FILE:{output}` does). "
+            "The file is written beside it and renamed into place, which cannot replace a mount point: "
+            "name a file in a mounted folder instead."
+        )
     status = os.stat(path)
     for given in inputs:  # an open input (standard input too): the file or pipe it reads, by any name
         if hasattr(given, "fileno") and os.path.samestat(os.fstat(given.fileno()), status):

@@ -16,7 +16,7 @@ from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
 from .model_card import LANGUAGE_NAMES
 from .parallel_data import DEFAULT_LANGUAGES, load_parallel_data
-from .publishing import check_folder_json, check_has_tokenizer
+from .publishing import check_files_readable, check_folder_json, check_has_tokenizer
 from .translation import translate
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
     if folder.exists() and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json).")
     if folder.exists():
+        check_files_readable(folder)
         check_has_tokenizer(folder)
         check_folder_json(folder)  # named here: transformers reads a broken generation config as none
     try:

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from torch.utils.data import SequentialSampler
 from transformers import (
     DataCollatorForSeq2Seq,
@@ -637,6 +637,35 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     return trainer
 
 
+def checkpoint_write_error(error: Exception, config: FinetuneConfig, trainer: Seq2SeqTrainer) -> Exception:
+    """What to raise when training failed with `error`: where Trainer was writing a checkpoint on a full
+    disk (torch's writer says only "iostream error", safetensors' and tokenizers' errors are no
+    OSErrors), an `InputError` saying so and naming the last whole checkpoint, the unfinished one
+    removed (a resume skips it, but it holds the space); otherwise `error` itself."""
+    output = Path(config.output_dir)
+    unfinished = [p for p in output.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is None]
+    if not unfinished:
+        return error
+    message = disk_full_message(
+        error,
+        unfinished[0],
+        trainer.model,
+        (
+            f"The last whole checkpoint is {whole[0].name}: free some space (or move --output_dir) and "
+            "resume with the same flags and --resume_from_checkpoint latest."
+            if (whole := complete_checkpoints(output))
+            else "No checkpoint was whole yet: free some space (or move --output_dir) and start again."
+        ),
+        what=f"checkpoint {unfinished[0].name} in {output}",
+    )
+    if message is None:
+        return error
+    if trainer.is_world_process_zero():
+        for folder in unfinished:
+            shutil.rmtree(folder, ignore_errors=True)
+    return InputError(message)
+
+
 def finetune(config: FinetuneConfig) -> dict[str, float]:
     """Evaluate, fine-tune, evaluate again and save; returns the metrics before and after. The folder of
     a model of this package gets its model card (`write_finetuned_card`), so it can be published."""
@@ -655,7 +684,10 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
         trainer._load_from_checkpoint(str(checkpoint))
         trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     else:
-        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        try:
+            trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+        except Exception as error:  # a full disk while Trainer writes a checkpoint: say so, and how to go on
+            raise checkpoint_write_error(error, config, trainer) from error
     seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
     own = trainer.model.config.model_type == VanillaTransformerConfig.model_type  # what the card describes
@@ -663,7 +695,7 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
         trainer.save_model(config.output_dir)
         if trainer.is_world_process_zero() and own:
             write_finetuned_card(config, trainer, after, seconds)
-    except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
+    except Exception as error:  # safetensors' and tokenizers' errors are not OSErrors
         message = disk_full_message(
             error,
             config.output_dir,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import errno
 import hashlib
 import json
 import re
@@ -287,6 +288,25 @@ def _empty_json(path: Path, head: int = 4096) -> bool:
     return len(text) < head and text.replace(b"[", b"", 1).replace(b"]", b"", 1).strip() == b""
 
 
+def _cache_write_problem(error: BaseException, path: Path) -> str | None:
+    """What to say where loading `path` failed on writing datasets' cache, not on the file: a full disk
+    or quota, a read-only or another user's cache folder (None for any other error)."""
+    from datasets import config
+
+    from .publishing import out_of_space
+
+    if not isinstance(error, OSError) or not (
+        out_of_space(error) or error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+    ):
+        return None
+    if error.filename is not None and Path(error.filename).resolve() == path.resolve():
+        return None  # the data file's own
+    return (
+        f"datasets' cache in {config.HF_DATASETS_CACHE} could not be written ({error.strerror or error}): "
+        "free some space there, or set HF_DATASETS_CACHE (or HF_HOME) to a writable folder with room."
+    )
+
+
 def check_data_paths(files: Mapping[str, str | Path]) -> None:
     """Refuse a data file (by split) that is missing, a folder, or of a type no loader reads: what can
     be told before any work (a fine-tune checks it before loading its model)."""
@@ -300,6 +320,10 @@ def check_data_paths(files: Mapping[str, str | Path]) -> None:
             raise DataError(
                 f"{path}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_BUILDERS)}."
             )
+        try:  # another user's file, say: said here, not as a traceback from the first read
+            path.open("rb").close()
+        except OSError as error:
+            raise DataError(f"{split} file {path} cannot be read: {error.strerror or error}.") from error
 
 
 def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDict:
@@ -378,6 +402,8 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
             cause = error
             while cause.__cause__ is not None:
                 cause = cause.__cause__
+            if cache_problem := _cache_write_problem(cause, path):
+                raise DataError(f"Could not load {path}: {cache_problem}") from error
             hint = (
                 " (a .json file holds one JSON array of objects, each with a text per column; JSON Lines, "
                 "an object per line, go in a .jsonl file)"

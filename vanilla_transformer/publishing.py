@@ -79,6 +79,22 @@ def check_folder_json(folder: str | Path) -> None:
             read_json_object(Path(folder) / name)
 
 
+def check_files_readable(folder: str | Path) -> None:
+    """Raise PermissionError naming the first file of `folder` (its own, not its subfolders') that this
+    process cannot open: safetensors reports an unreadable weights file as missing ("No such file or
+    directory"), and a folder written by another user with mode 0600 files is common."""
+    for path in sorted(Path(folder).iterdir()):
+        if not path.is_file():
+            continue
+        try:
+            path.open("rb").close()
+        except OSError as error:
+            raise PermissionError(
+                f"{path} cannot be read ({error.strerror or error}): it may belong to another user; ask "
+                "them for read access (chmod a+r), or copy the folder."
+            ) from error
+
+
 def hidden_sibling(folder: str | Path, kind: str) -> Path:
     """`.NAME.kind` beside `folder` (a link: beside its target; "..": beside the folder itself)."""
     folder = Path(folder).resolve()
@@ -95,7 +111,7 @@ def check_renamable(folder: str | Path) -> None:
     is a mount point (a Docker or Kubernetes volume, say), a file system of its own, and a rename does
     not cross file systems. A folder inside it can be replaced."""
     folder = Path(folder).resolve()
-    if folder.is_dir() and (os.path.ismount(folder) or folder in _mount_points()):
+    if folder.is_dir() and (os.path.ismount(folder) or folder in mount_points()):
         raise ValueError(
             f"{folder} is a mount point (a file system of its own). The finished folder is written beside "
             f"it and renamed into place, which cannot cross file systems: name a folder inside it, such as "
@@ -109,6 +125,11 @@ def check_writable_place(folder: str | Path) -> None:
     (the new folder and its hidden siblings are made there), and `folder`, where it exists, writable too
     (its other files are moved out of it). Without this check such a folder failed only once the work
     was done, with a traceback."""
+    if Path(folder).is_symlink() and not Path(folder).exists():  # the folders made in it would fail
+        raise ValueError(
+            f"{folder} is a symbolic link to {os.readlink(folder)}, which does not exist: make that folder "
+            "first, or name another."
+        )
     path = Path(folder).resolve()  # a link: its target; "..": the folder it names
     existing = next(parent for parent in path.parents if parent.exists())
     if not existing.is_dir():
@@ -146,7 +167,7 @@ def check_new_folder(folder: str | Path) -> None:
     check_writable_place(folder)
 
 
-def _mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[Path]:
+def mount_points(mountinfo: str = "/proc/self/mountinfo") -> set[Path]:
     """Linux's mount points, bind mounts of a folder of the same file system included (which
     `os.path.ismount` does not see, and across which a rename fails all the same); empty elsewhere."""
     try:
@@ -286,16 +307,26 @@ def publish_folder(folder: str | Path, *, keep_other_files: bool = True) -> Iter
     sync_folder(folder.parent)
 
 
-# How safetensors' writer (Rust) reports a full disk or quota: "... No space left on device (os error 28)".
+# How the writers in Rust report a full disk or quota: "... No space left on device (os error 28)", in
+# safetensors' `SafetensorError` and in the plain `Exception` of tokenizers' `save`, neither an OSError.
 NO_SPACE_MESSAGE = re.compile(rf"\(os error ({errno.ENOSPC}|{errno.EDQUOT})\)")
+# What a failed write raises: OSError, torch's RuntimeError ("iostream error", with no reason), and
+# safetensors' error; tokenizers' plain Exception is one where its message says so (`out_of_space`).
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def out_of_space(error: BaseException) -> bool:
     """Whether `error` says that the disk (or the user's quota) is full: an OSError's errno, or the
-    message of safetensors' `SafetensorError`, which is not an OSError."""
+    message of the Rust writers' errors (safetensors', tokenizers'), which are not OSErrors."""
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, SafetensorError) and NO_SPACE_MESSAGE.search(str(error)) is not None
+    return NO_SPACE_MESSAGE.search(str(error)) is not None
+
+
+def write_failure(error: BaseException, free: int, needed: int) -> bool:
+    """Whether `error`, raised while writing, is a full disk's: said so, or a write error (of a writer
+    that may not say why: torch's) where less than `needed` bytes are `free`."""
+    return out_of_space(error) or (isinstance(error, WRITE_ERRORS) and free < needed)
 
 
 def mebibytes(size: int) -> str:
@@ -318,7 +349,7 @@ def disk_full_message(
     place = Path(folder).resolve().parent
     free = shutil.disk_usage(place).free if place.is_dir() else 0
     needed = weight_bytes(model)
-    if not (out_of_space(error) or free < needed):
+    if not write_failure(error, free, needed):
         return None
     return (
         f"Writing {what or folder} failed ({first_line(error)}): {mebibytes(free)} MiB free in {place}, and "
@@ -327,6 +358,7 @@ def disk_full_message(
 
 
 __all__ = [
+    "check_files_readable",
     "check_new_folder",
     "check_not_current_folder",
     "check_renamable",
@@ -343,4 +375,5 @@ __all__ = [
     "sync_folder",
     "sync_tree",
     "weight_bytes",
+    "write_failure",
 ]

@@ -87,10 +87,10 @@ from .publishing import (
     hidden_sibling,
     lock_folder,
     mebibytes,
-    out_of_space,
     publish_folder,
     sync_folder,
     sync_tree,
+    write_failure,
 )
 from .tokenization import SPECIAL_TOKENS, length_check, train_bpe_tokenizer
 from .translation import translate
@@ -790,7 +790,7 @@ def save_checkpoint(
             (partial / STATE_FILE).write_text(json.dumps(state | {"scheduled": scheduled}, indent=1))
             write_manifest(partial)
             sync_tree(partial)  # on disk before it is named step-N (see `sync_tree`)
-    except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is neither
+    except Exception as error:  # tokenizers' full disk is a plain Exception (see `out_of_space`)
         explained = checkpoint_write_error(error, partial, accelerator.is_main_process)
         if explained is error:
             raise
@@ -832,7 +832,7 @@ def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) 
     earlier = list_checkpoints(folder.parent)
     needed = sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file()) if earlier else written
     free = shutil.disk_usage(folder).free
-    if not (out_of_space(error) or free < needed):
+    if not write_failure(error, free, needed):
         return error
     failed = f"Writing checkpoint {partial.name.removeprefix('.partial-')} failed ({first_line(error)})"
     if not earlier:  # the run's first: its size is not known, and there is nothing to resume from
@@ -842,7 +842,8 @@ def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) 
         )
     return InputError(
         f"{failed}: {mebibytes(free)} MiB free in {folder}, and a checkpoint takes about "
-        f"{mebibytes(needed)} MiB. The earlier checkpoints are intact: free some space (or move "
+        f"{mebibytes(needed)} MiB (each is written whole before the oldest kept is removed: room for one "
+        "more than --keep_checkpoints). The earlier checkpoints are intact: free some space (or move "
         "--output_dir) and resume with --resume_from_checkpoint latest."
     )
 
@@ -2066,7 +2067,7 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
     try:
         with publish_folder(run.output_dir) as staging:
             write_model_folder(run, staging, final, metrics, samples)
-    except (OSError, RuntimeError, SafetensorError) as error:  # safetensors' is not an OSError
+    except Exception as error:  # safetensors' and tokenizers' errors are not OSErrors
         explained = model_folder_write_error(error, run.output_dir, final)
         if explained is error:
             raise
