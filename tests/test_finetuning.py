@@ -989,3 +989,41 @@ def test_a_full_disk_while_trainer_writes_a_checkpoint_is_explained(start, tmp_p
         small_config(start_dir, data, output, max_steps=9, resume_from_checkpoint="latest", **options)
     )
     assert metrics["after_loss"] > 0 and (output / "model.safetensors").is_file()
+
+
+def test_a_failed_training_is_blamed_on_the_disk_only_for_its_own_checkpoint(start, tmp_path, monkeypatch):
+    """An error of the training itself keeps its cause (it was re-raised from itself, which hid it), and
+    an unfinished checkpoint a killed run left is not taken for this training's failed write, nor
+    removed, however little space is free."""
+    from collections import namedtuple
+
+    from transformers import Seq2SeqTrainer
+
+    import vanilla_transformer.finetuning as finetuning
+    import vanilla_transformer.publishing as publishing
+
+    start_dir, data = start
+    output = tmp_path / "tuned"
+    config = small_config(start_dir, data, output, max_steps=2, max_eval_samples=4, num_beams=1)
+
+    def failing_train(self, *args, **kwargs):
+        try:
+            {}["missing"]
+        except KeyError as error:
+            raise RuntimeError("the collator failed") from error
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(publishing.shutil, "disk_usage", lambda path: usage(2**30, 0, 1000))
+    monkeypatch.setattr(Seq2SeqTrainer, "train", failing_train)
+    with pytest.raises(RuntimeError, match="the collator failed") as error:
+        finetune(config)
+    assert isinstance(error.value.__cause__, KeyError)
+    (output / "checkpoint-6").mkdir(parents=True)  # unfinished, as a killed run left it
+    model = torch.nn.Linear(1000, 1000)
+    trainer = type("Trainer", (), {"model": model, "is_world_process_zero": lambda: True})
+    failure = RuntimeError("CUDA out of memory")
+    assert finetuning.checkpoint_write_error(failure, config, trainer, {output / "checkpoint-6"}) is failure
+    assert (output / "checkpoint-6").is_dir()  # not this training's: kept
+    explained = finetuning.checkpoint_write_error(failure, config, trainer, set())
+    assert isinstance(explained, InputError) and "checkpoint-6" in str(explained)
+    assert not (output / "checkpoint-6").exists()

@@ -414,6 +414,18 @@ def test_lines_are_read_to_a_mebibyte_each():
         with pytest.raises(LineError, match=r"^line 2 is longer than 1,048,576 bytes"):
             next(reader)
 
+    class Failing(io.BytesIO):  # a network share gone after the first line
+        def readline(self, *args):
+            if self.tell():
+                raise OSError(5, "Input/output error")
+            return super().readline(*args)
+
+    # A read error is the input's (translate.py names the input and the line), not the output's
+    reader = decoded_lines(Failing(b"a\nb\n"))
+    assert next(reader) == "a\n"
+    with pytest.raises(LineError, match=r"^line 2 could not be read: \[Errno 5\] Input/output error"):
+        next(reader)
+
 
 def test_translate_stream_stops_its_output_at_the_line_it_names():
     """A line that cannot be read (not UTF-8) or translated stopped the stream with the lines read before

@@ -356,19 +356,31 @@ def test_a_file_mounted_on_its_own_is_refused_as_an_output_before_any_work(tmp_p
     with pytest.raises(ValueError, match=r"out\.txt is a mount point .*name a file in a mounted folder"):
         check_output_file(mounted)
     assert check_output_file(tmp_path / "other.txt") == tmp_path / "other.txt"
+    link = tmp_path / "link.txt"  # a link to the mounted file: the link is what is replaced
+    link.symlink_to(mounted)
+    assert check_output_file(link) == link
     monkeypatch.setattr(publishing, "mount_points", lambda: {tmp_path})  # a mounted folder: fine
     assert check_output_file(mounted) == mounted
 
 
-def test_a_dangling_link_as_the_folder_to_write_is_refused(tmp_path):
-    """An --output_dir that is a link to a folder not yet made failed in the first folder made inside it
-    (a traceback from the tokenizer's save, or "File exists")."""
+def test_a_dangling_link_as_a_runs_folder_is_refused(tmp_path):
+    """An --output_dir of train.py or finetune.py that is a link to a folder not yet made failed in the
+    first folder made inside it (a traceback from the tokenizer's save, or "File exists"). A folder
+    written beside its name and renamed (an export, an average) goes through such a link."""
+    from vanilla_transformer.finetuning import FinetuneConfig
+    from vanilla_transformer.publishing import check_not_dangling_link
+
     link = tmp_path / "run"
     link.symlink_to(tmp_path / "elsewhere" / "run")
     with pytest.raises(ValueError, match=r"run is a symbolic link to .*elsewhere/run, which does not exist"):
-        check_writable_place(link)
+        check_not_dangling_link(link)
+    with pytest.raises(ValueError, match=r"^--output_dir .*run is a symbolic link to"):
+        TrainingConfig(output_dir=str(link), report_to="none")
+    with pytest.raises(ValueError, match=r"^--output_dir .*run is a symbolic link to"):
+        FinetuneConfig(model="m", train_file="t", output_dir=str(link))
+    check_writable_place(link)  # its target's place is writable: fine for a folder renamed into place
     (tmp_path / "elsewhere" / "run").mkdir(parents=True)
-    check_writable_place(link)  # made: fine
+    check_not_dangling_link(link)  # made: fine
 
 
 def test_an_unreadable_file_of_a_model_folder_is_named(tmp_path, monkeypatch):
@@ -386,6 +398,7 @@ def test_an_unreadable_file_of_a_model_folder_is_named(tmp_path, monkeypatch):
     config = tiny_config(vocab_size=len(tokenizer))
     VanillaTransformerForConditionalGeneration(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    (folder / "nohup.out").write_text("another user's log")
     check_files_readable(folder)
     weights = folder / "model.safetensors"
     opening = Path.open
@@ -398,3 +411,5 @@ def test_an_unreadable_file_of_a_model_folder_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "open", denied)
     with pytest.raises(PermissionError, match=r"model\.safetensors cannot be read \(Permission denied\)"):
         load_model_folder(folder, "cpu")
+    weights = folder / "nohup.out"  # another user's log, which loading does not read: none of its business
+    check_files_readable(folder)

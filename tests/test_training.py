@@ -468,6 +468,20 @@ def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, co
     for (step, expected), (_, got) in zip(curve(whole), curve(resumed), strict=True):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
 
+    # A run stopped off the logging schedule (a lower --max_steps, or --max_train_minutes) logs its last
+    # updates, and continued it logs what the uninterrupted run does: that line's updates were once left
+    # out of the next line's average, and the extra line stayed in the run's record.
+    options = {"save_steps": 4, "logging_steps": 3, "eval_steps": 0, "test_samples": 1}
+    stopped = small_args(tmp_path / "stopped", corpus_files, max_steps=5, **options)
+    assert [s for s, _ in curve(train(parse_config(stopped)))] == [3, 5]
+    latest = ["--resume_from_checkpoint", "latest"]
+    continued = train(
+        parse_config(small_args(tmp_path / "stopped", corpus_files, max_steps=9, **options) + latest)
+    )
+    assert [s for s, _ in curve(continued)] == [3, 6, 9]
+    for (step, expected), (_, got) in zip(curve(whole), curve(continued), strict=True):
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
+
 
 def test_a_deepspeed_launch_is_refused_before_any_work(tmp_path, corpus_files, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what `accelerate launch --use_deepspeed` sets

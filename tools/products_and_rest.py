@@ -77,12 +77,15 @@ def forward_timed(model: torch.nn.Module, spent: list[float]) -> Iterator[None]:
         finally:
             spent[0] += time.perf_counter() - start
 
-    forward = model.forward
+    forward, own = model.forward, vars(model).get("forward")  # an instance's own (accelerate's hooks)
     model.forward = timed
     try:
         yield
     finally:
-        del model.forward  # the class's again
+        if own is None:
+            del model.forward  # the class's again
+        else:
+            model.forward = own
 
 
 def per_later_step(

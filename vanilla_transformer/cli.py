@@ -136,7 +136,8 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
         return path
     from .publishing import mount_points
 
-    if stat.S_ISREG(os.stat(path).st_mode) and path.resolve() in mount_points():
+    # The entry named `path` is what is replaced (a link there, not its target): its folder resolved
+    if stat.S_ISREG(os.stat(path).st_mode) and path.absolute().parent.resolve() / path.name in mount_points():
         raise ValueError(
             f"{output} is a mount point (a file mounted on its own, as `docker run -v FILE:{output}` does). "
             "The file is written beside it and renamed into place, which cannot replace a mount point: "

@@ -52,7 +52,7 @@ from .parallel_data import (
     text_digest,
     tokenize_parallel_data,
 )
-from .publishing import check_writable_place, disk_full_message
+from .publishing import check_not_dangling_link, check_writable_place, disk_full_message
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class FinetuneConfig:
             raise ValueError(f"--output_dir {self.output_dir} is a file; name a folder.")
         try:  # under a file, or read-only: refused before any work, not after training
             check_writable_place(output)
+            check_not_dangling_link(output)
         except ValueError as error:
             raise ValueError(f"--output_dir {error}") from None
         if Path(self.model).exists() and output.exists() and output.resolve() == Path(self.model).resolve():
@@ -637,14 +638,22 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     return trainer
 
 
-def checkpoint_write_error(error: Exception, config: FinetuneConfig, trainer: Seq2SeqTrainer) -> Exception:
+def checkpoint_write_error(
+    error: Exception, config: FinetuneConfig, trainer: Seq2SeqTrainer, earlier: set[Path]
+) -> Exception:
     """What to raise when training failed with `error`: where Trainer was writing a checkpoint on a full
     disk (torch's writer says only "iostream error", safetensors' and tokenizers' errors are no
     OSErrors), an `InputError` saying so and naming the last whole checkpoint, the unfinished one
-    removed (a resume skips it, but it holds the space); otherwise `error` itself."""
+    removed (a resume skips it, but it holds the space); otherwise `error` itself. Only a checkpoint
+    begun in this training counts (not one of `earlier`, the folders there before it, such as one a
+    killed run left)."""
     output = Path(config.output_dir)
-    unfinished = [p for p in output.glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is None]
-    if not unfinished:
+    unfinished = [
+        p
+        for p in output.glob("checkpoint-*")
+        if p not in earlier and p.is_dir() and checkpoint_step(p) is None
+    ]
+    if len(unfinished) != 1:  # Trainer writes one checkpoint at a time
         return error
     message = disk_full_message(
         error,
@@ -684,10 +693,14 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
         trainer._load_from_checkpoint(str(checkpoint))
         trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     else:
+        earlier = set(Path(config.output_dir).glob("checkpoint-*"))
         try:
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
         except Exception as error:  # a full disk while Trainer writes a checkpoint: say so, and how to go on
-            raise checkpoint_write_error(error, config, trainer) from error
+            explained = checkpoint_write_error(error, config, trainer, earlier)
+            if explained is error:
+                raise
+            raise explained from error
     seconds = time.perf_counter() - started
     after = trainer.evaluate(metric_key_prefix="after")
     own = trainer.model.config.model_type == VanillaTransformerConfig.model_type  # what the card describes

@@ -11,14 +11,15 @@ from __future__ import annotations
 import codecs
 import csv
 import errno
+import functools
 import hashlib
 import json
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # imported where used: `datasets` adds over half a second to every script's start
     from datasets import DatasetDict
@@ -288,9 +289,30 @@ def _empty_json(path: Path, head: int = 4096) -> bool:
     return len(text) < head and text.replace(b"[", b"", 1).replace(b"]", b"", 1).strip() == b""
 
 
-def _cache_write_problem(error: BaseException, path: Path) -> str | None:
-    """What to say where loading `path` failed on writing datasets' cache, not on the file: a full disk
-    or quota, a read-only or another user's cache folder (None for any other error)."""
+T = TypeVar("T")
+
+
+def _naming_cache_problems(function: Callable[..., T]) -> Callable[..., T]:
+    """`function`, whose datasets operations write the cache (filters, maps, splits): a full or read-only
+    cache is said as such (`_cache_write_problem`), not as an OSError's traceback."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return function(*args, **kwargs)
+        except OSError as error:
+            files = (kwargs.get(name) for name in ("train_file", "validation_file", "test_file"))
+            problem = _cache_write_problem(error, *files)
+            if problem is None:
+                raise
+            raise DataError(f"Preparing the data failed: {problem}") from error
+
+    return wrapper
+
+
+def _cache_write_problem(error: BaseException, *paths: str | Path | None) -> str | None:
+    """What to say where reading data failed on writing datasets' cache, not on the data files `paths`:
+    a full disk or quota, a read-only or another user's cache folder (None for any other error)."""
     from datasets import config
 
     from .publishing import out_of_space
@@ -299,8 +321,9 @@ def _cache_write_problem(error: BaseException, path: Path) -> str | None:
         out_of_space(error) or error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
     ):
         return None
-    if error.filename is not None and Path(error.filename).resolve() == path.resolve():
-        return None  # the data file's own
+    own = {Path(path).resolve() for path in paths if path}
+    if error.filename is not None and Path(error.filename).resolve() in own:
+        return None  # a data file's own
     return (
         f"datasets' cache in {config.HF_DATASETS_CACHE} could not be written ({error.strerror or error}): "
         "free some space there, or set HF_DATASETS_CACHE (or HF_HOME) to a writable folder with room."
@@ -546,6 +569,7 @@ def resolve_languages(config: Any) -> None:
         setattr(config, f"{side}_lang", default)
 
 
+@_naming_cache_problems
 def load_parallel_data(
     *,
     dataset_name: str | None = None,
@@ -638,6 +662,7 @@ def sources_in_train(data: DatasetDict, splits: list[str]) -> dict[str, int]:
     return {split: sum(source in seen for source in sources) for split, sources in held_out.items()}
 
 
+@_naming_cache_problems
 def tokenize_parallel_data(
     data: DatasetDict,
     tokenizer: Any,

@@ -80,11 +80,15 @@ def check_folder_json(folder: str | Path) -> None:
 
 
 def check_files_readable(folder: str | Path) -> None:
-    """Raise PermissionError naming the first file of `folder` (its own, not its subfolders') that this
-    process cannot open: safetensors reports an unreadable weights file as missing ("No such file or
-    directory"), and a folder written by another user with mode 0600 files is common."""
+    """Raise PermissionError naming the first file of `folder` that loading a model reads (weights,
+    JSON settings, tokenizer files, modeling code) and this process cannot open: safetensors reports an
+    unreadable weights file as missing ("No such file or directory"), and a folder written by another
+    user with mode 0600 files is common. Other files (a log, an editor's swap file) are not its business."""
     for path in sorted(Path(folder).iterdir()):
-        if not path.is_file():
+        if (
+            path.suffix not in {".safetensors", ".bin", ".json", ".py", ".model", ".txt"}
+            or not path.is_file()
+        ):
             continue
         try:
             path.open("rb").close()
@@ -119,17 +123,22 @@ def check_renamable(folder: str | Path) -> None:
         )
 
 
+def check_not_dangling_link(folder: str | Path) -> None:
+    """Raise ValueError if `folder` is a symbolic link to a folder not yet made: a run writes into it
+    (its tokenizer, Trainer's checkpoints), and making a folder inside a dangling link fails."""
+    if Path(folder).is_symlink() and not Path(folder).exists():
+        raise ValueError(
+            f"{folder} is a symbolic link to {os.readlink(folder)}, which does not exist: make that folder "
+            "first, or name another."
+        )
+
+
 def check_writable_place(folder: str | Path) -> None:
     """Raise ValueError, naming `folder` as given first, unless it can be written as `publish_folder`
     writes it: the first of its parents that exists must be a folder (not a file) that can be written
     (the new folder and its hidden siblings are made there), and `folder`, where it exists, writable too
     (its other files are moved out of it). Without this check such a folder failed only once the work
     was done, with a traceback."""
-    if Path(folder).is_symlink() and not Path(folder).exists():  # the folders made in it would fail
-        raise ValueError(
-            f"{folder} is a symbolic link to {os.readlink(folder)}, which does not exist: make that folder "
-            "first, or name another."
-        )
     path = Path(folder).resolve()  # a link: its target; "..": the folder it names
     existing = next(parent for parent in path.parents if parent.exists())
     if not existing.is_dir():
@@ -361,6 +370,7 @@ __all__ = [
     "check_files_readable",
     "check_new_folder",
     "check_not_current_folder",
+    "check_not_dangling_link",
     "check_renamable",
     "check_writable_place",
     "disk_full_message",

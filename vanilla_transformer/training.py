@@ -79,6 +79,7 @@ from .parallel_data import (
 from .plotting import plot_training_curves
 from .publishing import (
     check_not_current_folder,
+    check_not_dangling_link,
     check_renamable,
     check_writable_place,
     disk_full_message,
@@ -532,6 +533,7 @@ class TrainingConfig:
         check_renamable(output)
         try:  # a file on the way (it once failed in lock_folder, with a traceback), a read-only place
             check_writable_place(self.output_dir)
+            check_not_dangling_link(self.output_dir)
         except ValueError as error:
             raise ValueError(f"--output_dir {error}") from None
         if self.max_train_minutes is not None and not self.max_train_minutes >= 0:  # NaN included
@@ -1926,6 +1928,12 @@ def train_loop(run: Run) -> bool:
                 state["warmup_progress"] = clock.progress(step, elapsed)
             last_update = stopped or step == config.max_steps
 
+            # A stop off the logging schedule (--max_steps lower than the run's end, --max_train_minutes)
+            # logs the updates since the last line, and a checkpoint keeps them as they were before: a run
+            # continued from it logs and records what an uninterrupted run does.
+            off_schedule = last_update and step % config.logging_steps != 0
+            if off_schedule:
+                window, history = interval.saved(run), list(state["history"])
             if step % config.logging_steps == 0 or last_update:
                 record = interval.record(run, lr)
                 state["history"].append(record)
@@ -1944,12 +1952,15 @@ def train_loop(run: Run) -> bool:
             if step % config.save_steps == 0 or last_update:
                 paused = time.perf_counter()
                 state["train_time_s"] = clock.local()
-                state["log_window"] = interval.saved(run)
+                saved = state | (
+                    {"log_window": window, "history": history}
+                    if off_schedule
+                    else {"log_window": interval.saved(run)}
+                )
                 scheduled = step % config.save_steps == 0
                 save_checkpoint(
-                    accelerator, run.output_dir, state, config.keep_checkpoints, run.tokenizer, scheduled
+                    accelerator, run.output_dir, saved, config.keep_checkpoints, run.tokenizer, scheduled
                 )
-                del state["log_window"]
                 interval.pause(paused)  # nor are checkpoints
             if last_update:
                 break

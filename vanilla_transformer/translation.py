@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
 
@@ -143,7 +144,13 @@ def decoded_lines(stream: IO[bytes]) -> Iterator[str]:
     that starts the input (as Windows editors save UTF-8) is not part of its first line. A line is read
     at most MAX_LINE_BYTES (and its line break) at a time: a longer one is an error that names it."""
     limit = MAX_LINE_BYTES + 2  # "\r\n" included
-    for number, line in enumerate(iter(lambda: stream.readline(limit), b""), 1):
+    for number in itertools.count(1):
+        try:  # a network share gone, a terminal hung up: the input's failure, not the output's
+            line = stream.readline(limit)
+        except OSError as error:
+            raise LineError(number, f"could not be read: {error}") from error
+        if not line:
+            return
         ending = 2 if line.endswith(b"\r\n") else 1 if line.endswith(b"\n") else 0
         if len(line) - ending > MAX_LINE_BYTES:
             raise LineError(
