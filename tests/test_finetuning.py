@@ -1022,8 +1022,10 @@ def test_a_failed_training_is_blamed_on_the_disk_only_for_its_own_checkpoint(sta
     model = torch.nn.Linear(1000, 1000)
     trainer = type("Trainer", (), {"model": model, "is_world_process_zero": lambda: True})
     failure = RuntimeError("CUDA out of memory")
-    assert finetuning.checkpoint_write_error(failure, config, trainer, {output / "checkpoint-6"}) is failure
+    earlier = finetuning.checkpoint_folders(output)
+    assert finetuning.checkpoint_write_error(failure, config, trainer, earlier) is failure
     assert (output / "checkpoint-6").is_dir()  # not this training's: kept
-    explained = finetuning.checkpoint_write_error(failure, config, trainer, set())
+    (output / "checkpoint-6" / "model.safetensors").write_bytes(b"half")  # Trainer writing it again
+    explained = finetuning.checkpoint_write_error(failure, config, trainer, earlier)
     assert isinstance(explained, InputError) and "checkpoint-6" in str(explained)
     assert not (output / "checkpoint-6").exists()

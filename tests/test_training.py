@@ -481,6 +481,25 @@ def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, co
     assert [s for s, _ in curve(continued)] == [3, 6, 9]
     for (step, expected), (_, got) in zip(curve(whole), curve(continued), strict=True):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"update {step}"
+    # Resumed without a further update (the folder written again), a run keeps its last line
+    again = small_args(tmp_path / "again", corpus_files, max_steps=5, **options)
+    first = curve(train(parse_config(again)))
+    assert first == curve(train(parse_config([*again, "--resume_from_checkpoint", "latest"])))
+    assert [s for s, _ in first] == [3, 5]
+
+    # Stopped at a validation step, a run validated its average; continued, it validates the weights
+    # there, as the uninterrupted run did (that line was missing)
+    def validations(result):
+        return [(h["step"], h["val_loss"]) for h in result["history"] if "val_loss" in h]
+
+    options |= {"eval_steps": 4}
+    whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, max_steps=9, **options)))
+    train(parse_config(small_args(tmp_path / "at_4", corpus_files, max_steps=4, **options)))
+    continued = small_args(tmp_path / "at_4", corpus_files, max_steps=9, **options)
+    continued = train(parse_config([*continued, "--resume_from_checkpoint", "latest"]))
+    assert [s for s, _ in validations(whole)] == [s for s, _ in validations(continued)] == [4, 8, 9]
+    for (step, expected), (_, got) in zip(validations(whole), validations(continued), strict=True):
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"validation at {step}"
 
 
 def test_a_deepspeed_launch_is_refused_before_any_work(tmp_path, corpus_files, monkeypatch):

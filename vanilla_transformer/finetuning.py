@@ -638,20 +638,29 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     return trainer
 
 
+def checkpoint_folders(output: Path) -> dict[Path, int]:
+    """`output`'s checkpoint-N folders, each with the latest modification time of its files (ns)."""
+    return {
+        folder: max((f.stat().st_mtime_ns for f in folder.rglob("*") if f.is_file()), default=0)
+        for folder in output.glob("checkpoint-*")
+        if folder.is_dir()
+    }
+
+
 def checkpoint_write_error(
-    error: Exception, config: FinetuneConfig, trainer: Seq2SeqTrainer, earlier: set[Path]
+    error: Exception, config: FinetuneConfig, trainer: Seq2SeqTrainer, earlier: dict[Path, int]
 ) -> Exception:
     """What to raise when training failed with `error`: where Trainer was writing a checkpoint on a full
     disk (torch's writer says only "iostream error", safetensors' and tokenizers' errors are no
     OSErrors), an `InputError` saying so and naming the last whole checkpoint, the unfinished one
     removed (a resume skips it, but it holds the space); otherwise `error` itself. Only a checkpoint
-    begun in this training counts (not one of `earlier`, the folders there before it, such as one a
-    killed run left)."""
+    written in this training counts: not one of `earlier` (`checkpoint_folders` before it: one a killed
+    run left) unless its files changed since (Trainer writes the same step's folder again)."""
     output = Path(config.output_dir)
     unfinished = [
-        p
-        for p in output.glob("checkpoint-*")
-        if p not in earlier and p.is_dir() and checkpoint_step(p) is None
+        folder
+        for folder, written in checkpoint_folders(output).items()
+        if earlier.get(folder) != written and checkpoint_step(folder) is None
     ]
     if len(unfinished) != 1:  # Trainer writes one checkpoint at a time
         return error
@@ -693,7 +702,7 @@ def finetune(config: FinetuneConfig) -> dict[str, float]:
         trainer._load_from_checkpoint(str(checkpoint))
         trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     else:
-        earlier = set(Path(config.output_dir).glob("checkpoint-*"))
+        earlier = checkpoint_folders(Path(config.output_dir))
         try:
             trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
         except Exception as error:  # a full disk while Trainer writes a checkpoint: say so, and how to go on

@@ -80,13 +80,14 @@ def check_folder_json(folder: str | Path) -> None:
 
 
 def check_files_readable(folder: str | Path) -> None:
-    """Raise PermissionError naming the first file of `folder` that loading a model reads (weights,
-    JSON settings, tokenizer files, modeling code) and this process cannot open: safetensors reports an
-    unreadable weights file as missing ("No such file or directory"), and a folder written by another
-    user with mode 0600 files is common. Other files (a log, an editor's swap file) are not its business."""
+    """Raise PermissionError naming the first file of `folder` that loading a model reads (weights, JSON
+    settings, tokenizer files, sentencepiece's too, a chat template, modeling code) and this process
+    cannot open: safetensors reports an unreadable weights file as missing ("No such file or
+    directory"), and a folder written by another user with mode 0600 files is common. Other files (a
+    log, an editor's swap file) are not its business."""
     for path in sorted(Path(folder).iterdir()):
         if (
-            path.suffix not in {".safetensors", ".bin", ".json", ".py", ".model", ".txt"}
+            path.suffix not in {".safetensors", ".bin", ".json", ".py", ".model", ".spm", ".txt", ".jinja"}
             or not path.is_file()
         ):
             continue

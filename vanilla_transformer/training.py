@@ -1874,6 +1874,9 @@ def train_loop(run: Run) -> bool:
     run.model.train()
     interval = Interval(accelerator.device)
     interval.restore(run, state.pop("log_window", None))
+    # The line a run stopped off the logging schedule logged last: the record of a run continued from
+    # there (once it makes an update) leaves it out, as an uninterrupted run has none there.
+    partial_line = state.pop("partial_line_step", None)
     clock = TrainingClock(accelerator, config, earlier_s=state["train_time_s"])
     elapsed = clock.agreed()
     # A resumed run may have spent its time already. A fresh one makes at least one update: stopped before
@@ -1896,6 +1899,21 @@ def train_loop(run: Run) -> bool:
             f"This run's checkpoint is at update {state['step']}, past --max_steps {config.max_steps}: no "
             "further update; the model is written from the run's checkpoints as they are."
         )
+    resumed = state["step"]
+    if (
+        config.eval_steps
+        and 0 < resumed < config.max_steps
+        and resumed % config.eval_steps == 0
+        and not stopped
+        and not any(h["step"] == resumed and "val_loss" in h for h in state["history"])
+    ):
+        # Stopped at a validation step, a run validated its average afterwards, not these weights: continued,
+        # it validates them, as an uninterrupted run did there
+        record = {"step": resumed, **run.validate(run.model_to_evaluate())}
+        state["history"].append(record)
+        accelerator.log({k: v for k, v in record.items() if k != "step"}, step=resumed)
+        summary = ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
+        run.log(f"update {resumed}: {summary}; {memory()}")
     while state["step"] < config.max_steps and not stopped:
         # (Accelerate's loader reaches the TokenBatchSampler, also inside its sharding wrapper, by `.sampler`)
         run.train_loader.set_epoch(state["epoch"])
@@ -1920,6 +1938,11 @@ def train_loop(run: Run) -> bool:
             state["batches_in_epoch"] += len(window)
             interval.loss += losses
             interval.updates += 1
+            if partial_line is not None:
+                state["history"] = [
+                    h for h in state["history"] if not (h["step"] == partial_line and "train_loss" in h)
+                ]
+                partial_line = None
             interval.tokens += int(tokens)
             progress.update(1)
             elapsed = clock.agreed()
@@ -1929,11 +1952,12 @@ def train_loop(run: Run) -> bool:
             last_update = stopped or step == config.max_steps
 
             # A stop off the logging schedule (--max_steps lower than the run's end, --max_train_minutes)
-            # logs the updates since the last line, and a checkpoint keeps them as they were before: a run
-            # continued from it logs and records what an uninterrupted run does.
+            # logs the updates since the last line, and its checkpoint keeps them unlogged too, with that
+            # line's step: a run continued from it logs and records what an uninterrupted run does, and
+            # one that makes no update (writing the folder again) keeps the line.
             off_schedule = last_update and step % config.logging_steps != 0
             if off_schedule:
-                window, history = interval.saved(run), list(state["history"])
+                unlogged = interval.saved(run)
             if step % config.logging_steps == 0 or last_update:
                 record = interval.record(run, lr)
                 state["history"].append(record)
@@ -1953,7 +1977,7 @@ def train_loop(run: Run) -> bool:
                 paused = time.perf_counter()
                 state["train_time_s"] = clock.local()
                 saved = state | (
-                    {"log_window": window, "history": history}
+                    {"log_window": unlogged, "partial_line_step": step}
                     if off_schedule
                     else {"log_window": interval.saved(run)}
                 )
