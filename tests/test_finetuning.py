@@ -1028,4 +1028,17 @@ def test_a_failed_training_is_blamed_on_the_disk_only_for_its_own_checkpoint(sta
     (output / "checkpoint-6" / "model.safetensors").write_bytes(b"half")  # Trainer writing it again
     explained = finetuning.checkpoint_write_error(failure, config, trainer, earlier)
     assert isinstance(explained, InputError) and "checkpoint-6" in str(explained)
+    # A file removed while the folders are read (another process clearing them) is left out, not raised
+    (output / "checkpoint-7").mkdir()
+    (output / "checkpoint-7" / "optimizer.pt").write_bytes(b"x")
+    stat, seen = Path.stat, []
+
+    def vanished(self, *args, **kwargs):  # there when asked whether it is a file, gone when its time is
+        if self.name == "optimizer.pt" and self in seen:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        seen.append(self)
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", vanished)
+    assert finetuning.checkpoint_folders(output) == {output / "checkpoint-7": 0}
     assert not (output / "checkpoint-6").exists()

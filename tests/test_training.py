@@ -496,7 +496,17 @@ def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, co
     whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, max_steps=9, **options)))
     train(parse_config(small_args(tmp_path / "at_4", corpus_files, max_steps=4, **options)))
     continued = small_args(tmp_path / "at_4", corpus_files, max_steps=9, **options)
-    continued = train(parse_config([*continued, "--resume_from_checkpoint", "latest"]))
+    validate = training_module.Run.validate
+
+    def slow_validation(self, *args, **kwargs):  # that validation's time is no training throughput
+        time.sleep(1)
+        return validate(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(training_module.Run, "validate", slow_validation)
+        continued = train(parse_config([*continued, "--resume_from_checkpoint", "latest"]))
+    rates = [[h["tokens_per_s"] for h in r["history"] if h["step"] == 6] for r in (whole, continued)]
+    assert rates[1][0] > 0.5 * rates[0][0], rates  # one second counted in it made it several times lower
     assert [s for s, _ in validations(whole)] == [s for s, _ in validations(continued)] == [4, 8, 9]
     for (step, expected), (_, got) in zip(validations(whole), validations(continued), strict=True):
         assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), f"validation at {step}"

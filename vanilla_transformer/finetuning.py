@@ -639,12 +639,22 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
 
 
 def checkpoint_folders(output: Path) -> dict[Path, int]:
-    """`output`'s checkpoint-N folders, each with the latest modification time of its files (ns)."""
-    return {
-        folder: max((f.stat().st_mtime_ns for f in folder.rglob("*") if f.is_file()), default=0)
-        for folder in output.glob("checkpoint-*")
-        if folder.is_dir()
-    }
+    """`output`'s checkpoint-N folders, each with the latest modification time of its files (ns); a file
+    removed meanwhile (the main process clearing an unfinished checkpoint) is left out."""
+
+    def modified(path: Path) -> int:
+        try:
+            return path.stat().st_mtime_ns if path.is_file() else 0
+        except FileNotFoundError:
+            return 0
+
+    def latest(folder: Path) -> int:
+        try:
+            return max((modified(f) for f in folder.rglob("*")), default=0)
+        except FileNotFoundError:  # the folder itself, or one inside it, removed while read
+            return 0
+
+    return {folder: latest(folder) for folder in output.glob("checkpoint-*") if folder.is_dir()}
 
 
 def checkpoint_write_error(

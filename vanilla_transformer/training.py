@@ -1909,7 +1909,9 @@ def train_loop(run: Run) -> bool:
     ):
         # Stopped at a validation step, a run validated its average afterwards, not these weights: continued,
         # it validates them, as an uninterrupted run did there
+        paused = time.perf_counter()
         record = {"step": resumed, **run.validate(run.model_to_evaluate())}
+        interval.pause(paused)  # validation is not training throughput
         state["history"].append(record)
         accelerator.log({k: v for k, v in record.items() if k != "step"}, step=resumed)
         summary = ", ".join(f"{k} {v:.3f}" for k, v in record.items() if k != "step")
