@@ -136,14 +136,14 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
         return path
     from .publishing import mount_points
 
+    status = os.stat(path)
     # The entry named `path` is what is replaced (a link there, not its target): its folder resolved
-    if stat.S_ISREG(os.stat(path).st_mode) and path.absolute().parent.resolve() / path.name in mount_points():
+    if stat.S_ISREG(status.st_mode) and path.absolute().parent.resolve() / path.name in mount_points():
         raise ValueError(
             f"{output} is a mount point (a file mounted on its own, as `docker run -v FILE:{output}` does). "
             "The file is written beside it and renamed into place, which cannot replace a mount point: "
             "name a file in a mounted folder instead."
         )
-    status = os.stat(path)
     for given in inputs:  # an open input (standard input too): the file or pipe it reads, by any name
         if hasattr(given, "fileno") and os.path.samestat(os.fstat(given.fileno()), status):
             reads = "standard input reads it" if given.name == "<stdin>" else given.name

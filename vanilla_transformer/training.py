@@ -1874,8 +1874,6 @@ def train_loop(run: Run) -> bool:
     run.model.train()
     interval = Interval(accelerator.device)
     interval.restore(run, state.pop("log_window", None))
-    # The line a run stopped off the logging schedule logged last: the record of a run continued from
-    # there (once it makes an update) leaves it out, as an uninterrupted run has none there.
     partial_line = state.pop("partial_line_step", None)
     clock = TrainingClock(accelerator, config, earlier_s=state["train_time_s"])
     elapsed = clock.agreed()
@@ -1900,11 +1898,17 @@ def train_loop(run: Run) -> bool:
             "further update; the model is written from the run's checkpoints as they are."
         )
     resumed = state["step"]
+    continuing = resumed < config.max_steps and not stopped  # an update follows
+    if continuing and partial_line is not None:
+        # The line a run stopped off the logging schedule logged last: continued, its record leaves it
+        # out (its updates are logged with the next ones), as an uninterrupted run has none there
+        history = state["history"]
+        state["history"] = [h for h in history if not (h["step"] == partial_line and "train_loss" in h)]
     if (
-        config.eval_steps
-        and 0 < resumed < config.max_steps
+        continuing
+        and config.eval_steps
+        and resumed > 0
         and resumed % config.eval_steps == 0
-        and not stopped
         and not any(h["step"] == resumed and "val_loss" in h for h in state["history"])
     ):
         # Stopped at a validation step, a run validated its average afterwards, not these weights: continued,
@@ -1940,11 +1944,6 @@ def train_loop(run: Run) -> bool:
             state["batches_in_epoch"] += len(window)
             interval.loss += losses
             interval.updates += 1
-            if partial_line is not None:
-                state["history"] = [
-                    h for h in state["history"] if not (h["step"] == partial_line and "train_loss" in h)
-                ]
-                partial_line = None
             interval.tokens += int(tokens)
             progress.update(1)
             elapsed = clock.agreed()
