@@ -385,16 +385,16 @@ def test_benchmark_processes_times_both_models_in_turns_in_each_fresh_process(ca
     below 1 is refused before any process starts."""
     import re
 
-    from tools import benchmark_processes
+    from tools import benchmark, benchmark_processes
 
     spawned = []
-    spawn = benchmark_processes.subprocess.run
+    spawn = benchmark.subprocess.run
 
     def run(*args, **kwargs):
         spawned.append(spawn(*args, **kwargs))
         return spawned[-1]
 
-    monkeypatch.setattr(benchmark_processes.subprocess, "run", run)
+    monkeypatch.setattr(benchmark.subprocess, "run", run)
     benchmark_processes.main(["--preset", "tiny", "--processes", "1", "--repeats", "1"])
     output = capsys.readouterr().out
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", output, re.M)

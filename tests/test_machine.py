@@ -132,3 +132,18 @@ def test_matmul_rate_is_two_n_cubed_over_the_median_time(monkeypatch):
     ticks = iter([0.0, 10.0, 10.5, 20.0, 20.25, 30.0, 31.0])  # the first call untimed; 0.5, 0.25, 1 s
     monkeypatch.setattr(machine, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     assert machine.matmul_rate(size=64, repeats=3) == 2 * 64**3 / 0.5
+
+
+def test_matmul_rate_times_the_product_it_is_given():
+    """Another kernel's rate (the benchmark's oneDNN row): `product` is what is called, on two
+    size x size matrices, once untimed and `repeats` times timed."""
+    from vanilla_transformer import machine
+
+    shapes = []
+
+    def product(a, b):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return a @ b
+
+    assert machine.matmul_rate(size=32, repeats=2, product=product) > 0
+    assert shapes == [((32, 32), (32, 32))] * 3

@@ -32,7 +32,13 @@ from vanilla_transformer.cli import positive_int
 from vanilla_transformer.configuration_vanilla_transformer import VanillaTransformerConfig
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.kernels_vanilla_transformer import LinearKernel, attention_kernel, linear_kernel
-from vanilla_transformer.machine import describe_machine, format_machine, reset_peak_resident, resident_bytes
+from vanilla_transformer.machine import (
+    describe_machine,
+    format_machine,
+    matmul_rate,
+    reset_peak_resident,
+    resident_bytes,
+)
 from vanilla_transformer.modeling_vanilla_transformer import (
     VanillaTransformerEncoderLayer,
     VanillaTransformerForConditionalGeneration,
@@ -205,19 +211,19 @@ def matmul_peak_flops(
     device: str, dtype: torch.dtype, size: int | None = None, repeats: int = 5
 ) -> dict[str, float]:
     """The machine's measured matrix-multiply rate (FLOP/s) at this dtype, per kernel: `torch.matmul`
-    (the BLAS transformers' models use) and, on CPU, oneDNN (what this package's `linear` uses). The
-    faster one is the MFU denominator. Products of 2048 x 2048 on a CPU; 4096 x 4096 on an accelerator,
-    where a 2048 product takes tens of microseconds and its launch would count (as `describe_gpu`)."""
+    (the BLAS that transformers' models and this package's training use) and, on CPU, oneDNN (one of the
+    kernels this package's decoding products may measure faster). The faster of the two is the machine's
+    peak, the MFU denominator. Products of 2048 x 2048 on a CPU; 4096 x 4096 on an accelerator, where a
+    2048 product takes tens of microseconds and its launch would count (as `describe_gpu`)."""
     size = size or (2048 if device == "cpu" else 4096)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    kernels = {"torch.matmul": lambda: torch.matmul(a, b)}
+    rates = {"torch.matmul": matmul_rate(device, dtype, size, repeats)}
     if device == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        kernels["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
-    rates = {}
-    for name, kernel in kernels.items():
-        kernel()
-        rates[name] = 2 * size**3 / median_time(kernel, device, repeats)
+        onednn = torch.ops.mkldnn._linear_pointwise  # a @ b.T: as many FLOPs as a @ b
+
+        def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return onednn(a, b, None, "none", [], "")
+
+        rates["oneDNN"] = matmul_rate(device, dtype, size, repeats, product)
     return rates
 
 
@@ -503,18 +509,24 @@ def probe_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: st
     return resident_bytes("VmHWM") - base
 
 
+def in_fresh_process(module: str, function: str, *arguments: object) -> Any:
+    """`function(*arguments)` of `tools.<module>` run in a new Python process, in the repository (where
+    `tools` imports from, wherever this runs), its JSON result read back from the last line it prints."""
+    call = f"{function}(*{list(arguments)!r})"
+    code = f"import json; from tools.{module} import {function}; print(json.dumps({call}))"
+    root = Path(__file__).resolve().parents[1]
+    finished = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=root
+    )
+    if finished.returncode != 0:
+        raise RuntimeError(f"A benchmark process failed:\n{finished.stderr}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
 def peak_memory(kind: str, preset: str, max_tokens: int, device: str, dtype: str) -> int:
     """`probe_memory` in a fresh Python process, so that each model starts from the same baseline
     (-1 where the peak cannot be measured)."""
-    code = (
-        "from tools.benchmark import probe_memory; "
-        f"print(probe_memory({kind!r}, {preset!r}, {max_tokens}, {device!r}, {dtype!r}))"
-    )
-    root = Path(__file__).resolve().parents[1]  # the repository, where `tools` is importable
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
-    )
-    return int(result.stdout.strip().splitlines()[-1])
+    return in_fresh_process("benchmark", "probe_memory", kind, preset, max_tokens, device, dtype)
 
 
 def attention_scaling(
@@ -655,12 +667,11 @@ def deployment(config: VanillaTransformerConfig, repeats: int) -> dict[str, Any]
         (Path(folder) / "sources.json").write_text(json.dumps(deployment_sources(config)))
         measured = {}
         for engine in ENGINES:
-            if engine.startswith("ctranslate2"):  # a process without torch
-                command = ["tools/ctranslate2_latency.py", str(Path(folder) / engine)]
-                command += [str(Path(folder) / "sources.json"), str(repeats)]
-            else:
-                command = ["-c", "import json; from tools.benchmark import generate_latency; "]
-                command[1] += f"print(json.dumps(generate_latency({engine!r}, {folder!r}, {repeats})))"
+            if not engine.startswith("ctranslate2"):
+                measured[engine] = in_fresh_process("benchmark", "generate_latency", engine, folder, repeats)
+                continue
+            command = ["tools/ctranslate2_latency.py", str(Path(folder) / engine)]  # a process without torch
+            command += [str(Path(folder) / "sources.json"), str(repeats)]
             result = subprocess.run(
                 [sys.executable, *command], capture_output=True, text=True, check=True, cwd=root
             )

@@ -17,14 +17,10 @@ median of those ratios, with the machine they ran on.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from tools.benchmark import BENCHMARK_VOCABULARY, MODELS, add_generate_cell_arguments
+from tools.benchmark import BENCHMARK_VOCABULARY, MODELS, add_generate_cell_arguments, in_fresh_process
 from vanilla_transformer.cli import positive_int
 
 # `--train` choices and the benchmark rows they time
@@ -60,19 +56,6 @@ def training_child(preset: str, row: str, rounds: int) -> dict[str, float]:
     loss = benchmark.trainer_loss if row == "Trainer path" else benchmark.training_loss
     measured = benchmark.benchmark_training(models, batches, "cpu", rounds, loss)
     return {kind: measured[kind]["tokens_per_s"] for kind in MODELS}
-
-
-def in_fresh_process(function: str, *arguments: object) -> dict[str, float]:
-    """`function(*arguments)` of this module run in a new Python process, its result read back."""
-    call = f"{function}(*{list(arguments)!r})"
-    code = f"import json; from tools.benchmark_processes import {function}; print(json.dumps({call}))"
-    root = Path(__file__).resolve().parents[1]  # where `tools` imports from, wherever this runs
-    finished = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=root
-    )
-    if finished.returncode != 0:
-        raise RuntimeError(f"A benchmark process failed:\n{finished.stderr}")
-    return json.loads(finished.stdout.strip().splitlines()[-1])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -112,10 +95,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ratios = []
     for process in range(1, args.processes + 1):
         if args.train:
-            figures = in_fresh_process("training_child", args.preset, row, args.rounds)
+            figures = in_fresh_process("benchmark_processes", "training_child", args.preset, row, args.rounds)
             ours, marian = f"{figures['ours']:,.0f}", f"{figures['marian']:,.0f}"
         else:
-            figures = in_fresh_process("child", args.preset, args.batch_size, args.beams, args.repeats)
+            cell = (args.preset, args.batch_size, args.beams, args.repeats)
+            figures = in_fresh_process("benchmark_processes", "child", *cell)
             ours, marian = f"{figures['ours']:.4f}", f"{figures['marian']:.4f}"
         ratios.append(figures["ours"] / figures["marian"])
         print(f"| {process} | {ours} | {marian} | {ratios[-1]:.2f}x |", flush=True)

@@ -11,7 +11,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +62,14 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
 
 
 def matmul_rate(
-    device: str = "cpu", dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 3
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    size: int = 2048,
+    repeats: int = 3,
+    product: Callable[[torch.Tensor, torch.Tensor], object] = torch.matmul,
 ) -> float:
-    """Measured FLOP/s of `torch.matmul` on two size x size matrices (median of `repeats`, after one)."""
+    """Measured FLOP/s of `product` (by default `torch.matmul`) on two size x size matrices (median of
+    `repeats`, after one)."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     times = []
@@ -72,7 +77,7 @@ def matmul_rate(
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         started = time.perf_counter()
-        torch.matmul(a, b)
+        product(a, b)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         if index:

@@ -825,8 +825,8 @@ def checkpoints_to_average(output_dir: str | Path, count: int) -> list[Path]:
 def checkpoint_write_error(error: Exception, partial: Path, main_process: bool) -> Exception:
     """What to raise when writing a checkpoint fails: where the disk is full (torch's writer then says
     only "iostream error", safetensors' "No space left on device"), a clear `InputError` saying so and
-    that the earlier checkpoints are intact; otherwise the error itself. The unfinished folder is removed
-    either way."""
+    that the earlier checkpoints are intact; otherwise the error itself. Either way the main process,
+    which wrote it, removes the unfinished folder."""
     folder = partial.parent
     written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.exists() else 0
     if main_process:
