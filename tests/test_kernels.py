@@ -306,10 +306,28 @@ def test_weight_copies_register_one_finalizer_per_tensor_and_drop_idempotently()
         copies.drop(weight)
         copies.drop(weight)
     copies.get((weight,), make_copy, tag=1)
-    assert finalizers_of(weight) == 1 and len(copies) == 1
+    assert finalizers_of(weight.untyped_storage()) == 1 and len(copies) == 1
+    assert not weakref.getweakrefs(weight)  # torch would refuse to swap it (`torch.utils.swap_tensors`)
     del weight
     gc.collect()
     assert len(copies) == 0 and not copies._watched
+
+
+def test_a_freed_storage_leaves_the_copy_of_the_tensor_now_at_its_key():
+    """A source given new storage (`weight.data = ...`) gets a new copy; when the old storage is freed
+    afterwards (a view kept it), its finalizer leaves the new copy alone."""
+    import gc
+
+    copies = kernels.WeightCopies()
+    weight = torch.randn(8, 4)
+    view = weight.detach()  # keeps the first storage alive
+    copies.get((weight,), lambda: weight * 2, tag=1)
+    weight.data = torch.randn(8, 4)
+    fresh = copies.get((weight,), lambda: weight * 2, tag=1)
+    assert torch.equal(fresh, weight * 2)
+    del view
+    gc.collect()
+    assert len(copies) == 1 and copies.get((weight,), lambda: weight * 3, tag=1) is fresh
 
 
 def test_converting_a_model_frees_the_copies_kept_of_its_matrices(each_linear_kernel):
@@ -337,6 +355,32 @@ def test_converting_a_model_frees_the_copies_kept_of_its_matrices(each_linear_ke
     model.float()
     with torch.no_grad():
         assert torch.equal(model.generate(source, num_beams=2, max_new_tokens=6), expected)
+
+
+def test_a_decoded_model_can_still_swap_its_parameters(each_linear_kernel):
+    """Under `torch.__future__.set_swap_module_params_on_conversion(True)` `.to()` and `load_state_dict`
+    swap each parameter with `torch.utils.swap_tensors`, which refuses a tensor that has a weak reference:
+    the copies kept for decoding took one on each matrix they came from, so after one `generate()` the
+    model could no longer be converted or loaded (MarianMTModel could). Converted and back, it decodes
+    as before."""
+    model = tiny_model("sdpa").eval()
+    other = tiny_model("sdpa").eval()
+    source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.no_grad():
+            expected = model.generate(source, num_beams=2, max_new_tokens=6)
+        model.to(torch.bfloat16)
+        model.to(torch.float32)
+        with torch.no_grad():
+            assert torch.equal(model.generate(source, num_beams=2, max_new_tokens=6), expected)
+        model.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            got = model.generate(source, num_beams=2, max_new_tokens=6)
+            assert torch.equal(got, other.generate(source, num_beams=2, max_new_tokens=6))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def test_kept_copies_see_edits_through_data_under_autocast():

@@ -271,21 +271,30 @@ class WeightCopies:
     swapped with `p.data.copy_(...)`. So once per decoding (`new_generate_call`) a copy is also checked
     against its sources' values (`value_checksum`, one read of them) and remade if they changed. Copies
     are used inside decodings with a cache only (`kept_copies`).
-    At most one copy per first source tensor, dropped when that tensor is freed. Tensors of
+    At most one copy per first source tensor, dropped when that tensor's memory is freed. Tensors of
     `torch.inference_mode` keep no version counter: nothing is kept for them.
 
     Looked up at every decoding-step product, so by the source's `id` in a plain dict (a weak-keyed
-    dictionary's lookup cost a microsecond more), each entry with a weak reference that tells a
-    reused `id` from its tensor and a finalizer that removes the entry when the tensor goes."""
+    dictionary's lookup cost a microsecond more). No weak reference is taken to a source itself: torch
+    refuses to swap a tensor that has one (`torch.utils.swap_tensors`, which `.to()`, `load_state_dict`
+    and `fully_shard` use under `torch.__future__.set_swap_module_params_on_conversion(True)`), so a
+    model once decoded could no longer be converted. Each entry holds a weak reference to the source's
+    storage instead (torch keeps one Python object per live storage), which with the tensor's shape and
+    strides (checked once per decoding) tells a reused `id` from its tensor; a finalizer on the storage
+    removes the entry when the memory goes."""
 
     def __init__(self) -> None:
-        # id(first source) -> (weak reference to it, fingerprint, copy, generate() call, value checksum)
-        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor, int, tuple]] = {}
-        self._watched: set[int] = set()  # ids of live sources with a finalizer registered
+        # id(first source) -> (weak reference to its storage, fingerprint, copy, generate() call, checksum,
+        # its shape and strides)
+        self._copies: dict[int, tuple[weakref.ref, tuple, torch.Tensor, int, tuple, tuple]] = {}
+        self._watched: set[tuple[int, int]] = set()  # (key, id(storage)) with a finalizer registered
 
-    def _forget(self, key: int) -> None:
-        self._copies.pop(key, None)
-        self._watched.discard(key)
+    def _forget(self, key: int, storage: int) -> None:
+        """A source's storage was freed: its entry goes, unless the key is already another tensor's."""
+        self._watched.discard((key, storage))
+        kept = self._copies.get(key)
+        if kept is not None and kept[0]() is None:
+            self._copies.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -295,18 +304,23 @@ class WeightCopies:
         None when the sources cannot be tracked."""
         source = sources[0]
         try:
+            storage = source.untyped_storage()
             if len(sources) == 1:
                 fingerprint: tuple = (tag, source.data_ptr(), source._version)
             else:
                 fingerprint = (tag, *((t.data_ptr(), t._version) for t in sources))
-        except RuntimeError:  # inference tensors have no version counter
+        except Exception:  # inference tensors have no version counter; no storage, nothing to track
             return None
         key = id(source)
         kept = self._copies.get(key)
         call = _GENERATE_CALLS[0]
-        current = kept is not None and kept[1] == fingerprint and kept[0]() is source
+        current = kept is not None and kept[1] == fingerprint and kept[0]() is storage
         if current and kept[3] == call:  # every decoding step's path: nothing more to check
             return kept[2]
+        # The shape and strides too: another tensor at a reused `id`, a view of the same memory (a
+        # transpose), is another matrix.
+        layout = (source.shape, source.stride())
+        current = current and kept[5] == layout
         # Once per generate() call. Copies made here (a concatenation, then packed) are written by no
         # one: their version counter is enough, and checking their values would read the weights twice.
         # Not under autocast (a `generate()` inside `torch.autocast("cpu")`): the checksum's products in
@@ -317,22 +331,26 @@ class WeightCopies:
             derived = all(getattr(t, "_kept_copy", False) for t in sources)
             checksum = () if derived else value_checksum(sources)
         if current and checksum == kept[4]:
-            self._copies[key] = (*kept[:3], call, checksum)
+            self._copies[key] = (*kept[:3], call, checksum, layout)
             return kept[2]
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, itself trackable
             copy = make()
         copy._kept_copy = True
-        if key not in self._watched:  # a freed source's finalizer has run before its id can be reused
-            self._watched.add(key)
-            weakref.finalize(source, self._forget, key)
-        self._copies[key] = (weakref.ref(source), fingerprint, copy, call, checksum)
+        if (key, id(storage)) not in self._watched:
+            self._watched.add((key, id(storage)))
+            weakref.finalize(storage, self._forget, key, id(storage))
+        self._copies[key] = (weakref.ref(storage), fingerprint, copy, call, checksum, layout)
         return copy
 
     def drop(self, source: torch.Tensor) -> None:
         """Forget the copy kept for `source`, if any."""
         key = id(source)
         kept = self._copies.get(key)
-        if kept is not None and kept[0]() is source:
+        try:
+            storage = source.untyped_storage()
+        except Exception:  # nothing was kept for it
+            return
+        if kept is not None and kept[0]() is storage:
             self._copies.pop(key, None)  # another thread may have dropped it meanwhile
 
 
