@@ -18,12 +18,13 @@ if __name__ == "__main__":
         metrics = finetune(config)
     except (OSError, ValueError) as error:  # files, columns, data that cannot train
         sys.exit(f"error: {error}")
-    except KeyboardInterrupt:  # Ctrl-C: stop as command-line tools do, without a traceback
-        print(
-            "interrupted; if a checkpoint-N folder was written in --output_dir, continue with the same flags "
-            "and --resume_from_checkpoint latest",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:  # Ctrl-C: stop as command-line tools do, without a traceback, saying it once
+        if PartialState().is_main_process:
+            print(
+                "interrupted; if a checkpoint-N folder was written in --output_dir, continue with the same "
+                "flags and --resume_from_checkpoint latest",
+                file=sys.stderr,
+            )
         sys.exit(130)
     if not PartialState().is_main_process:  # one report, not one per process
         sys.exit(0)

@@ -8,15 +8,14 @@ Every flag is listed by --help; the logic lives in vanilla_transformer.training.
 """
 
 import sys
-from pathlib import Path
 
 from accelerate import PartialState
 
 from vanilla_transformer.cli import InputError
 from vanilla_transformer.training import (
+    Interrupted,
     MainProcessFailed,
     format_summary,
-    list_checkpoints,
     parse_config,
     train,
 )
@@ -31,16 +30,9 @@ if __name__ == "__main__":
         sys.exit(1)
     except FloatingPointError as error:  # a non-finite loss, stopped before it reached the weights
         sys.exit(f"error: {error}")
-    except KeyboardInterrupt:  # Ctrl-C: say what is kept, once, and stop as command-line tools do
+    except Interrupted as interrupted:  # Ctrl-C: say what is kept, once, and stop as command-line tools do
         if PartialState().is_main_process:
-            saved = list_checkpoints(Path(config.output_dir))
-            print(
-                f"interrupted: {saved[-1].name} is the last checkpoint; --resume_from_checkpoint latest goes "
-                "on from it"
-                if saved
-                else "interrupted before the first checkpoint: nothing to resume from",
-                file=sys.stderr,
-            )
+            print(interrupted, file=sys.stderr)
         sys.exit(130)
     if PartialState().is_main_process:  # one report, not one per process
         print(format_summary(result))

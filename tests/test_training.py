@@ -223,6 +223,40 @@ def test_ctrl_c_names_the_checkpoint_to_resume_from_without_a_traceback(tmp_path
     assert "Traceback" not in stderr
 
 
+def test_ctrl_c_names_only_the_interrupted_runs_own_checkpoint(tmp_path, corpus_files, monkeypatch):
+    """The Ctrl-C message named the newest checkpoint in the folder: a new run stopped while reading its
+    data (before it moves an earlier run's checkpoints aside) pointed at the earlier run's, which
+    `latest` would then continue; a run resumed from a checkpoint elsewhere and stopped before its first
+    said there was nothing to resume from. A non-finite loss names the same checkpoint."""
+    from vanilla_transformer.training import Interrupted
+
+    run = tmp_path / "run"
+    train(parse_config(small_args(run, corpus_files, max_steps=4, eval_steps=0, test_samples=1)))
+    elsewhere = tmp_path / "copy-of-step-4"
+    shutil.copytree(run / "checkpoints" / "step-00000004", elsewhere)
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:  # while the data is read and the vocabulary learned
+        patch.setattr(training_module, "load_or_train_tokenizer", stop)
+        with pytest.raises(Interrupted, match=r"^interrupted before the first checkpoint: nothing to resume"):
+            train(parse_config(small_args(run, corpus_files, max_steps=8, seed=7)))
+        with pytest.raises(Interrupted, match=r"^interrupted: step-00000004 is the last checkpoint;"):
+            train(parse_config(small_args(run, corpus_files, max_steps=8, resume_from_checkpoint="latest")))
+    with monkeypatch.context() as patch:  # at the first update after resuming from elsewhere
+        patch.setattr(training_module, "update", stop)
+        args = small_args(run, corpus_files, max_steps=8, resume_from_checkpoint=elsewhere)
+        with pytest.raises(Interrupted) as interrupted:
+            train(parse_config(args))
+    assert str(interrupted.value) == (
+        f"interrupted before its first checkpoint: the checkpoint it resumed from, {elsewhere}, is intact; "
+        f"--resume_from_checkpoint {elsewhere} goes on from it"
+    )
+    assert list_checkpoints(run) == []  # moved aside: not this run's past
+    train(parse_config(args))  # as the message says
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     common = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "eval_steps": 0, "test_samples": 1}
     whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, **common)))

@@ -1162,6 +1162,7 @@ def train(config: TrainingConfig) -> dict[str, Any]:
     # One run per folder: two at once would average each other's checkpoints and remove each other's
     # partial writes. The main process (global rank 0) holds the lock.
     lock = lock_output_dir(Path(config.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+    run = None
     try:
         run = start(config)
         stopped = train_loop(run)
@@ -1173,10 +1174,48 @@ def train(config: TrainingConfig) -> dict[str, Any]:
         if run.accelerator.is_main_process:
             publish(run, final, metrics, samples)
         run.accelerator.end_training()
+    except KeyboardInterrupt as interrupt:
+        raise Interrupted(config, run) from interrupt
     finally:
         if lock is not None:
             lock.close()
     return {"metrics": metrics, "samples": samples, "history": run.state["history"]}
+
+
+def intact_checkpoint(config: TrainingConfig, run: Run | None) -> tuple[str, bool] | None:
+    """The checkpoint a run stopped now goes on from, and whether `--resume_from_checkpoint latest` finds
+    it: once the run has started (`run`), its folder holds only its own checkpoints and those it resumed
+    after (`start` moved the others aside), so the newest there; where there is none, or before that
+    (the data still being read: the folder may still hold an earlier run's), the one it resumes from;
+    None for a new run that has written none."""
+    if run is not None:
+        saved = list_checkpoints(run.output_dir)
+        if saved:
+            return saved[-1].name, True
+    if config.resume_from_checkpoint == "latest":  # the folder's newest, before and after `start`
+        saved = list_checkpoints(Path(config.output_dir))
+        return (saved[-1].name, True) if saved else None
+    if config.resume_from_checkpoint:
+        return config.resume_from_checkpoint, False
+    return None
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C during `train`, with what to resume from (`intact_checkpoint`) in its message."""
+
+    def __init__(self, config: TrainingConfig, run: Run | None):
+        kept = intact_checkpoint(config, run)
+        if kept is None:
+            message = "interrupted before the first checkpoint: nothing to resume from"
+        elif kept[1]:
+            then = "--resume_from_checkpoint latest goes on from it"
+            message = f"interrupted: {kept[0]} is the last checkpoint; {then}"
+        else:
+            message = (
+                f"interrupted before its first checkpoint: the checkpoint it resumed from, {kept[0]}, is "
+                f"intact; --resume_from_checkpoint {kept[0]} goes on from it"
+            )
+        super().__init__(message)
 
 
 def lock_output_dir(output_dir: Path) -> Any:
@@ -1791,13 +1830,13 @@ def update(run: Run, window: list[dict[str, torch.Tensor]], lr: float) -> tuple[
     # A non-finite loss would turn every weight into NaN at this step and in every later checkpoint:
     # stop before the update, on every process alike.
     if not torch.isfinite(accelerator.reduce(losses.clone(), "sum")):
-        saved = list_checkpoints(run.output_dir)
-        if saved:
-            kept = f"the last checkpoint, {saved[-1].name}, is intact"
-        elif run.config.resume_from_checkpoint:
-            kept = f"the checkpoint it resumed from, {run.config.resume_from_checkpoint}, is intact"
-        else:
+        intact = intact_checkpoint(run.config, run)
+        if intact is None:
             kept = "no checkpoint yet"
+        elif intact[1]:
+            kept = f"the last checkpoint, {intact[0]}, is intact"
+        else:
+            kept = f"the checkpoint it resumed from, {intact[0]}, is intact"
         raise FloatingPointError(
             f"The training loss of update {run.state['step'] + 1} is {float(losses)}; stopped before "
             f"applying it ({kept}). Lower --lr_scale, set --max_grad_norm, or check the configuration "
