@@ -427,6 +427,25 @@ def test_lines_are_read_to_a_mebibyte_each():
         next(reader)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-16", "utf-32-le", "utf-32"])
+def test_translation_input_in_utf16_or_utf32_is_refused_not_translated(encoding):
+    """NUL bytes are UTF-8: UTF-16 text without a byte-order mark was read as UTF-8 and translated (each
+    NUL an unknown token, one line more than the input had) with success; with a mark, the message did
+    not say what the input is. The data files' check said it (`check_utf8`); the input's now too."""
+    import io
+
+    from vanilla_transformer.translation import decoded_lines
+
+    wide = "UTF-32" if "32" in encoding else "UTF-16"
+    reader = decoded_lines(io.BytesIO("Jesus wept.\nGod is love.\n".encode(encoding)))
+    with pytest.raises(LineError, match=rf"^line 1 is not UTF-8 text but {wide}.*`iconv -f {wide} -t UTF-8`"):
+        next(reader)
+    # A stray NUL in UTF-8 text is text, as in the data files; bytes of another 8-bit encoding get a hint
+    assert list(decoded_lines(io.BytesIO(b"a\0b c d\n"))) == ["a\0b c d\n"]
+    with pytest.raises(LineError, match=r"^line 1 is not UTF-8 text \(.*\); convert it from the encoding"):
+        next(decoded_lines(io.BytesIO("caf\u00e9\n".encode("cp1252"))))
+
+
 def test_translate_stream_stops_its_output_at_the_line_it_names():
     """A line that cannot be read (not UTF-8) or translated stopped the stream with the lines read before
     it in its window untranslated: translate.py's standard output ended at the window before (16 lines of

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported where used: `datasets` adds over half a second to 
 from .cli import InputError, first_line
 from .corpus import load_default_corpus
 from .tokenization import length_check
-from .translation import one_line
+from .translation import CONVERT_HINT, one_line, wide_encoding
 
 FILE_BUILDERS = {".tsv": "csv", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 
@@ -121,11 +121,8 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
     line = 1
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_size):
-            bom = line == 1 and chunk.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
-            if bom or chunk.count(b"\0") * 4 >= len(chunk):
-                # UTF-16 or UTF-32 text: with a byte-order mark not UTF-8; without one, ASCII text in it
-                # is UTF-8 with a NUL byte beside every character (a stray NUL in UTF-8 text is not that).
-                wide = "UTF-32" if chunk.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)) else "UTF-16"
+            wide = wide_encoding(chunk, start=line == 1)
+            if wide is not None:
                 bad_line = line + chunk[: max(chunk.find(b"\0"), 0)].count(b"\n")
                 raise DataError(
                     f"{path} is not UTF-8 text but {wide}, by its byte-order mark or NUL bytes (line "
@@ -138,8 +135,7 @@ def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
             except UnicodeDecodeError as error:
                 bad_line = line + chunk[: max(error.start - pending, 0)].count(b"\n")
                 raise DataError(
-                    f"{path} is not UTF-8 text (undecodable bytes on line {bad_line}); convert it, "
-                    f"e.g. `iconv -f LATIN1 -t UTF-8`."
+                    f"{path} is not UTF-8 text (undecodable bytes on line {bad_line}); {CONVERT_HINT}."
                 ) from None
             line += chunk.count(b"\n")
         if decoder.getstate()[0]:  # was a UnicodeDecodeError naming neither file nor line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any
@@ -134,9 +135,30 @@ def translate_lines(
     return translate_stream(translate_many, lines, window=window or batch_size * 8)
 
 
+# What to do with text in another encoding than UTF-8, whose name only its writer knows.
+CONVERT_HINT = (
+    "convert it from the encoding it was written in, e.g. `iconv -f CP1252 -t UTF-8` for Windows' Western "
+    "European text (others: GB18030, SHIFT_JIS, EUC-KR, CP1251, ISO-8859-2, ...)"
+)
+
 # A line is translated as one sentence; one longer than this is no sentence: input without line breaks
 # (`--input /dev/zero`, a binary file) was read whole, and grew until the system stopped the process.
 MAX_LINE_BYTES = 1 << 20
+
+
+def wide_encoding(data: bytes, start: bool) -> str | None:
+    """ "UTF-16" or "UTF-32" where `data` (the text's beginning, if `start`) is text in one of them rather
+    than UTF-8, by its byte-order mark or by its NUL bytes: in UTF-16 text ASCII characters have a NUL
+    byte beside each of them (three in UTF-32), where a stray NUL in UTF-8 text is not that. None
+    otherwise."""
+    if start and data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # before UTF-16's: FF FE 00 00
+        return "UTF-32"
+    if start and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "UTF-16"
+    nul = data.count(b"\0")
+    if data and nul * 4 >= len(data):
+        return "UTF-32" if nul * 8 >= 5 * len(data) else "UTF-16"
+    return None
 
 
 def decoded_lines(stream: IO[bytes]) -> Iterator[str]:
@@ -158,10 +180,17 @@ def decoded_lines(stream: IO[bytes]) -> Iterator[str]:
                 f"is longer than {MAX_LINE_BYTES:,} bytes: each line is translated as one sentence (is the "
                 "input text with line breaks?).",
             )
+        wide = wide_encoding(line, start=number == 1)
+        if wide is not None:  # NUL bytes are UTF-8 too: its ASCII text would be translated as garbage
+            raise LineError(
+                number,
+                f"is not UTF-8 text but {wide}, by its byte-order mark or NUL bytes; convert the input, "
+                f"e.g. `iconv -f {wide} -t UTF-8`.",
+            )
         try:
             yield line.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as error:
-            raise LineError(number, f"is not UTF-8 text ({error.reason}).") from None
+            raise LineError(number, f"is not UTF-8 text ({error.reason}); {CONVERT_HINT}.") from None
 
 
 def translate_stream(
