@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from vanilla_transformer import VanillaTransformerForConditionalGeneration
-from vanilla_transformer.cli import first_line, positive_int
+from vanilla_transformer.cli import first_line, positive_int, utf8_stdout
 from vanilla_transformer.evaluation import (
     evaluate_model,
     format_scores,
@@ -47,6 +47,8 @@ from vanilla_transformer.training import (
     load_averaged_weights,
     write_averaged_card,
 )
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="the run's model folder (configuration and tokenizer)")

@@ -15,8 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
 from tools.benchmark import TRAINING_BATCHES, TRAINING_MAX_TOKENS, format_tables, run, save_json
-from vanilla_transformer.cli import check_output_file, positive_int
+from vanilla_transformer.cli import check_output_file, positive_int, utf8_stdout
 from vanilla_transformer.export_ctranslate2 import import_ctranslate2
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
 from tools.bible_corpus import build_corpus, write_corpus
-from vanilla_transformer.cli import check_output_file
+from vanilla_transformer.cli import check_output_file, utf8_stdout
 from vanilla_transformer.corpus import SPLITS, default_corpus_path
 
 PACKAGES = ("sword-text-web", "sword-text-sparv")
@@ -96,4 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    utf8_stdout()  # what is printed, in UTF-8 whatever the locale
     sys.exit(main())

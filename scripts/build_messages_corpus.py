@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from vanilla_transformer.cli import utf8_stdout
 from vanilla_transformer.publishing import check_new_folder, publish_folder
 
 # Debian packages that ship German catalogs of command-line tools and libraries.
@@ -195,4 +196,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    utf8_stdout()  # what is printed, in UTF-8 whatever the locale
     sys.exit(main())

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vanilla_transformer.cli import utf8_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tools/ folder
 
 MARIAN = {
@@ -283,4 +285,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    utf8_stdout()  # what is printed, in UTF-8 whatever the locale
     sys.exit(main())

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 
-from vanilla_transformer.cli import first_line, positive_int
+from vanilla_transformer.cli import first_line, positive_int, utf8_stdout
 from vanilla_transformer.conversion import convert_from_marian, write_converted_card
 from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
 from vanilla_transformer.model_card import base_license
 from vanilla_transformer.parallel_data import load_parallel_data
 from vanilla_transformer.publishing import check_new_folder, disk_full_message, publish_folder
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="Marian model folder or Hub id")

@@ -16,11 +16,14 @@ from vanilla_transformer.cli import (
     non_negative_int,
     positive_int,
     replaced_when_complete,
+    utf8_stdout,
 )
 from vanilla_transformer.corpus import default_corpus_path
 from vanilla_transformer.evaluation import evaluate_model, format_scores
 from vanilla_transformer.modeling_vanilla_transformer import length_penalty_problem
 from vanilla_transformer.parallel_data import resolve_languages
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id)")

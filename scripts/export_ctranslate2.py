@@ -12,9 +12,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from vanilla_transformer.cli import positive_int
+from vanilla_transformer.cli import positive_int, utf8_stdout
 from vanilla_transformer.export_ctranslate2 import DEFAULT_MAX_POSITIONS, QUANTIZATIONS, export_ctranslate2
 from vanilla_transformer.publishing import mebibytes, out_of_space
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("model_dir", help="a model folder written by scripts/train.py (or save_pretrained)")

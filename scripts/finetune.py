@@ -9,10 +9,11 @@ import sys
 
 from accelerate import PartialState
 
-from vanilla_transformer.cli import parse_dataclass
+from vanilla_transformer.cli import parse_dataclass, utf8_stdout
 from vanilla_transformer.finetuning import FinetuneConfig, finetune
 
 if __name__ == "__main__":
+    utf8_stdout()  # what is printed, in UTF-8 whatever the locale
     config = parse_dataclass(FinetuneConfig, __doc__.split("\n\n")[0])
     try:
         metrics = finetune(config)

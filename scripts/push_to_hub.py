@@ -9,8 +9,10 @@ file, an invalid repo id or a missing token stop with a message before anything 
 import argparse
 import sys
 
-from vanilla_transformer.cli import first_line
+from vanilla_transformer.cli import first_line, utf8_stdout
 from vanilla_transformer.hub import push_model_folder
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--folder", required=True, help="model folder written by scripts/train.py")

@@ -11,7 +11,7 @@ import sys
 
 from accelerate import PartialState
 
-from vanilla_transformer.cli import InputError
+from vanilla_transformer.cli import InputError, utf8_stdout
 from vanilla_transformer.training import (
     Interrupted,
     MainProcessFailed,
@@ -21,6 +21,7 @@ from vanilla_transformer.training import (
 )
 
 if __name__ == "__main__":
+    utf8_stdout()  # what is printed, in UTF-8 whatever the locale
     config = parse_config()
     try:
         result = train(config)

@@ -22,6 +22,7 @@ from vanilla_transformer.cli import (
     non_negative_int,
     positive_int,
     replaced_when_complete,
+    utf8_stdout,
 )
 from vanilla_transformer.evaluation import load_model_folder
 from vanilla_transformer.modeling_vanilla_transformer import length_penalty_problem
@@ -111,10 +112,8 @@ else:
         window=window,
         **generate_kwargs,
     )
-# UTF-8 as the input and an --output file are, not the locale's encoding (cp1252...); a stream put in
-# its place (a test's capture) is left as it is
-if args.output == "-" and callable(getattr(sys.stdout, "reconfigure", None)):
-    sys.stdout.reconfigure(encoding="utf-8")
+if args.output == "-":  # UTF-8 as the input and an --output file are, not the locale's encoding
+    utf8_stdout()
 output = contextlib.nullcontext(sys.stdout) if args.output == "-" else replaced_when_complete(args.output)
 try:
     with output as stream:

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from vanilla_transformer.cli import utf8_stdout
 from vanilla_transformer.evaluation import load_model_folder
 from vanilla_transformer.visualization import (
     MAX_ENCODING_POSITIONS,
@@ -20,6 +21,8 @@ from vanilla_transformer.visualization import (
     plot_attention_maps,
     plot_positional_encoding,
 )
+
+utf8_stdout()  # what is printed, in UTF-8 whatever the locale
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--model", required=True, help="model folder (or Hub id) with its tokenizer")

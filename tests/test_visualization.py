@@ -279,6 +279,28 @@ def test_script_writes_the_four_pictures(model, tokenizer, tmp_path, run_in_proc
     assert missing.returncode == 2 and "No model folder" in missing.stderr
 
 
+def test_scripts_print_utf_8_whatever_the_locale(model, tokenizer, tmp_path):
+    """Standard output had the locale's encoding (cp1252 on Windows, with output redirected): every token
+    this script prints starts with "\u2581", which ended it in a UnicodeEncodeError after its pictures
+    were written, as any script printing a sample in another script ended (train.py). Every script
+    now writes UTF-8, as translate.py did."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    environment = {**os.environ, "PYTHONUTF8": "0", "PYTHONIOENCODING": "cp1252"}  # the locale's for argv
+    command = [sys.executable, str(ROOT / "scripts" / "visualize_attention.py"), "--model", str(folder)]
+    command += ["--source", SOURCE, "--target", TARGET, "--output_dir", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, env=environment, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")[-3000:]
+    assert "source: \u2581" in result.stdout.decode("utf-8")
+    unconverted = [p.name for p in (ROOT / "scripts").glob("*.py") if "utf8_stdout()" not in p.read_text()]
+    assert unconverted == []
+
+
 def test_script_draws_another_models_attention_and_says_why_not_its_encoding(
     tokenizer, tmp_path, run_in_process
 ):

@@ -243,6 +243,15 @@ def parse_dataclass(cls: type[T], description: str, argv: Sequence[str] | None =
         raise  # unreachable: parser.error exits
 
 
+def utf8_stdout() -> None:
+    """Write standard output in UTF-8, as files are, whatever the locale's encoding: with Windows' cp1252
+    (output redirected to a file) a script that prints a translation, a sample sentence or a token
+    ("\u2581" starts every word) ended in a UnicodeEncodeError after its work was done. A stream put in its
+    place that cannot be reconfigured is left as it is."""
+    if callable(getattr(sys.stdout, "reconfigure", None)):
+        sys.stdout.reconfigure(encoding="utf-8")
+
+
 __all__ = [
     "DefaultsOnce",
     "add_length_penalty_form",
@@ -254,4 +263,5 @@ __all__ = [
     "parse_dataclass",
     "positive_int",
     "replaced_when_complete",
+    "utf8_stdout",
 ]
