@@ -582,6 +582,14 @@ def test_a_hub_dataset_of_translation_pairs_trains_and_its_card_reads_it_back(tm
         TrainingConfig(dataset_name="org/bible", source_column="english", target_lang="es")
     with pytest.raises(ValueError, match="--target_column spanish names the column, not its language"):
         TrainingConfig(dataset_name="org/bible", source_lang="en", target_column="spanish")
+    # Nor is a column's name a language: given as one, BLEU for Chinese was scored with the 13a tokeniser
+    # and the card's metadata said `language: [english, chinese]`.
+    with pytest.raises(ValueError, match=r"--target_lang chinese is not a.*--target_column chinese,"):
+        TrainingConfig(dataset_name="org/bible", source_lang="en", target_lang="chinese")
+    with pytest.raises(ValueError, match=r"--source_lang english is not a.*--source_column src,"):
+        TrainingConfig(dataset_name="org/bible", source_lang="english", source_column="src", target_lang="es")
+    for codes in (("en", "zh_CN"), ("pt-BR", "zho_Hans"), ("yue", "sr-Latn-RS")):
+        assert (TrainingConfig(source_lang=codes[0], target_lang=codes[1]).target_lang) == codes[1]
     options |= {"source_lang": "en", "target_lang": "es"}
     metrics = train(parse_config(small_args(tmp_path / "run", {}, **options)))["metrics"]
     assert calls == {("org/bible", "en-es")} and metrics["steps"] == 4 and "test_bleu" in metrics

@@ -547,14 +547,28 @@ def _drop_empty(data: DatasetDict, report: DataReport) -> DatasetDict:
 DEFAULT_LANGUAGES = {"source": "en", "target": "es"}
 
 
+# A language code as ISO 639 and BCP 47 spell them ("en", "pt-BR", "zh_Hant", "zho_Hans", "yue"): a
+# primary tag of 2 or 3 letters, then subtags.
+LANGUAGE_CODE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8})*")
+
+
 def resolve_languages(config: Any) -> None:
     """Set `config.source_lang` and `config.target_lang` where they are None: the embedded corpus's
     (`DEFAULT_LANGUAGES`), unless that side's column is named (`source_column`, `target_column`), whose
     language cannot be guessed: then ValueError. A model card once named English and Spanish for a
     model trained on columns of other languages, and sacreBLEU's tokenizer, chosen by the target
-    language (zh, ja, ko), was the wrong one."""
+    language (zh, ja, ko), was the wrong one. A given language that is no language code (a column's name,
+    "chinese") is a ValueError too: it was written into the card and chose the 13a tokenizer."""
     for side, default in DEFAULT_LANGUAGES.items():
-        if getattr(config, f"{side}_lang") is not None:
+        if (language := getattr(config, f"{side}_lang")) is not None:
+            if not LANGUAGE_CODE.fullmatch(language):  # a column's name: 13a BLEU, a card in "chinese"
+                column = getattr(config, f"{side}_column") or language
+                raise ValueError(
+                    f"--{side}_lang {language} is not a language code (ISO 639 and BCP 47 ones: en, "
+                    "zh, pt-BR, zho_Hans): it picks the BLEU tokeniser and is the model card's language. A "
+                    f"column of another name is given as --{side}_column {column}, with --{side}_lang its "
+                    "language's code."
+                )
             continue
         column = getattr(config, f"{side}_column")
         if column is not None:
