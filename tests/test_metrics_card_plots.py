@@ -559,6 +559,25 @@ def test_model_card_language_metadata_takes_language_codes_with_regions_and_scri
         assert data.to_dict().get("language_bcp47") == bcp47, (source, target)
 
 
+def test_model_card_names_a_language_by_its_primary_tag():
+    """A code with a region or script was named as the code ("This model translates English into
+    zh_CN."): the language is named by its primary tag, with the code where the code says more."""
+    from vanilla_transformer.model_card import language_name
+
+    assert [language_name(code) for code in ("en", "EN", "zh_CN", "pt-BR", "ko", "th", "xx", "eng")] == [
+        "English",
+        "English",
+        "Chinese (zh_CN)",
+        "Portuguese (pt-BR)",
+        "Korean",
+        "Thai",
+        "xx",
+        "eng",
+    ]
+    text = str(build_model_card(**card_kwargs(source_lang="en", target_lang="zh_CN")))
+    assert "English into Chinese (zh_CN)" in text and "Translation English to Chinese (zh_CN)" in text
+
+
 def test_model_card_shows_metrics_in_text_and_model_index():
     card = build_model_card(**card_kwargs())
     text = str(card)

@@ -14,7 +14,7 @@ from .cli import first_line
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .export_ctranslate2 import SETTINGS_FILE
 from .metrics import repetition_rate, score_translations
-from .model_card import LANGUAGE_NAMES
+from .model_card import language_name
 from .parallel_data import DEFAULT_LANGUAGES, load_parallel_data
 from .publishing import check_files_readable, check_folder_json, check_has_tokenizer
 from .translation import translate
@@ -160,7 +160,7 @@ def evaluate_model(
     card_languages = model_card_languages(model_path)
     if card_languages is not None and not all(map(same_language, card_languages, languages)):
         # The embedded corpus (no --test_file) is English-Spanish whatever the model translates.
-        named = [f"{LANGUAGE_NAMES.get(code, code)}" for code in (*card_languages, *languages)]
+        named = [language_name(code) for code in (*card_languages, *languages)]
         logger.warning(
             f"{model_path}'s model card says it translates {named[0]} into {named[1]} "
             f"({'-'.join(card_languages)}), but the pairs scored are {named[2]} to {named[3]} "

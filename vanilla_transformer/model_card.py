@@ -38,17 +38,41 @@ DEFAULT_DECODING = {
 TRANSFORMERS_DECODING = {"num_beams": 1, "length_penalty": 1.0, "max_length": 20}
 LANGUAGE_NAMES = {
     "ar": "Arabic",
+    "cs": "Czech",
     "de": "German",
+    "el": "Greek",
     "en": "English",
     "es": "Spanish",
+    "fi": "Finnish",
     "fr": "French",
+    "he": "Hebrew",
+    "hi": "Hindi",
     "it": "Italian",
     "ja": "Japanese",
+    "ko": "Korean",
     "nl": "Dutch",
+    "pl": "Polish",
     "pt": "Portuguese",
+    "ro": "Romanian",
     "ru": "Russian",
+    "sv": "Swedish",
+    "th": "Thai",
+    "tr": "Turkish",
+    "uk": "Ukrainian",
+    "vi": "Vietnamese",
     "zh": "Chinese",
 }
+
+
+def language_name(code: str) -> str:
+    """The English name of the language `code` names, by its primary tag, with the code where it says
+    more ("Chinese (zh_CN)", "Portuguese (pt-BR)"); the code itself for a language not in LANGUAGE_NAMES."""
+    name = LANGUAGE_NAMES.get(code.replace("_", "-").split("-")[0].lower())
+    if name is None:
+        return code
+    return name if code.lower() in LANGUAGE_NAMES else f"{name} ({code})"
+
+
 ARCHITECTURE_FIELDS = (
     "vocab_size",
     "decoder_vocab_size",
@@ -135,8 +159,8 @@ def _template_variables(
         model_name=model_name,
         source_lang=source_lang,
         target_lang=target_lang,
-        source_language=LANGUAGE_NAMES.get(source_lang, source_lang),
-        target_language=LANGUAGE_NAMES.get(target_lang, target_lang),
+        source_language=language_name(source_lang),
+        target_language=language_name(target_lang),
         preset=_preset_name(config),
         num_parameters=_count_parameters(config),
         dataset_name=dataset.get("name"),
@@ -252,10 +276,7 @@ def _card_data(
     hub_id = dataset.get("hub_id")
     common = {
         "task_type": "translation",
-        "task_name": (
-            f"Translation {LANGUAGE_NAMES.get(source_lang, source_lang)} to "
-            f"{LANGUAGE_NAMES.get(target_lang, target_lang)}"
-        ),
+        "task_name": f"Translation {language_name(source_lang)} to {language_name(target_lang)}",
         "dataset_type": hub_id or dataset_name,
         "dataset_name": dataset_name,
         # A Hub dataset's config is the name load_dataset took (wmt/wmt14's "de-en" also for en -> de;
