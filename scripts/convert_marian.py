@@ -22,7 +22,7 @@ from vanilla_transformer.cli import first_line, positive_int, utf8_stdout
 from vanilla_transformer.conversion import convert_from_marian, write_converted_card
 from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
 from vanilla_transformer.model_card import base_license
-from vanilla_transformer.parallel_data import load_parallel_data
+from vanilla_transformer.parallel_data import load_parallel_data, resolve_languages
 from vanilla_transformer.publishing import check_new_folder, disk_full_message, publish_folder
 
 utf8_stdout()  # what is printed, in UTF-8 whatever the locale
@@ -38,7 +38,7 @@ parser.add_argument(
 )
 card = parser.add_argument_group("model card (what push_to_hub.py needs): scores on a test file")
 card.add_argument("--test_file", help="local .tsv/.csv/.jsonl file of sentence pairs to score")
-card.add_argument("--source_lang", help="its source language code (a column name, and the card's)")
+card.add_argument("--source_lang", help="its source language code (the card's; the column's name too)")
 card.add_argument("--target_lang", help="its target language code")
 card.add_argument("--source_column", help="default: --source_lang")
 card.add_argument("--target_column", help="default: --target_lang")
@@ -57,6 +57,10 @@ if args.test_file is None:
 else:
     if not (args.source_lang and args.target_lang):
         parser.error("--test_file needs --source_lang and --target_lang (the languages the card states)")
+    try:  # language codes, not columns' names
+        resolve_languages(args)
+    except ValueError as error:
+        parser.error(str(error))
     if not args.tokenizer:
         parser.error("--test_file needs the tokenizer to translate with; it cannot go with --no-tokenizer")
     if not Path(args.test_file).is_file():

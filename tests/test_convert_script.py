@@ -149,6 +149,7 @@ def test_convert_script_scores_the_model_and_writes_a_card_push_accepts(tmp_path
         (["--test_file", str(pairs), "--source_lang", "en"], "needs --source_lang and --target_lang"),
         (["--test_file", str(pairs), "--source_lang", "en", "--target_lang", "de"], "'de'"),
         (["--test_file", str(pairs), *en_es, "--no-tokenizer"], "cannot go with --no-tokenizer"),
+        (["--test_file", str(pairs), "--source_lang", "english", "--target_lang", "es"], "not a language"),
     ):
         refused = run_in_process(*convert, *flags)
         assert refused.returncode == 2 and said in refused.stderr, (flags, refused.stderr[-1500:])
