@@ -501,7 +501,9 @@ NOT_RUN = {
         "tests/test_export_ctranslate2.py runs the export and translate.py on it"
     ),
     r"python scripts/visualize_attention\.py ": "writes docs/attention; tests/test_visualization.py runs it",
-    r"scripts/build_messages_corpus\.py ": "reads the machine's gettext catalogs; tests/test_recipe.py",
+    r"(python )?scripts/build_messages_corpus\.py ": (
+        "reads the machine's gettext catalogs; tests/test_recipe.py"
+    ),
     r"python scripts/benchmark\.py ": "minutes of timing; tests/test_benchmark.py",
 }
 # README commands that need what the tests do not have: skipped, with the reason.
