@@ -1145,3 +1145,25 @@ def test_arguments_generate_cannot_use_are_named(source):
     for alpha in (np.float32("nan"), torch.tensor(float("nan"))):
         with pytest.raises(ValueError, match="length_penalty must be a finite number"):
             model.generate(source, num_beams=2, length_penalty=alpha)
+
+
+def test_a_decoder_only_cache_given_is_made_an_encoder_decoder_one():
+    """`generate(cache=DynamicCache())`, as a language model takes it, failed inside the attention with
+    an AttributeError (MarianMTModel fails too, with a size mismatch): it holds the self-attention's
+    keys and values, and the cross-attention gets a cache of its own. Another kind is refused, naming
+    the kind this model takes."""
+    from transformers import DynamicCache, StaticCache
+
+    model = tiny_model().eval()
+    source = torch.randint(3, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for beams in (1, 3):
+            expected = model.generate(source, num_beams=beams, max_new_tokens=6)
+            given = model.generate(source, cache=DynamicCache(), num_beams=beams, max_new_tokens=6)
+            assert torch.equal(given, expected)
+        start = torch.full((2, 1), model.config.decoder_start_token_id)
+        output = model(source, decoder_input_ids=start, cache=DynamicCache(), use_cache=True)
+        torch.testing.assert_close(output.logits, model(source, decoder_input_ids=start).logits)
+        static = StaticCache(model.config, max_cache_len=8)
+        with pytest.raises(TypeError, match=r"cache is an EncoderDecoderCache .* got a StaticCache"):
+            model(source, decoder_input_ids=start, cache=static, use_cache=True)

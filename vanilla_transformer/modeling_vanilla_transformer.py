@@ -671,6 +671,19 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         )
 
 
+def encoder_decoder_cache(cache: Any, config: VanillaTransformerConfig) -> EncoderDecoderCache:
+    """The cache a decoder-only model takes (`generate(cache=DynamicCache())`, as for a language model)
+    made an encoder-decoder one: it holds the self-attention's keys and values, and a new one the
+    cross-attention's (computed from the encoder output at the first step). It failed deep inside the
+    attention. Any other kind is refused, naming the kind this model takes."""
+    if type(cache) is DynamicCache:
+        return EncoderDecoderCache(cache, DynamicCache(config=config))
+    raise TypeError(
+        f"This encoder-decoder model's cache is an EncoderDecoderCache (self-attention and cross-attention "
+        f"caches), e.g. EncoderDecoderCache(DynamicCache(), DynamicCache()); got a {type(cache).__name__}."
+    )
+
+
 class VanillaTransformerDecoder(VanillaTransformerStack):
     """The decoder: shifted target embeddings + positions, then N decoder layers (Section 3.1).
 
@@ -717,6 +730,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             raise ValueError("Pass exactly one of `decoder_input_ids` and `decoder_inputs_embeds`.")
         if encoder_hidden_states is None:
             raise ValueError("The decoder needs `encoder_hidden_states` (the encoder output) to attend to.")
+        if cache is not None and not isinstance(cache, EncoderDecoderCache):
+            cache = encoder_decoder_cache(cache, self.config)
         # An int, or a tensor for static (compilable) caches; checks that would read it are skipped
         # inside torch.compile, where they would break the graph.
         past_length = cache.get_seq_length() if cache is not None else 0
