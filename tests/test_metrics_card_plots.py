@@ -440,8 +440,13 @@ def test_translation_input_in_utf16_or_utf32_is_refused_not_translated(encoding)
     reader = decoded_lines(io.BytesIO("Jesus wept.\nGod is love.\n".encode(encoding)))
     with pytest.raises(LineError, match=rf"^line 1 is not UTF-8 text but {wide}.*`iconv -f {wide} -t UTF-8`"):
         next(reader)
-    # A stray NUL in UTF-8 text is text, as in the data files; bytes of another 8-bit encoding get a hint
-    assert list(decoded_lines(io.BytesIO(b"a\0b c d\n"))) == ["a\0b c d\n"]
+    # A stray NUL in UTF-8 text is text, as in the data files, in a short line too (the share of NUL
+    # bytes there named it UTF-16); bytes of another 8-bit encoding get a hint
+    stray = b"a\0b c d\nx\0y\n\0\nHello\0\0\0 there\n"
+    assert list(decoded_lines(io.BytesIO(stray))) == stray.decode().splitlines(keepends=True)
+    lines = decoded_lines(io.BytesIO("a\nbb\nhello there\n".encode("utf-32-le")))  # a short first line
+    with pytest.raises(LineError, match=r"^line 2 is not UTF-8 text but UTF-32"):
+        list(lines)
     with pytest.raises(LineError, match=r"^line 1 is not UTF-8 text \(.*\); convert it from the encoding"):
         next(decoded_lines(io.BytesIO("caf\u00e9\n".encode("cp1252"))))
 

@@ -257,6 +257,22 @@ def test_ctrl_c_names_only_the_interrupted_runs_own_checkpoint(tmp_path, corpus_
     train(parse_config(args))  # as the message says
 
 
+def test_ctrl_c_before_a_latest_resume_starts_names_the_checkpoint_latest_takes(tmp_path):
+    """Interrupted while reading its data, a run resuming from `latest` named the newest checkpoint even
+    where it was damaged, which `latest` skips (with a warning) for the one before it."""
+    from vanilla_transformer.training import STATE_FILE, TrainingConfig, intact_checkpoint
+
+    accelerator = Accelerator()
+    for step in (4, 8):
+        save_checkpoint(accelerator, tmp_path, {"step": step, "run_id": "r"}, keep=3)
+    config = TrainingConfig(output_dir=str(tmp_path), resume_from_checkpoint="latest")
+    assert intact_checkpoint(config, None) == ("step-00000008", True)
+    (tmp_path / "checkpoints" / "step-00000008" / STATE_FILE).unlink()
+    assert intact_checkpoint(config, None) == ("step-00000004", True)
+    (tmp_path / "checkpoints" / "step-00000004" / STATE_FILE).unlink()
+    assert intact_checkpoint(config, None) is None
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     common = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "eval_steps": 0, "test_samples": 1}
     whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, **common)))
@@ -588,7 +604,7 @@ def test_a_hub_dataset_of_translation_pairs_trains_and_its_card_reads_it_back(tm
         TrainingConfig(dataset_name="org/bible", source_lang="en", target_lang="chinese")
     with pytest.raises(ValueError, match=r"--source_lang english is not a.*--source_column src,"):
         TrainingConfig(dataset_name="org/bible", source_lang="english", source_column="src", target_lang="es")
-    for codes in (("en", "zh_CN"), ("pt-BR", "zho_Hans"), ("yue", "sr-Latn-RS")):
+    for codes in (("en", "zh_CN"), ("pt-BR", "zho_Hans"), ("yue", "sr-Latn-RS"), ("es-419", "x-klingon")):
         assert (TrainingConfig(source_lang=codes[0], target_lang=codes[1]).target_lang) == codes[1]
     options |= {"source_lang": "en", "target_lang": "es"}
     metrics = train(parse_config(small_args(tmp_path / "run", {}, **options)))["metrics"]

@@ -548,8 +548,9 @@ DEFAULT_LANGUAGES = {"source": "en", "target": "es"}
 
 
 # A language code as ISO 639 and BCP 47 spell them ("en", "pt-BR", "zh_Hant", "zho_Hans", "yue"): a
-# primary tag of 2 or 3 letters, then subtags.
-LANGUAGE_CODE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8})*")
+# primary tag of 2 or 3 letters, then subtags; or BCP 47's private-use and grandfathered ones ("x-...",
+# "i-klingon").
+LANGUAGE_CODE = re.compile(r"(?:[A-Za-z]{2,3}|[xXiI](?=[-_]))(?:[-_][A-Za-z0-9]{1,8})*")
 
 
 def resolve_languages(config: Any) -> None:

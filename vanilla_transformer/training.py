@@ -1192,9 +1192,10 @@ def intact_checkpoint(config: TrainingConfig, run: Run | None) -> tuple[str, boo
         saved = list_checkpoints(run.output_dir)
         if saved:
             return saved[-1].name, True
-    if config.resume_from_checkpoint == "latest":  # the folder's newest, before and after `start`
+    if config.resume_from_checkpoint == "latest":  # the newest undamaged, as `resolve_checkpoint` finds it
         saved = list_checkpoints(Path(config.output_dir))
-        return (saved[-1].name, True) if saved else None
+        latest = next((path for path in reversed(saved) if not checkpoint_problems(path)), None)
+        return None if latest is None else (latest.name, True)
     if config.resume_from_checkpoint:
         return config.resume_from_checkpoint, False
     return None

@@ -149,15 +149,44 @@ MAX_LINE_BYTES = 1 << 20
 def wide_encoding(data: bytes, start: bool) -> str | None:
     """ "UTF-16" or "UTF-32" where `data` (the text's beginning, if `start`) is text in one of them rather
     than UTF-8, by its byte-order mark or by its NUL bytes: in UTF-16 text ASCII characters have a NUL
-    byte beside each of them (three in UTF-32), where a stray NUL in UTF-8 text is not that. None
-    otherwise."""
-    if start and data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # before UTF-16's: FF FE 00 00
-        return "UTF-32"
-    if start and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        return "UTF-16"
+    byte beside each of them (three in UTF-32). For a block of a file: a quarter of its bytes NUL, which a
+    stray NUL in UTF-8 text is not. None otherwise."""
+    if start and (bom := _byte_order_mark(data)):
+        return bom
     nul = data.count(b"\0")
     if data and nul * 4 >= len(data):
         return "UTF-32" if nul * 8 >= 5 * len(data) else "UTF-16"
+    return None
+
+
+def _byte_order_mark(data: bytes) -> str | None:
+    if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):  # before UTF-16's: FF FE 00 00
+        return "UTF-32"
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "UTF-16"
+    return None
+
+
+# Bytes of a line, its line break left out, below which NUL bytes say nothing of its encoding.
+WIDE_LINE_BYTES = 8
+
+
+def wide_line(line: bytes, first: bool) -> str | None:
+    """ "UTF-16" or "UTF-32" where one line of input (`first`: the input's first) is in one of them rather
+    than UTF-8: by a byte-order mark, or by ASCII text's pattern there, a NUL at every position but every
+    second (fourth) one, over at least WIDE_LINE_BYTES. A short line's stray NUL byte is UTF-8 text. Text
+    in other scripts has no such pattern in UTF-16: without a byte-order mark it is not recognised (where
+    its bytes are not UTF-8 either, the line is refused as such). None otherwise."""
+    if first and (bom := _byte_order_mark(line)):
+        return bom
+    body = line.rstrip(b"\r\n")
+    if len(body) < WIDE_LINE_BYTES or b"\0" not in body:
+        return None
+    for name, width in (("UTF-32", 4), ("UTF-16", 2)):  # UTF-32's pattern is UTF-16's too
+        for kept in range(width):
+            others = [body[offset::width] for offset in range(width) if offset != kept]
+            if all(part.count(0) == len(part) for part in others):
+                return name
     return None
 
 
@@ -180,7 +209,7 @@ def decoded_lines(stream: IO[bytes]) -> Iterator[str]:
                 f"is longer than {MAX_LINE_BYTES:,} bytes: each line is translated as one sentence (is the "
                 "input text with line breaks?).",
             )
-        wide = wide_encoding(line, start=number == 1)
+        wide = wide_line(line, first=number == 1)
         if wide is not None:  # NUL bytes are UTF-8 too: its ASCII text would be translated as garbage
             raise LineError(
                 number,
