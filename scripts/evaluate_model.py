@@ -49,6 +49,12 @@ parser.add_argument(
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument(
+    "--trust_remote_code",
+    action="store_true",
+    help="load a model whose folder (or Hub repo) holds model code of its own, running that code; this "
+    "package's models need none",
+)
+parser.add_argument(
     "--hypotheses",
     type=Path,
     help="also write the translations here, one line per scored pair in file order (rows skipped for an "
@@ -87,6 +93,7 @@ try:
         batch_size=args.batch_size,
         device=args.device,
         data_options=data_options,
+        trust_remote_code=args.trust_remote_code,
         # Unset: the model's own settings, with which its card's scores were computed.
         **({"num_beams": args.num_beams} if args.num_beams else {}),
         **({"length_penalty": args.length_penalty} if args.length_penalty is not None else {}),

@@ -54,6 +54,12 @@ parser.add_argument(
     "--do_sample", action=argparse.BooleanOptionalAction, help="default: the model's generation config"
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available, for either engine)")
+parser.add_argument(
+    "--trust_remote_code",
+    action="store_true",
+    help="load a model whose folder (or Hub repo) holds model code of its own, running that code; this "
+    "package's models need none",
+)
 args = parser.parse_args()
 if args.output != "-":
     try:
@@ -99,7 +105,7 @@ if args.engine == "ctranslate2":
     )
 else:
     try:
-        model, tokenizer = load_model_folder(args.model, args.device)
+        model, tokenizer = load_model_folder(args.model, args.device, args.trust_remote_code)
     except (OSError, ValueError, RuntimeError) as error:
         parser.error(str(error))
     if args.do_sample is not None:  # unset: the model's generation config decides, as for the others

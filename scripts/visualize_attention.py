@@ -35,6 +35,12 @@ parser.add_argument(
     "--positions", type=int, default=100, help="positions in the encoding pictures (default: 100)"
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+parser.add_argument(
+    "--trust_remote_code",
+    action="store_true",
+    help="load a model whose folder (or Hub repo) holds model code of its own, running that code; this "
+    "package's models need none",
+)
 args = parser.parse_args()
 if not 2 <= args.positions <= MAX_ENCODING_POSITIONS:
     parser.error(f"--positions must be between 2 and {MAX_ENCODING_POSITIONS}, got {args.positions}.")
@@ -52,7 +58,7 @@ try:
 except OSError as error:
     parser.error(f"--output_dir {args.output_dir}: {error.strerror or error}")
 try:
-    model, tokenizer = load_model_folder(args.model, args.device)
+    model, tokenizer = load_model_folder(args.model, args.device, args.trust_remote_code)
     maps = attention_maps(model, tokenizer, args.source, args.target)
 except (OSError, ValueError) as error:
     parser.error(str(error))

@@ -34,8 +34,14 @@ def looks_local(path: str | Path) -> bool:
     )
 
 
-def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any, Any]:
-    """Model and tokenizer of a folder written by the training script (or any seq2seq folder)."""
+def load_model_folder(
+    path: str | Path, device: str | None = None, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
+    """Model and tokenizer of a folder written by the training script (or any seq2seq folder, or Hub
+    repo). A folder whose config names model code of its own (`auto_map`, a model type transformers does
+    not know) is loaded only with `trust_remote_code`, as transformers does: that code runs on loading.
+    Every local folder's code used to run unasked. This package's folders need none: its model is
+    registered with transformers."""
     folder = Path(path)
     if not folder.exists() and looks_local(path):
         raise FileNotFoundError(f"No model folder at {folder}.")
@@ -59,12 +65,15 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
     if target.type == "meta":
         raise ValueError(f"Device {device!r} holds shapes, not values: it cannot translate.")
     try:
-        # A folder here runs the modeling code saved in it; a Hub repo's code is never run (this
-        # package's own model is registered with transformers, so its repos load without it).
         model, loading = AutoModelForSeq2SeqLM.from_pretrained(
-            path, trust_remote_code=folder.exists(), output_loading_info=True
+            path, trust_remote_code=trust_remote_code, output_loading_info=True
         )
     except Exception as error:  # e.g. a truncated model.safetensors: say which folder, keep the cause
+        if not trust_remote_code and "trust_remote_code" in str(error):
+            raise ValueError(
+                f"{path} holds model code of its own, which loading it runs: give --trust_remote_code "
+                "(`trust_remote_code=True`) only if you trust its source."
+            ) from None
         if not folder.exists():  # a Hub id, or a mistyped folder name without a slash ("tiny-en-e")
             cause = first_line(error)
             raise OSError(
@@ -83,7 +92,9 @@ def load_model_folder(path: str | Path, device: str | None = None) -> tuple[Any,
         )
     if folder.exists():
         warn_without_generation_config(folder, model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Explicit: where left unset, a tokenizer with code of its own is asked about at the terminal, on
+    # standard input (translate.py's input)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model.to(target).eval(), tokenizer
 
 
@@ -140,9 +151,11 @@ def evaluate_model(
     batch_size: int = 32,
     device: str | None = None,
     data_options: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
     **generate_kwargs: Any,
 ) -> dict[str, Any]:
-    """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus).
+    """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus);
+    `trust_remote_code` to `load_model_folder`.
 
     Returns the scores, the sacreBLEU signatures, the share of outputs (and of references) with a word
     4-gram repeated three or more times, the number of pairs scored and the split's size, and the
@@ -167,7 +180,7 @@ def evaluate_model(
             f"({'-'.join(languages)}): name the card's languages (--source_lang, --target_lang) and a "
             "file of them (--test_file), or the scores describe another task."
         )
-    model, tokenizer = load_model_folder(model_path, device)
+    model, tokenizer = load_model_folder(model_path, device, trust_remote_code)
     hypotheses = translate(model, tokenizer, rows["source"], batch_size=batch_size, **generate_kwargs)
     # The references' language picks sacreBLEU's BLEU tokeniser (zh, ja, ko: not 13a).
     target_lang = options.get("target_lang")

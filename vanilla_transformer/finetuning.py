@@ -64,6 +64,10 @@ class FinetuneConfig:
     model: str = field(metadata={"help": "trained model folder (or Hub id) to start from"})
     train_file: str = field(metadata={"help": "local .tsv/.csv/.jsonl training file"})
     output_dir: str = field(metadata={"help": "where checkpoints and the fine-tuned model go"})
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "load a --model holding model code of its own, running it (this package's: none)"},
+    )
     validation_file: str | None = field(default=None, metadata={"help": "default: hold out part of train"})
     source_lang: str | None = field(default=None, metadata={"help": "default en (needed with a column)"})
     target_lang: str | None = field(default=None, metadata={"help": "default es (needed with a column)"})
@@ -532,7 +536,8 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     # The data files' paths first: a missing one is said before the model is loaded (or downloaded)
     files = {"train": config.train_file, "validation": config.validation_file}
     check_data_paths({split: path for split, path in files.items() if path})
-    model, tokenizer = load_model_folder(config.model, device="cpu")  # the trainer places it
+    # On the CPU: the trainer places it
+    model, tokenizer = load_model_folder(config.model, "cpu", config.trust_remote_code)
     freeze_unsaved_parameters(model)
     # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)
     # logits kept) with the fine-tuning's factor, and Trainer's smoother, which would need the logits,
