@@ -506,9 +506,17 @@ def test_push_names_the_repo_in_full_keeps_local_files_and_honours_private(
     for by_product in ("checkpoint-10/optimizer.pt", "runs/events.out", "training_args.bin"):
         (folder / by_product).parent.mkdir(parents=True, exist_ok=True)
         (folder / by_product).write_bytes(b"\0")  # what Seq2SeqTrainer leaves (finetune.py)
+    # A run's record of the data it scored keeps absolute paths locally (average_checkpoints.py reads
+    # them); uploaded, they told the world a user's folders: names only there.
+    scored = {"test_file": str(tmp_path / "clients" / "acme" / "test.tsv"), "source_lang": "en"}
+    record = {"metrics": {"bleu": 1.0}, "scored_data": scored}
+    (folder / "metrics.json").write_text(json.dumps(record))
     push_model_folder(folder, "tiny-en-es", token="hf_dummy")
     assert created == [("tiny-en-es", None)]  # visibility: the namespace's default
     repo_id, files = commits[-1]
+    uploaded = json.loads(files["metrics.json"].path_or_fileobj)
+    assert uploaded == {**record, "scored_data": {"test_file": "test.tsv", "source_lang": "en"}}
+    assert json.loads((folder / "metrics.json").read_text()) == record
     card = files["README.md"].path_or_fileobj.decode()
     assert repo_id == "alice/tiny-en-es" and 'repo = "alice/tiny-en-es"' in card
     assert not any(name.split("/")[0] in {"checkpoints", "checkpoint-10", "runs"} for name in files)

@@ -231,6 +231,28 @@ def card_for_repo(text: str, repo_id: str) -> str:
     return text
 
 
+def published_metrics(record: bytes) -> bytes:
+    """A run's metrics.json as uploaded: the local paths of the data it scored (`scored_data`, absolute so
+    that average_checkpoints.py finds them from other folders) reduced to file names, as the card names
+    them; they told the world a user's folders ("/home/jdoe/clients/acme/test.tsv"). Anything else, and a
+    file that is not such a record, as it is."""
+    try:
+        data = json.loads(record)
+    except ValueError:
+        return record
+    scored = data.get("scored_data") if isinstance(data, dict) else None
+    if not isinstance(scored, dict):
+        return record
+    for key, value in scored.items():
+        if (
+            (key.endswith("_file") or key == "dataset_name")
+            and isinstance(value, str)
+            and Path(value).is_absolute()
+        ):
+            scored[key] = Path(value).name
+    return json.dumps(data, indent=1).encode()
+
+
 def push_model_folder(
     folder: str | Path,
     repo_id: str,
@@ -275,8 +297,11 @@ def push_model_folder(
     operations = [
         CommitOperationAdd(path.relative_to(folder).as_posix(), str(path))
         for path in files
-        if path.relative_to(folder).as_posix() != "README.md"
+        if path.relative_to(folder).as_posix() not in ("README.md", "metrics.json")
     ]
+    if (folder / "metrics.json").is_file():
+        published = published_metrics((folder / "metrics.json").read_bytes())
+        operations.append(CommitOperationAdd("metrics.json", published))
     repo = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     revision = constants.DEFAULT_REVISION  # where create_commit commits
     info = api.repo_info(repo.repo_id, repo_type="model", revision=revision)  # its commit
