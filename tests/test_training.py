@@ -273,6 +273,31 @@ def test_ctrl_c_before_a_latest_resume_starts_names_the_checkpoint_latest_takes(
     assert intact_checkpoint(config, None) is None
 
 
+def test_a_manifest_of_another_shape_is_a_damaged_checkpoint(tmp_path):
+    """Valid JSON of another shape in a checkpoint's manifest ended a resume in a traceback (a list, a
+    number per file, an entry without its hash); a name leading out of the folder had a file outside it
+    hashed. Each is a damaged checkpoint, as unreadable JSON is, which `latest` skips."""
+    accelerator = Accelerator()
+    for step in (4, 8):
+        save_checkpoint(accelerator, tmp_path, {"step": step, "run_id": "r"}, keep=3)
+    newest = tmp_path / "checkpoints" / "step-00000008"
+    written = json.loads((newest / MANIFEST_FILE).read_text())
+    entry = next(iter(written.values()))
+    for manifest in (
+        [],
+        {"model.safetensors": 5},
+        {"model.safetensors": {}},
+        {"../../x": entry},
+        {"/etc/x": entry},
+    ):
+        (newest / MANIFEST_FILE).write_text(json.dumps(manifest))
+        (problem,) = checkpoint_problems(newest)
+        assert "is not a checkpoint manifest" in problem, manifest
+        assert training_module.resolve_checkpoint(tmp_path, "latest").name == "step-00000004"
+    (newest / MANIFEST_FILE).write_text(json.dumps(written))
+    assert checkpoint_problems(newest) == []
+
+
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, corpus_files):
     common = {"max_steps": 8, "save_steps": 4, "logging_steps": 1, "eval_steps": 0, "test_samples": 1}
     whole = train(parse_config(small_args(tmp_path / "whole", corpus_files, **common)))

@@ -676,6 +676,17 @@ def checkpoint_problems(folder: Path) -> list[str]:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as error:
         return [f"{folder / MANIFEST_FILE} is unreadable ({error})"]
+    # What `save_checkpoint` writes: file names inside the folder, each with its size and SHA-256 (other
+    # JSON failed here with a traceback, and a name with ".." had a file outside the folder hashed).
+    if not isinstance(manifest, dict) or not all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+        and not Path(name).is_absolute()
+        and ".." not in Path(name).parts
+        for name, entry in manifest.items()
+    ):
+        return [f"{folder / MANIFEST_FILE} is not a checkpoint manifest (file names with sizes and SHA-256s)"]
     problems = []
     for name, expected in manifest.items():
         path = folder / name
