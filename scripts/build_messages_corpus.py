@@ -43,8 +43,10 @@ PACKAGES = (
 )  # fmt: skip
 # Catalogs of names (languages, countries, scripts, currencies), not sentences.
 SKIPPED_CATALOGS = re.compile(r"^(iso_|iso-|xkeyboard-config)")
+# printf's conversions ("%s", "%1$-08.3f": a width never starts with 0, which is a flag: read as either,
+# a run of zeros had quadratically many ways to match) and Python's "{name}".
 PLACEHOLDER = re.compile(
-    r"%(?:\d+\$)?[-+ #0']*(?:\*|\d+)?(?:\.(?:\*|\d+))?(?:hh|h|ll|l|L|q|j|z|t)?[a-zA-Z%]|\{[^{}]*\}"
+    r"%(?:\d+\$)?[-+ #0']*(?:\*|[1-9]\d*)?(?:\.(?:\*|\d+))?(?:hh|h|ll|l|L|q|j|z|t)?[a-zA-Z%]|\{[^{}]*\}"
 )
 # A keyboard accelerator: "_" or "&" before the letter it marks, at a word's start (the message's, or after
 # a space, a "|" context separator, an opening quote or bracket, or a hyphen: "Von-_links"). Not an "&" that
