@@ -1112,6 +1112,14 @@ def test_arguments_generate_cannot_use_are_named(source):
     with pytest.raises(ValueError, match="num_return_sequences must be a positive integer, got 0"):
         model.generate(source, max_new_tokens=3)
     model.generation_config.num_return_sequences = 1
+    # A length that is no integer (a hand-edited generation_config.json's 30.0) was a TypeError from torch
+    for name, value in (("max_new_tokens", 3.0), ("max_length", 30.0), ("min_new_tokens", -1)):
+        with pytest.raises(ValueError, match=f"{name} must be a non-negative integer, got {value}"):
+            model.generate(source, **{name: value})
+    model.generation_config.max_length = 30.0
+    with pytest.raises(ValueError, match=r"max_length must be a non-negative integer, got 30\.0"):
+        model.generate(source)
+    model.generation_config.max_length = None
     # An id outside the vocabulary failed with an IndexError of the forcing processor's ("index 500 is out
     # of bounds for dimension 1 with size 99"), naming no setting.
     for name in ("forced_bos_token_id", "forced_eos_token_id"):

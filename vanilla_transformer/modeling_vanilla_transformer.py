@@ -1675,8 +1675,8 @@ def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: d
     """What `generate` would otherwise meet as an IndexError, a ZeroDivisionError, a count of outputs
     other than asked for or cut-off output: token ids without a batch dimension, a beam count below 1, a
     count of sequences per input below 1 (beam search gave 3 per input at -1, sampling 1 at 0), a length
-    penalty that is not finite (NaN ranks every finished beam alike). Raises ValueError naming the
-    argument."""
+    penalty that is not finite (NaN ranks every finished beam alike), a length that is no integer (a
+    TypeError from inside torch). Raises ValueError naming the argument."""
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() != 2:
         raise ValueError(
             f"input_ids must be (batch, length) token ids, got shape {tuple(input_ids.shape)}"
@@ -1685,6 +1685,11 @@ def check_generate_arguments(input_ids: Any, config: GenerationConfig, kwargs: d
     sequences = kwargs.get("num_return_sequences", config.num_return_sequences)
     if sequences is not None and (not is_integer(sequences) or sequences < 1):
         raise ValueError(f"num_return_sequences must be a positive integer, got {sequences!r}.")
+    for name in ("max_length", "max_new_tokens", "min_length", "min_new_tokens"):
+        # a float (`30.0` in a hand-edited generation_config.json) reached torch.full as a size
+        length = kwargs.get(name, getattr(config, name, None))
+        if length is not None and (not is_integer(length) or length < 0):
+            raise ValueError(f"{name} must be a non-negative integer, got {length!r}.")
     check_beam_settings(
         kwargs.get("num_beams", config.num_beams), kwargs.get("length_penalty", config.length_penalty)
     )
