@@ -499,3 +499,16 @@ def test_benchmark_script_refuses_bad_flags_before_measuring(tmp_path, run_in_pr
     assert 'pip install "ctranslate2>=4.5"' in result.stderr and "--no-deploy" in result.stderr
     with pytest.raises(pytest.fail.Exception, match="measured"):
         run_in_process("benchmark.py", "--presets", "tiny", "--no-deploy")
+
+
+def test_the_matmul_peak_leaves_out_a_kernel_that_cannot_run_the_dtype(monkeypatch):
+    """oneDNN without kernels for a dtype on this CPU (bfloat16 on an AVX2-only one) raised from inside
+    the benchmark's first measurement: that row is left out, torch's stays."""
+    from tools import benchmark
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor for the inner product")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", refused, raising=False)
+    rates = benchmark.matmul_peak_flops("cpu", torch.float32, size=64, repeats=1)
+    assert list(rates) == ["torch.matmul"] and rates["torch.matmul"] > 0

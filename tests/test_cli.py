@@ -95,6 +95,36 @@ def test_a_path_under_proc_or_dev_is_written_through_not_replaced(tmp_path):
     assert target.read_text() == "through the link\n"
 
 
+def test_a_windows_folder_named_dev_is_no_device(monkeypatch):
+    """`C:\\dev\\project\\es.txt` counted as a device path (its first folder "dev"): written in place, an
+    interrupted run left half a file. /dev and /proc are POSIX's."""
+    from vanilla_transformer import cli
+
+    assert cli._written_through(Path("/dev/null"))
+    output = Path("/dev/project/es.txt")  # made before: pathlib would make a WindowsPath
+    monkeypatch.setattr(cli.os, "name", "nt")
+    assert not cli._written_through(output)
+
+
+def test_json_field_reads_utf_8_whatever_the_locale(tmp_path):
+    """tokenizer.json, written in UTF-8 with "\u2581" in every word piece, read in the locale's encoding
+    (cp1252 on Windows, ASCII here) failed to decode and counted as missing: the check that refuses a
+    checkpoint of another vocabulary was skipped without a word."""
+    (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": {"\u2581the": 5}}}', encoding="utf-8")
+    code = "import sys; from pathlib import Path; from vanilla_transformer.cli import json_field; "
+    code += "print(json_field(Path(sys.argv[1]), 'model')['vocab']['\\u2581the'])"
+    environment = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "tokenizer.json")],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.split()[-1] == "5", result.stderr[-2000:]
+
+
 def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
     """evaluate_model.py --hypotheses in a read-only folder translated everything, then failed: the file
     is written beside its name and renamed, so its folder must be writable. A device or a pipe, written

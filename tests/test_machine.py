@@ -61,6 +61,30 @@ def test_this_machine_is_described_consistently_with_torch():
     assert "GFLOP/s" not in format_machine(describe_machine(measure=False))
 
 
+def test_a_machine_whose_flags_cannot_be_read_is_described_by_torchs_kernels():
+    """Without /proc/cpuinfo (Windows, macOS) no flag is read: the line said "no AVX2" of an AVX-512
+    machine (in the model card's hardware row); torch's choice of kernels says what it runs."""
+    description = {"cpu": "Intel64 Family 6", "cores": 2, "torch_threads": 2, "isa": []}
+    line = format_machine({**description, "torch_cpu_capability": "AVX512"})
+    assert line == "Intel64 Family 6, 2 cores (2 threads), no AVX2 flag read (torch's CPU kernels: AVX512)"
+    assert line.replace("AVX512", "DEFAULT") == format_machine(
+        {**description, "torch_cpu_capability": "DEFAULT"}
+    )
+
+
+def test_training_leaves_apples_mps_device_for_the_cpu(monkeypatch):
+    """Accelerate and Trainer take MPS where it is, and training's float64 sums failed there at the first
+    update: training runs on the CPU instead (decoding may use MPS)."""
+    from vanilla_transformer import machine
+
+    for device, leaves in (("mps", True), ("cuda", False), (None, False)):
+        chosen = None if device is None else torch.device(device)
+        monkeypatch.setattr(
+            torch.accelerator, "current_accelerator", lambda check_available=False, c=chosen: c
+        )
+        assert machine.training_leaves_mps() is leaves
+
+
 def test_a_gpu_is_named_with_its_measured_rate():
     """Training on a GPU records the GPU and its matmul rate in the training precision (the CPU's rate
     says nothing about a GPU run's time)."""

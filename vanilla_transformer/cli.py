@@ -42,7 +42,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 def json_field(path: Path, name: str) -> Any:
     """`name` of the JSON object in `path`; None where the file, the object or the field is missing."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))  # not the locale's (tokenizer.json's "\u2581")
     except (OSError, ValueError):
         return None
     return value.get(name) if isinstance(value, dict) else None
@@ -176,7 +176,7 @@ def check_output_file(output: str | Path, *inputs: str | Path | IO | None) -> Pa
 def _written_through(path: Path) -> bool:
     """Whether `replaced_when_complete` writes `path` directly rather than beside it and renaming: a path
     that is not a regular file (a device, a pipe), or any path under /dev or /proc."""
-    special = path.absolute().parts[1:2] in (("dev",), ("proc",))
+    special = os.name == "posix" and path.absolute().parts[1:2] in (("dev",), ("proc",))  # not C:\\dev
     return special or (path.exists() and not stat.S_ISREG(os.stat(path).st_mode))
 
 

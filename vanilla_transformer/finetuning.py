@@ -42,6 +42,7 @@ from .machine import (
     format_machine,
     one_process_of_several,
     processes_without_a_gpu,
+    training_leaves_mps,
 )
 from .metrics import score_translations
 from .model_card import base_license, decoding_settings, write_model_card
@@ -591,6 +592,9 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     # Only there: on an Intel XPU, Ascend NPU or Gaudi machine, use_cpu moved the processes off them.
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed_accelerator():
         argument_overrides.setdefault("use_cpu", True)
+    if training_leaves_mps() and "use_cpu" not in argument_overrides:
+        logger.warning("Fine-tuning runs on the CPU, not on Apple's MPS device: it has no float64 for sums.")
+        argument_overrides["use_cpu"] = True
     arguments = Seq2SeqTrainingArguments(
         output_dir=config.output_dir,
         max_steps=config.max_steps,

@@ -61,6 +61,14 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     return [flag for flag in ISA_FLAGS if flag in flags]
 
 
+def synchronize(device: str) -> None:
+    """Wait for the work queued on `device` (CUDA and MPS queue it: timings would count launches only)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif device.startswith("mps"):
+        torch.mps.synchronize()
+
+
 def matmul_rate(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -74,12 +82,10 @@ def matmul_rate(
     b = torch.randn(size, size, device=device, dtype=dtype)
     times = []
     for index in range(repeats + 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        synchronize(device)
         started = time.perf_counter()
         product(a, b)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        synchronize(device)
         if index:
             times.append(time.perf_counter() - started)
     return 2 * size**3 / statistics.median(times)
@@ -130,7 +136,10 @@ def describe_gpu(device: torch.device | str, dtype: torch.dtype = torch.float32)
 def format_machine(description: dict[str, Any]) -> str:
     """One line: 'AMD EPYC, 2 cores (2 threads), avx2 fma avx512f, measured float32 matmul 178 GFLOP/s', then
     the GPU and its measured matmul rate where the description has one."""
-    isa = " ".join(description.get("isa") or []) or "no AVX2"
+    # No flag read: /proc/cpuinfo has none of them, or there is none (Windows, macOS): torch's own choice
+    # of kernels says what the CPU runs ("no AVX2" stood in the card of an AVX-512 machine under Windows)
+    capability = description.get("torch_cpu_capability") or "unknown"
+    isa = " ".join(description.get("isa") or []) or f"no AVX2 flag read (torch's CPU kernels: {capability})"
     threads = description["torch_threads"]
     line = f"{description['cpu']}, {description['cores']} cores ({threads} threads), {isa}"
     if "matmul_gflops" in description:
@@ -211,6 +220,14 @@ def distributed_accelerator() -> bool:
     return current is not None and current.type != "mps"
 
 
+def training_leaves_mps() -> bool:
+    """Whether training should run on the CPU although Accelerate and Trainer would take Apple's MPS
+    device: its loss and token sums are kept in float64, which MPS lacks (a TypeError from inside at the
+    first update). Decoding and evaluation may still use it (`--device mps`)."""
+    current = torch.accelerator.current_accelerator(check_available=True)
+    return current is not None and current.type == "mps"
+
+
 def one_process_of_several(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this process runs alone although its launch asked for several, or None.
 
@@ -248,4 +265,5 @@ __all__ = [
     "processes_without_a_gpu",
     "reset_peak_resident",
     "resident_bytes",
+    "training_leaves_mps",
 ]

@@ -61,6 +61,7 @@ from .machine import (
     one_process_of_several,
     processes_without_a_gpu,
     resident_bytes,
+    training_leaves_mps,
 )
 from .metrics import repetition_rate, score_translations
 from .model_card import evaluation_metrics, write_model_card
@@ -1314,11 +1315,13 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     problem = processes_without_a_gpu() or deepspeed_refused()
     if problem:
         raise InputError(problem)
+    if leaving_mps := training_leaves_mps():
+        logger.warning("Training runs on the CPU, not on Apple's MPS device: it has no float64 for sums.")
     accelerator = Accelerator(
         # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
         # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs (not where
         # another accelerator, an XPU or NPU, would take the processes).
-        cpu=int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed_accelerator(),
+        cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed_accelerator()) or leaving_mps,
         mixed_precision=config.mixed_precision,
         log_with=None if config.report_to == "none" else config.report_to,
         project_config=ProjectConfiguration(
