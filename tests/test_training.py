@@ -2381,21 +2381,6 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypat
         patch.chdir(tmp_path)
         with pytest.raises(FileNotFoundError, match="No model folder at outputs/tiny-en-e"):
             load_model_folder("outputs/tiny-en-e")
-    # Neither a Hub repo's code nor a local folder's is run unasked (a local folder's was).
-    trusted = []
-
-    def from_pretrained(path, **kwargs):
-        trusted.append(kwargs["trust_remote_code"])
-        raise OSError("not loaded in this test")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(AutoModelForSeq2SeqLM, "from_pretrained", from_pretrained)
-        for path in ("someone/transformer-en-de", output_dir):
-            with pytest.raises(OSError, match="not loaded in this test"):
-                load_model_folder(path)
-        with pytest.raises(OSError, match="not loaded in this test"):
-            load_model_folder(output_dir, trust_remote_code=True)
-    assert trusted == [False, False, True]
     # A folder of code of its own (a model type transformers does not know): refused, its code not run
     foreign = tmp_path / "foreign"
     shutil.copytree(output_dir, foreign, ignore=shutil.ignore_patterns("checkpoints", "logs"))
@@ -2410,6 +2395,20 @@ def test_loading_a_model_folder_names_what_is_wrong(trained, tmp_path, monkeypat
     with contextlib.suppress(Exception):  # whatever the foreign code then does
         load_model_folder(foreign, trust_remote_code=True)
     assert marker.exists()
+    # Neither a Hub repo's code nor a local folder's is run unasked (a local folder's was).
+    trusted = []
+
+    def from_pretrained(path, **kwargs):
+        trusted.append(kwargs["trust_remote_code"])
+        raise OSError("not loaded in this test")
+
+    monkeypatch.setattr(AutoModelForSeq2SeqLM, "from_pretrained", from_pretrained)  # the Hub not asked
+    for path in ("someone/transformer-en-de", output_dir):
+        with pytest.raises(OSError, match="not loaded in this test"):
+            load_model_folder(path)
+    with pytest.raises(OSError, match="not loaded in this test"):
+        load_model_folder(output_dir, trust_remote_code=True)
+    assert trusted == [False, False, True]
     # A folder name without a slash is a Hub id too: when neither exists, the message says both.
     with pytest.raises(OSError, match="No model folder at tiny-en-e, and no Hub model 'tiny-en-e' could be"):
         load_model_folder("tiny-en-e")
