@@ -700,21 +700,30 @@ def checkpoint_problems(folder: Path) -> list[str]:
     return problems
 
 
+def latest_complete_checkpoint(output_dir: str | Path, warn: bool = False) -> Path | None:
+    """The newest checkpoint of `output_dir` that is not damaged (`checkpoint_problems`), with a warning
+    for each damaged newer one where `warn`; None where there is none."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return path
+        if warn:
+            logger.warning(f"skipping damaged checkpoint {path.name}: {'; '.join(problems)}")
+    return None
+
+
 def resolve_checkpoint(output_dir: str | Path, name: str) -> Path:
     """'latest' (the newest complete checkpoint, with a warning for each damaged newer one) or a path to a
     checkpoint folder; a damaged named checkpoint raises an error naming its damaged files."""
     if name == "latest":
-        checkpoints = list_checkpoints(output_dir)
-        if not checkpoints:
+        if not list_checkpoints(output_dir):
             raise InputError(f"--resume_from_checkpoint latest: no checkpoint in {output_dir}/checkpoints.")
-        for path in reversed(checkpoints):
-            problems = checkpoint_problems(path)
-            if not problems:
-                return path
-            logger.warning(f"skipping damaged checkpoint {path.name}: {'; '.join(problems)}")
-        raise InputError(
-            f"--resume_from_checkpoint latest: every checkpoint in {output_dir}/checkpoints is damaged."
-        )
+        latest = latest_complete_checkpoint(output_dir, warn=True)
+        if latest is None:
+            raise InputError(
+                f"--resume_from_checkpoint latest: every checkpoint in {output_dir}/checkpoints is damaged."
+            )
+        return latest
     path = Path(name)
     if not path.exists():
         raise InputError(
@@ -1204,9 +1213,8 @@ def intact_checkpoint(config: TrainingConfig, run: Run | None) -> tuple[str, boo
         saved = list_checkpoints(run.output_dir)
         if saved:
             return saved[-1].name, True
-    if config.resume_from_checkpoint == "latest":  # the newest undamaged, as `resolve_checkpoint` finds it
-        saved = list_checkpoints(Path(config.output_dir))
-        latest = next((path for path in reversed(saved) if not checkpoint_problems(path)), None)
+    if config.resume_from_checkpoint == "latest":  # as `resolve_checkpoint` finds it
+        latest = latest_complete_checkpoint(config.output_dir)
         return None if latest is None else (latest.name, True)
     if config.resume_from_checkpoint:
         return config.resume_from_checkpoint, False
