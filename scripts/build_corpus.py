@@ -46,13 +46,19 @@ def pysword_missing() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # Each flag also takes the underscore spelling of the other scripts (--output_dir as --output-dir).
     parser.add_argument(
-        "--sword-dir", type=Path, help="an unpacked usr/share/sword (default: apt-get download)"
+        "--sword-dir",
+        "--sword_dir",
+        type=Path,
+        help="an unpacked usr/share/sword (default: apt-get download)",
     )
     parser.add_argument(
         "--output", type=Path, default=default_corpus_path(), help="default: the shipped file"
     )
-    parser.add_argument("--max-words", type=int, default=20, help="longest side kept, in words (default 20)")
+    parser.add_argument(
+        "--max-words", "--max_words", type=int, default=20, help="longest side kept, in words (default 20)"
+    )
     args = parser.parse_args(argv)
     # Said before any download: once a traceback after it (no pysword), or every pair dropped and the
     # shipped corpus replaced by an empty file (--max-words 0).

@@ -152,10 +152,17 @@ def polib_missing() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--locale-dir", type=Path, help="a locale folder (default: apt-get download)")
+    # Each flag also takes the underscore spelling of the other scripts (--output_dir as --output-dir).
+    parser.add_argument(
+        "--locale-dir", "--locale_dir", type=Path, help="a locale folder (default: apt-get download)"
+    )
     parser.add_argument("--language", default="de", help="target language code (default de)")
-    parser.add_argument("--output-dir", type=Path, required=True, help="a new (or empty) folder")
-    parser.add_argument("--max-words", type=int, default=30, help="longest side kept, in words (default 30)")
+    parser.add_argument(
+        "--output-dir", "--output_dir", type=Path, required=True, help="a new (or empty) folder"
+    )
+    parser.add_argument(
+        "--max-words", "--max_words", type=int, default=30, help="longest side kept, in words (default 30)"
+    )
     args = parser.parse_args(argv)
     if args.max_words <= 0:
         parser.error(f"--max-words must be positive, got {args.max_words}")

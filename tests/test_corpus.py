@@ -221,6 +221,8 @@ def test_build_corpus_script_refuses_what_would_fail_or_empty_the_corpus_before_
     for argv, message in (
         (["--max-words", "0"], "--max-words must be positive, got 0"),
         (["--sword-dir", str(tmp_path)], "is not an unpacked usr/share/sword"),
+        (["--max_words", "0"], "--max-words must be positive, got 0"),  # the other scripts' spelling
+        (["--sword_dir", str(tmp_path)], "is not an unpacked usr/share/sword"),
     ):
         with pytest.raises(SystemExit):
             script.main([*argv, "--output", str(output)])

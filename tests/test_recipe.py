@@ -278,6 +278,12 @@ def test_messages_corpus_keeps_clean_pairs_and_whole_catalogs_per_split(locale_d
     assert sum(bool(split) for split in rows.values()) == 1
     assert builder.catalog_split("tool") in [name for name, split in rows.items() if split]
     assert "left no pairs for" in capsys.readouterr().err  # said, not silent
+    again = tmp_path / "again"  # the other scripts' underscore spelling of each flag is taken too
+    assert (
+        builder.main(["--locale_dir", str(locale_dir), "--output_dir", str(again), "--max_words", "30"]) == 0
+    )
+    for split in ("train", "validation", "test"):
+        assert (again / f"{split}.jsonl").read_bytes() == (output / f"{split}.jsonl").read_bytes()
     with pytest.raises(SystemExit):  # the rows' "en" field is the source: "en" as target would overwrite it
         builder.main(["--locale-dir", str(locale_dir), "--output-dir", str(output), "--language", "en"])
 
