@@ -47,6 +47,12 @@ parser.add_argument(
     type=non_negative_int,
     help="forbid repeating any token n-gram; 0: off (default: the model's generation config: off unless set)",
 )
+parser.add_argument(
+    "--bleu_tokenize",
+    help="sacreBLEU's BLEU tokeniser: 13a, intl, zh, char, none, ja-mecab, ko-mecab, flores200, ... "
+    "(default: sacreBLEU's for --target_lang: zh for Chinese, MeCab's for Japanese and Korean, else 13a; "
+    "char suits Thai, Lao, Khmer, Myanmar); the BLEU signature names it",
+)
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument(
     "--trust_remote_code",
@@ -94,6 +100,7 @@ try:
         device=args.device,
         data_options=data_options,
         trust_remote_code=args.trust_remote_code,
+        bleu_tokenize=args.bleu_tokenize,
         # Unset: the model's own settings, with which its card's scores were computed.
         **({"num_beams": args.num_beams} if args.num_beams else {}),
         **({"length_penalty": args.length_penalty} if args.length_penalty is not None else {}),

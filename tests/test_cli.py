@@ -145,6 +145,20 @@ def test_an_output_in_a_folder_that_cannot_be_written_is_refused_before_any_work
     assert check_output_file(tmp_path.parent / "fine.txt") == tmp_path.parent / "fine.txt"
 
 
+def test_evaluate_model_script_refuses_a_bleu_tokeniser_before_loading_anything(tmp_path):
+    """--bleu_tokenize reaches the scoring: a name sacreBLEU lacks is refused before the model and the
+    data are read (here neither exists)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "evaluate_model.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--model", str(tmp_path / "none"), "--bleu_tokenize", "chars"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "error: unknown BLEU tokeniser 'chars'; sacreBLEU's are none, zh, 13a" in result.stderr
+
+
 def test_the_scripts_modules_import_evaluate_datasets_and_matplotlib_only_when_used():
     """Each of them added half a second to a second to every script's start (`--help`, a refused flag),
     imported at the top of modules that every script loads. (`finetune.py` loads transformers' Trainer,

@@ -139,6 +139,41 @@ def test_evaluate_model_scores_with_the_target_languages_tokeniser(tmp_path, mon
     assert "tok:zh" in result["bleu_signature"] and result["bleu"] > 50
 
 
+def test_evaluate_model_scores_with_the_bleu_tokeniser_named(tmp_path, monkeypatch):
+    """sacreBLEU's default for Thai is 13a, which scores a sentence written without spaces as one word;
+    `bleu_tokenize` (evaluate_model.py --bleu_tokenize) names another, checked before any translation."""
+    from vanilla_transformer import evaluation
+
+    references = ["ฉันชอบกินกล้วย", "วันนี้อากาศดีมาก"]
+    predictions = ["ฉันชอบกินแอปเปิ้ล", "วันนี้อากาศดีมาก"]
+    test = tmp_path / "test.tsv"
+    test.write_text("en\tth\n" + "".join(f"source {i}\t{text}\n" for i, text in enumerate(references)))
+    monkeypatch.setattr(evaluation, "load_model_folder", lambda *_: (None, None))
+    monkeypatch.setattr(evaluation, "translate", lambda *_, **__: predictions)
+    options = {"test_file": str(test), "source_lang": "en", "target_lang": "th"}
+    default = evaluation.evaluate_model("model", data_options=options)
+    assert "tok:13a" in default["bleu_signature"]
+    result = evaluation.evaluate_model("model", data_options=options, bleu_tokenize="char")
+    assert "tok:char" in result["bleu_signature"]
+    assert result["bleu"] == pytest.approx(
+        sacrebleu.corpus_bleu(predictions, [references], tokenize="char").score
+    )
+    assert result["chrf"] == default["chrf"]  # chrF works on characters whatever the BLEU tokeniser
+
+    def without_mecab(self):
+        raise RuntimeError("Japanese tokenization requires extra dependencies: pip install sacrebleu[ja]")
+
+    mecab = importlib.import_module("sacrebleu.tokenizers.tokenizer_ja_mecab")
+    monkeypatch.setattr(mecab.TokenizerJaMecab, "__init__", without_mecab)
+    monkeypatch.setattr(evaluation, "load_parallel_data", lambda **_: pytest.fail("read the data first"))
+    for name, message in (
+        ("chars", "unknown BLEU tokeniser 'chars'; sacreBLEU's are none, zh, 13a, intl, char"),
+        ("ja-mecab", "the BLEU tokeniser 'ja-mecab' cannot run here: .*pip install sacrebleu\\[ja\\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            evaluation.evaluate_model("model", data_options=options, bleu_tokenize=name)
+
+
 def test_canonically_equivalent_spellings_score_as_the_same_text():
     """A model writes NFC text (its tokenizer normalises targets so), and sacreBLEU compares code points:
     against decomposed references (as macOS and some corpora write Vietnamese and Korean) a perfect

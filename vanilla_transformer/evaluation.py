@@ -13,7 +13,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from .cli import first_line
 from .configuration_vanilla_transformer import VanillaTransformerConfig
 from .export_ctranslate2 import SETTINGS_FILE
-from .metrics import repetition_rate, score_translations
+from .metrics import check_bleu_tokenize, repetition_rate, score_translations
 from .model_card import language_name
 from .parallel_data import DEFAULT_LANGUAGES, load_parallel_data
 from .publishing import check_files_readable, check_folder_json, check_has_tokenizer
@@ -152,15 +152,19 @@ def evaluate_model(
     device: str | None = None,
     data_options: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
+    bleu_tokenize: str | None = None,
     **generate_kwargs: Any,
 ) -> dict[str, Any]:
     """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus);
-    `trust_remote_code` to `load_model_folder`.
+    `trust_remote_code` to `load_model_folder`; `bleu_tokenize` names sacreBLEU's BLEU tokeniser ("char",
+    "intl", "13a", ...; default: sacreBLEU's for the target language, see `score_translations`).
 
     Returns the scores, the sacreBLEU signatures, the share of outputs (and of references) with a word
     4-gram repeated three or more times, the number of pairs scored and the split's size, and the
     sources, references and hypotheses.
     """
+    if bleu_tokenize is not None:
+        check_bleu_tokenize(bleu_tokenize)
     data, report = load_parallel_data(**(data_options or {}), for_training=False)
     if split not in data:
         raise ValueError(f"No {split!r} split in the data (splits: {sorted(data)}).")
@@ -182,9 +186,10 @@ def evaluate_model(
         )
     model, tokenizer = load_model_folder(model_path, device, trust_remote_code)
     hypotheses = translate(model, tokenizer, rows["source"], batch_size=batch_size, **generate_kwargs)
-    # The references' language picks sacreBLEU's BLEU tokeniser (zh, ja, ko: not 13a).
+    # The references' language picks sacreBLEU's BLEU tokeniser (zh, ja, ko: not 13a), unless one is named.
     target_lang = options.get("target_lang")
-    scores = score_translations(hypotheses, rows["target"], target_lang=target_lang)
+    chosen = {"tokenize": bleu_tokenize} if bleu_tokenize is not None else {}
+    scores = score_translations(hypotheses, rows["target"], target_lang=target_lang, **chosen)
     return {
         **{k: scores[k] for k in ("bleu", "chrf", "bleu_signature", "chrf_signature")},
         "repetition": repetition_rate(hypotheses),

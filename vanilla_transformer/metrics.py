@@ -54,6 +54,23 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
     )
 
 
+def check_bleu_tokenize(name: str) -> None:
+    """Raise ValueError where `name` is no BLEU tokeniser of sacreBLEU's, or one that cannot run here:
+    MeCab's for Japanese and Korean need sacrebleu[ja] / sacrebleu[ko], the SentencePiece ones
+    (flores101, flores200) the sentencepiece package and a download. Said before a model translates a
+    whole test set, not after."""
+    from sacrebleu.metrics.bleu import BLEU
+
+    if name not in BLEU.TOKENIZERS:
+        raise ValueError(f"unknown BLEU tokeniser {name!r}; sacreBLEU's are {', '.join(BLEU.TOKENIZERS)}")
+    try:
+        BLEU(tokenize=name)
+    except Exception as error:  # ImportError, RuntimeError (MeCab), OSError (the download)
+        raise ValueError(
+            f"the BLEU tokeniser {name!r} cannot run here: {' '.join(str(error).split())}"
+        ) from error
+
+
 # Characters of scripts written without spaces between words (Han, kana, Thai, Lao, Myanmar, Khmer): each
 # is a word of its own to the repetition check, as sacreBLEU's Chinese tokeniser splits Han characters.
 UNSPACED_CHARACTER = (
@@ -83,6 +100,7 @@ def repetition_rate(texts: Sequence[str], n: int = 4, times: int = 3) -> float:
 
 
 __all__ = [
+    "check_bleu_tokenize",
     "load_translation_metric",
     "metric_module_path",
     "repeats_ngram",
