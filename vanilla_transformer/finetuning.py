@@ -539,6 +539,15 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
     check_data_paths({split: path for split, path in files.items() if path})
     # On the CPU: the trainer places it
     model, tokenizer = load_model_folder(config.model, "cpu", config.trust_remote_code)
+    stored = {parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()}
+    if stored - {torch.float32, torch.float64}:
+        # Trainer's Adam on float16 weights (no float32 copy) turned the model into garbage in 10 steps,
+        # on bfloat16 ones lost most updates below the weights' rounding step; both ended with exit 0.
+        logger.warning(
+            f"{config.model} holds {', '.join(sorted(str(dtype) for dtype in stored))} weights: fine-tuned "
+            "in float32 (Adam's updates are below half precision's resolution) and saved in float32."
+        )
+        model.float()
     freeze_unsaved_parameters(model)
     # One knob: this package's model computes its own label-smoothed loss (the fast path, no (N, V)
     # logits kept) with the fine-tuning's factor, and Trainer's smoother, which would need the logits,
