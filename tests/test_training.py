@@ -1650,6 +1650,25 @@ def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     assert losses == pytest.approx(float32, rel=4 * 2**-8)
     model = AutoModelForSeq2SeqLM.from_pretrained(output_dir)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    # The card says so (it read as a float32 run's), and the float32 run's says nothing.
+    assert (
+        json.loads((output_dir / "metrics.json").read_text())["card"]["training"]["mixed_precision"] == "bf16"
+    )
+    row = "| precision | bf16 mixed precision: products under bfloat16 autocast, weights and optimizer state"
+    assert row in (output_dir / "README.md").read_text(encoding="utf-8")
+    assert "| precision |" not in (trained[0] / "README.md").read_text(encoding="utf-8")
+
+    # fp16 autocast Accelerate runs only off the CPU: the run trained in float32 without a word, and its
+    # checkpoints recorded fp16. Refused before any work.
+    command = [sys.executable, str(ROOT / "scripts/train.py")]
+    command += small_args(tmp_path / "fp16", corpus_files, mixed_precision="fp16")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert (
+        result.returncode == 1
+        and "error: --mixed_precision fp16 (the flag's or accelerate launch's) does not run on the CPU"
+        in result.stderr
+    )
+    assert not (tmp_path / "fp16" / "checkpoints").exists()
 
 
 def test_the_data_path_reads_dataset_columns_in_batches_not_row_by_row(tmp_path, monkeypatch):

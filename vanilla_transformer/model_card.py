@@ -178,6 +178,7 @@ def _template_variables(
         epochs=training.get("epochs"),
         train_time=_format_duration(train_time_s) if train_time_s is not None else None,
         hardware=training.get("hardware"),
+        mixed_precision=training.get("mixed_precision"),
         batch_tokens=training.get("batch_tokens"),
         batch_pairs=training.get("batch_pairs"),
         max_grad_norm=training.get("max_grad_norm"),

@@ -1340,6 +1340,13 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(even_batches=False),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=config.ddp_timeout))],
     )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate turns fp16 autocast on only off the CPU: the run trained in float32 without a word,
+        # and its checkpoints recorded fp16 (a resume with --mixed_precision no was refused).
+        raise InputError(
+            "--mixed_precision fp16 (the flag's or accelerate launch's) does not run on the CPU: Accelerate "
+            "would train in float32 and record fp16. Use --mixed_precision bf16 (bfloat16 autocast) or no."
+        )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     if accelerator.num_processes == 1 and (alone := one_process_of_several()):
         logger.warning(alone)
@@ -2379,6 +2386,8 @@ def write_model_folder(
         "train_time_s": round(metrics["train_time_s"]),
         "hardware": f"{accelerator.num_processes} x "
         + (format_gpu if "gpu" in metrics["machine"] else format_machine)(metrics["machine"]),
+        # Float32 throughout unless said: bf16 (or fp16 on a GPU) runs the products under autocast.
+        "mixed_precision": None if accelerator.mixed_precision == "no" else accelerator.mixed_precision,
         "batch_tokens": config.max_tokens * accelerator.num_processes * config.gradient_accumulation_steps,
         "warmup_steps": config.warmup_steps,
         "lr_peak": paper_peak_lr(model.config.d_model, config.warmup_steps, config.lr_scale),
