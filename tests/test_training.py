@@ -20,6 +20,7 @@ import pytest
 import sacrebleu
 import torch
 from accelerate import Accelerator
+from conftest import logged_messages
 from datasets import Dataset, DatasetDict, arrow_dataset
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
@@ -995,7 +996,34 @@ def test_a_changed_precision_is_refused_and_older_checkpoints_resume(tmp_path):
         check_recipe(tmp_path, recipe | {"mixed_precision": "bf16"})
     check_recipe(tmp_path, recipe)  # the same recipe: resumed
     (tmp_path / STATE_FILE).write_text(json.dumps({"data_order": {"processes": 1}}))  # before the record
-    check_recipe(tmp_path, recipe | {"mixed_precision": "bf16", "dropout": 0.3})
+    with logged_messages("vanilla_transformer.training") as warnings:  # resumed, and said (it was silent)
+        check_recipe(tmp_path, recipe | {"mixed_precision": "bf16", "dropout": 0.3})
+    assert len(warnings) == 1 and "before checkpoints recorded their training recipe" in warnings[0]
+    assert "(dropout 0.3, mixed_precision 'bf16')" in warnings[0]
+    with logged_messages("vanilla_transformer.training") as warnings:  # another process of the run
+        check_recipe(tmp_path, recipe, warn=False)
+    assert not warnings
+
+
+def test_a_checkpoint_that_fails_to_load_leaves_the_later_ones_in_place(tmp_path, monkeypatch):
+    """resume() moved the checkpoints after the resumed one aside before loading it: a load that failed
+    (an early checkpoint's scheduler state, a damaged file) left them out of the folder and of `latest`."""
+    run = tmp_path / "run"
+    for step in (4, 8, 12):
+        (run / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+    accelerator = Accelerator()
+
+    def fails(path):
+        raise ValueError("Number of custom checkpoints in folder does not match")
+
+    monkeypatch.setattr(accelerator, "load_state", fails)
+    with pytest.raises(InputError, match=r"Could not load checkpoint .*step-00000004: Number of custom"):
+        training_module.resume(accelerator, run, run / "checkpoints" / "step-00000004")
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000004", "step-00000008", "step-00000012"]
+    monkeypatch.setattr(accelerator, "load_state", lambda path: None)  # loaded: then moved aside
+    monkeypatch.setattr(training_module, "read_state", lambda path: {"step": 4})
+    assert training_module.resume(accelerator, run, run / "checkpoints" / "step-00000004") == {"step": 4}
+    assert [p.name for p in list_checkpoints(run)] == ["step-00000004"]
 
 
 def test_checkpoints_that_do_not_lead_to_the_resumed_one_are_retired(tmp_path):

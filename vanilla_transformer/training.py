@@ -1383,7 +1383,7 @@ def start(config: TrainingConfig) -> Run:
     )
     recipe = training_recipe(config, accelerator.mixed_precision)
     if resume_path is not None:  # before the data is read: the flags alone decide
-        check_recipe(resume_path, recipe)
+        check_recipe(resume_path, recipe, warn=accelerator.is_main_process)
     # Times and speeds mean little without the machine: CPU model, ISA, cores, measured matmul rate.
     # On a GPU: its name and matmul rate in the precision the products run in.
     machine = describe_machine(measure=accelerator.device.type == "cpu" and accelerator.is_main_process)
@@ -1664,12 +1664,20 @@ def training_recipe(config: TrainingConfig, mixed_precision: str) -> dict[str, A
     return recipe | {"mixed_precision": mixed_precision}
 
 
-def check_recipe(resume_path: Path, recipe: dict[str, Any]) -> None:
+def check_recipe(resume_path: Path, recipe: dict[str, Any], warn: bool = True) -> None:
     """Refuse to resume where the training recipe (`training_recipe`) differs from the checkpoint's,
     naming each changed flag with its old and new value (checkpoints written before the recipe was
-    recorded are resumed as they are: there is nothing to compare)."""
+    recorded are resumed as they are, with a warning, where `warn`, listing the values the resumed run
+    uses: there is nothing to compare)."""
     state = read_state(resume_path)
     step = state.get("step", 0)
+    if "recipe" not in state and warn:  # nothing to compare: said, for the run goes on with today's values
+        shown = ", ".join(f"{name} {value!r}" for name, value in sorted(recipe.items()))
+        logger.warning(
+            f"{resume_path} was written before checkpoints recorded their training recipe: the resumed "
+            f"updates run with this command's ({shown}), which the model card and metrics.json describe; "
+            "pass the original run's values where they differ."
+        )
     if recipe.get("max_steps", step + 1) <= step:  # no further update: the run is finished as it is
         recipe = {name: value for name, value in recipe.items() if name not in BUDGET_FLAGS}
     changed = changes_since(state.get("recipe", {}), recipe)
@@ -1695,19 +1703,21 @@ def check_recipe(resume_path: Path, recipe: dict[str, Any]) -> None:
 
 
 def resume(accelerator: Accelerator, output_dir: Path, resume_path: Path) -> dict[str, Any]:
-    """Restore weights, optimizer, RNGs and the loop's state from `resume_path`; later checkpoints (from
-    a run that went further) are moved aside first."""
+    """Restore weights, optimizer, RNGs and the loop's state from `resume_path`; then later checkpoints
+    (from a run that went further) are moved aside. A checkpoint that fails to load leaves them in place:
+    moved first, they had left the folder (and `latest`) after a failed command."""
+    try:
+        with whole_fsdp_weights_loaded_by_name(accelerator):
+            accelerator.load_state(str(resume_path))
+    except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
+        raise InputError(f"Could not load checkpoint {resume_path}: {error}") from error
+    accelerator.wait_for_everyone()  # every process loaded it before any checkpoint moves
     if accelerator.is_main_process:
         for path in retire_later_checkpoints(output_dir, resume_path):
             logger.warning(
                 f"{path.name} does not lead to {resume_path}, where this run resumes: moved to {path}"
             )
     accelerator.wait_for_everyone()
-    try:
-        with whole_fsdp_weights_loaded_by_name(accelerator):
-            accelerator.load_state(str(resume_path))
-    except Exception as error:  # a file the manifest could not vouch for (older checkpoints have none)
-        raise InputError(f"Could not load checkpoint {resume_path}: {error}") from error
     return read_state(resume_path)
 
 
