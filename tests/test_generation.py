@@ -1175,3 +1175,16 @@ def test_a_decoder_only_cache_given_is_made_an_encoder_decoder_one():
         static = StaticCache(model.config, max_cache_len=8)
         with pytest.raises(TypeError, match=r"cache is an EncoderDecoderCache .* got a StaticCache"):
             model(source, decoder_input_ids=start, cache=static, use_cache=True)
+
+
+def test_the_source_length_limit_stops_at_exactly_the_limit():
+    """Section 6.1's limit (source length + 50) as a stopping criterion: a row is done once it has exactly
+    its limit of new tokens, not one later (a `>` for `>=` let beam search rank hypotheses one token past
+    the limit, and no end-to-end test saw it: padding hid the extra token). Beam rows are batch-major."""
+    from vanilla_transformer.modeling_vanilla_transformer import SourceLengthLimit
+
+    criterion = SourceLengthLimit(torch.tensor([3, 5]), prompt_length=1)
+    assert criterion(torch.ones(2, 1 + 2, dtype=torch.long), None).tolist() == [False, False]
+    assert criterion(torch.ones(2, 1 + 3, dtype=torch.long), None).tolist() == [True, False]
+    assert criterion(torch.ones(2, 1 + 5, dtype=torch.long), None).tolist() == [True, True]
+    assert criterion(torch.ones(4, 1 + 3, dtype=torch.long), None).tolist() == [True, True, False, False]

@@ -20,10 +20,11 @@ import pytest
 import sacrebleu
 import torch
 from accelerate import Accelerator
-from conftest import logged_messages
+from conftest import logged_messages, tiny_model
 from datasets import Dataset, DatasetDict, arrow_dataset
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from vanilla_transformer import VanillaTransformerConfig, VanillaTransformerForConditionalGeneration
@@ -1003,6 +1004,85 @@ def test_a_changed_precision_is_refused_and_older_checkpoints_resume(tmp_path):
     with logged_messages("vanilla_transformer.training") as warnings:  # another process of the run
         check_recipe(tmp_path, recipe, warn=False)
     assert not warnings
+
+
+def test_validation_perplexity_is_that_of_the_unsmoothed_likelihood():
+    """Table 3's perplexity is per target token of the model's own probabilities (label smoothing "hurts
+    perplexity", Section 5.4): `nll` and `ppl` from plain cross entropy, `loss` from the smoothed one,
+    each a mean over the split's target tokens. The suite compared only `loss` across process counts."""
+    model = tiny_model(label_smoothing=0.1)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        labels = torch.randint(3, 99, (3, 6), generator=generator)
+        labels[0, 4:] = labels[2, 5:] = -100
+        decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels)
+        source = torch.randint(3, 99, (3, 5), generator=generator)
+        batches.append({"input_ids": source, "decoder_input_ids": decoder_input_ids, "labels": labels})
+    result = validation_loss(model, batches, Accelerator(), 0.1)
+    with torch.no_grad():
+        logits = [
+            model(**{k: v for k, v in b.items() if k != "labels"}).logits.flatten(0, 1) for b in batches
+        ]
+    logits, labels = torch.cat(logits).double(), torch.cat([b["labels"].flatten() for b in batches])
+    nll = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100).item()
+    smoothed = torch.nn.functional.cross_entropy(
+        logits, labels, ignore_index=-100, label_smoothing=0.1
+    ).item()
+    # float32 logits summed in float64: a few float32 rounding units of the per-token terms
+    assert result["nll"] == pytest.approx(nll, rel=1e-5)
+    assert result["loss"] == pytest.approx(smoothed, rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(nll), rel=1e-5)
+
+
+def test_each_update_applies_the_papers_rate_to_a_token_mean_loss_over_real_targets(
+    tmp_path, corpus_files, monkeypatch
+):
+    """What reaches the optimizer, against independent references: the rate each update applies (read by
+    a step pre-hook, not from the log) is Section 5.3's formula at the 1-based update number; the labels
+    mark target padding -100 (never <pad> as a target, EOS last); an update's loss is F.cross_entropy
+    with smoothing 0.1 over the window's real target tokens. Each survived the suite when broken: the
+    rate set after the step, the collator padding labels with <pad>, padding counted in the mean."""
+    checked = []
+    original = training_module.update
+
+    def spy(run, window, lr):
+        model = run.accelerator.unwrap_model(run.model)
+        with torch.no_grad():
+            logits = [model(**{k: v for k, v in b.items() if k != "labels"}).logits for b in window]
+        flat_logits = torch.cat([x.flatten(0, 1) for x in logits]).double()
+        flat_labels = torch.cat([b["labels"].flatten() for b in window])
+        for labels in (b["labels"] for b in window):
+            assert not (labels == model.config.pad_token_id).any()
+            for row in labels:
+                kept = int((row != -100).sum())
+                assert (row[:kept] != -100).all() and row[kept - 1] == model.config.eos_token_id
+        reference = torch.nn.functional.cross_entropy(
+            flat_logits, flat_labels, ignore_index=-100, label_smoothing=0.1
+        )
+        losses, tokens = original(run, window, lr)
+        assert int(tokens) == int((flat_labels != -100).sum())
+        assert float(losses) == pytest.approx(float(reference), rel=1e-5)  # float32 sums of ~1,000 terms
+        checked.append(int((flat_labels == -100).sum()))
+        return losses, tokens
+
+    applied = []
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: applied.append(optimizer.param_groups[0]["lr"])
+    )
+    monkeypatch.setattr(training_module, "update", spy)
+    options = {"max_steps": 4, "eval_steps": 0, "save_steps": 4, "logging_steps": 1, "dropout": 0.0}
+    options |= {"gradient_accumulation_steps": 2, "unlikelihood_weight": 0, "stutter_rate": 0}
+    try:
+        result = train(parse_config(small_args(tmp_path / "run", corpus_files, **options)))
+    finally:
+        hook.remove()
+    assert len(checked) == 4 and any(checked)  # windows with padding among them
+    d_model, warmup, scale = 64, 8, 2.0  # small_args
+    paper = [scale * d_model**-0.5 * min(s**-0.5, s * warmup**-1.5) for s in range(1, 5)]
+    assert applied == pytest.approx(paper, rel=1e-12)
+    logged = {h["step"]: h["lr"] for h in result["history"] if "lr" in h}
+    assert [logged[step] for step in range(1, 5)] == applied  # what is logged is what was applied
 
 
 def test_a_checkpoint_that_fails_to_load_leaves_the_later_ones_in_place(tmp_path, monkeypatch):
