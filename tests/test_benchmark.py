@@ -180,6 +180,7 @@ def test_dropout_timing_compares_both_implementations():
     assert all(seconds > 0 for seconds in timings.values())
 
 
+@pytest.mark.slow  # exports and times four engines
 def test_deployment_times_every_engine_and_checks_the_float32_export():
     """Each engine in its own process on the same weights; CTranslate2 float32 must give our tokens.
     Beam search over a random model's near-uniform scores meets near-ties that float32 rounding breaks
@@ -294,6 +295,7 @@ def test_forward_share_counts_the_encoder_once():
     assert 0.5 < whole <= 1.0
 
 
+@pytest.mark.slow  # compiles a decoding step
 def test_compiled_decoding_step_comparison_decodes_what_generate_does():
     """`tools.compiled_decoding_step`: its step loop decodes the tokens greedy `generate()` does, and
     each compiled variant (here dynamo with its eager backend: the same plumbing without inductor's
@@ -379,6 +381,7 @@ def test_tools_timing_two_ways_of_this_model_time_the_default_network(monkeypatc
     assert seen[0] is None and seen[1] is not None
 
 
+@pytest.mark.slow  # two fresh processes
 def test_benchmark_processes_times_both_models_in_turns_in_each_fresh_process(capsys, monkeypatch):
     """`tools.benchmark_processes`: each process is a new one (its own kernel choices) that times both
     models as the benchmark does; the ratios printed are computed from the printed medians; a count
@@ -449,6 +452,7 @@ def test_products_and_rest_splits_a_later_step_and_restores_the_kernels(capsys):
         assert ratio == pytest.approx(ours / marian, abs=rounding)
 
 
+@pytest.mark.slow  # a fresh process that probes kernels and trains both models
 def test_benchmark_processes_times_a_training_row_in_a_fresh_process(capsys):
     """`--train`: each process times both models' training steps on the benchmark's batches; the
     printed ratio is ours / MarianMTModel of the printed throughputs."""

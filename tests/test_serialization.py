@@ -148,6 +148,7 @@ def test_trust_remote_code_load_without_the_package(tmp_path, batch, monkeypatch
     assert pipelines["translation"]["impl"] == "pipeline_vanilla_transformer.TranslationPipeline"
 
 
+@pytest.mark.slow  # a process for each version read, the package out of its reach
 @pytest.mark.parametrize("old", ["4.57.6", "5.20.2"])
 def test_a_folder_loaded_by_an_older_transformers_names_the_version_it_needs(tmp_path, old):
     """A folder's code on transformers 4.57 failed at loading with "must be called with a dataclass type

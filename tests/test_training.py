@@ -1471,6 +1471,7 @@ training.train(training.parse_config(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # train.py in its own process, killed, then resumed
 def test_a_kill_while_the_final_folder_is_written_loses_nothing(tmp_path, corpus_files):
     """A kill after the weights and metrics but before the card once left a folder without card or plots."""
     output_dir = tmp_path / "run"
@@ -1537,6 +1538,7 @@ def logged_losses(output_dir: Path) -> list[float]:
     return [h["train_loss"] for h in state["history"] if "train_loss" in h]
 
 
+@pytest.mark.slow  # two processes through accelerate launch, each importing transformers
 def test_two_processes_stay_in_sync_and_learn(ddp_run):
     output_dir, result = ddp_run
     metrics = json.loads((output_dir / "metrics.json").read_text())["metrics"]
@@ -1547,6 +1549,7 @@ def test_two_processes_stay_in_sync_and_learn(ddp_run):
     assert "test BLEU" in result.stdout
 
 
+@pytest.mark.slow  # two launches of two processes each
 def test_fsdp2_on_two_cpu_processes(tmp_path, corpus_files, ddp_run):
     """configs/accelerate/fsdp.yaml (FSDP2, one shard unit per layer, whole-state checkpoints) on two
     gloo processes. Accelerate itself runs FSDP only on accelerators, so `tests/fsdp_on_cpu.py`
@@ -1696,6 +1699,7 @@ def two_cpu_processes(script: Path, args: list[str], cwd: Path) -> subprocess.Co
     )
 
 
+@pytest.mark.slow  # two processes through accelerate launch
 def test_an_error_only_the_main_process_meets_is_reported_alone(tmp_path, corpus_files):
     """The main process reads the data while the others wait: a bad line it found was printed, followed
     by the other process's traceback of gloo's "Connection closed by peer" from the barrier it waited at."""
@@ -1709,6 +1713,7 @@ def test_an_error_only_the_main_process_meets_is_reported_alone(tmp_path, corpus
     assert "[rank1]" not in result.stderr and "Connection closed" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.slow  # two processes through accelerate launch
 def test_a_wait_past_the_process_groups_timeout_names_the_flag(tmp_path, corpus_files):
     """A main process that takes longer than --ddp_timeout to read the data (or learn the BPE vocabulary)
     ended the run with gloo's "Timed out waiting 3000ms for recv operation", naming no flag."""
@@ -1740,6 +1745,7 @@ def test_the_process_groups_timeout_is_a_flag(tmp_path, monkeypatch):
         TrainingConfig(ddp_timeout=0)
 
 
+@pytest.mark.slow  # two runs of train.py in their own processes
 def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     """--mixed_precision bf16 on a CPU: Accelerate runs the forward under bfloat16 autocast. The run
     learns as the float32 run with the same flags does, and writes float32 weights. (Its own process:

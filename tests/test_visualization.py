@@ -279,6 +279,7 @@ def test_script_writes_the_four_pictures(model, tokenizer, tmp_path, run_in_proc
     assert missing.returncode == 2 and "No model folder" in missing.stderr
 
 
+@pytest.mark.slow  # scripts in their own processes under another locale
 def test_scripts_print_utf_8_whatever_the_locale(model, tokenizer, tmp_path):
     """Standard output had the locale's encoding (cp1252 on Windows, with output redirected): every token
     this script prints starts with "\u2581", which ended it in a UnicodeEncodeError after its pictures
