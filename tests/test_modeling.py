@@ -432,9 +432,149 @@ def test_a_4d_boolean_mask_masks_as_its_2d_mask_does_under_both_attentions(batch
         assert_same_up_to_rounding(got, expected, TINY_TERMS, msg=implementation)
 
 
+def windowed(builder, causal_only: bool = False):
+    """`builder` (a transformers mask builder) letting each token see only its neighbours, never skipped;
+    with `causal_only`, in causal masks only (the decoder's self-attention)."""
+    from transformers.masking_utils import and_masks, causal_mask_function
+
+    def neighbours(batch_index, head_index, query_index, key_index):
+        return (query_index - key_index).abs() <= 1
+
+    def build(*args, mask_function, **kwargs):
+        kwargs |= {"allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}
+        if causal_only and mask_function is not causal_mask_function:
+            return builder(*args, mask_function=mask_function, **kwargs)
+        return builder(*args, mask_function=and_masks(mask_function, neighbours), **kwargs)
+
+    return build
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_mask_builder_a_user_registers_builds_every_mask(batch, implementation, monkeypatch):
+    """A mask builder registered under the attention's name (`AttentionMaskInterface.register`, here a
+    window of neighbours) builds every mask, as in transformers' models: the encoder's and the
+    cross-attention's with a 2-D `attention_mask` given (skipped on the CPU under SDPA: an all-ones mask
+    and none gave logits 1.03 apart) and the decoder's at each cached step (skipped for one new token:
+    greedy decoding ignored the window)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    model = tiny_model(implementation)
+    source, target = batch["input_ids"][:1], batch["labels"][:1, :-1]
+    transformers_builder = ALL_MASK_ATTENTION_FUNCTIONS[implementation]
+    with torch.no_grad():
+        plain = model(input_ids=source, decoder_input_ids=target).logits
+        builder = windowed(transformers_builder)
+        monkeypatch.setitem(AttentionMaskInterface._global_mapping, implementation, builder)
+        unmasked = model(input_ids=source, decoder_input_ids=target).logits
+        masked = model(
+            input_ids=source, attention_mask=torch.ones_like(source), decoder_input_ids=target
+        ).logits
+        assert (unmasked - plain).abs().max() > 0.1  # the window applies
+        assert_same_up_to_rounding(masked, unmasked, TINY_TERMS)
+
+        # Greedy decoding with the cache scores each step as the whole prefix run through the model
+        # without one does (every mask built whole). The window in the decoder's self-attention only: a
+        # cross-attention mask built at a cached step knows no query offset (in transformers' models too).
+        builder = windowed(transformers_builder, causal_only=True)
+        monkeypatch.setitem(AttentionMaskInterface._global_mapping, implementation, builder)
+        generated = model.generate(
+            source,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            num_beams=1,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        for step, logits in enumerate(generated.logits):
+            prefix = generated.sequences[:, : step + 1]
+            expected = model(input_ids=source, decoder_input_ids=prefix, use_cache=False).logits[:, -1]
+            assert_same_up_to_rounding(logits, expected, TINY_TERMS, msg=f"step {step}")
+
+
+def registered_and_scaled(monkeypatch, function, mask_builder, implementation: str, divisor: float):
+    """A tiny model whose attention is `function`, registered (under its name) with `mask_builder`, and
+    the same model under transformers' `implementation` with every attention's scale divided by
+    `divisor`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, function.__name__, function)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, function.__name__, mask_builder)
+    model, reference = tiny_model(function.__name__), tiny_model(implementation)
+    for module in reference.modules():
+        if isinstance(module, VanillaTransformerAttention):
+            module.scaling /= divisor
+    return model, reference
+
+
+def test_keyword_arguments_of_a_registered_attention_function_reach_it(batch, monkeypatch):
+    """transformers passes a model call's other keyword arguments to the attention function (a function
+    registered with `AttentionInterface` may take its own): they were dropped without a word, in a forward,
+    with labels and in a cached decoding step. Here a temperature dividing the scores, against the same
+    model with every attention's scale divided by it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    temperatures = []
+
+    def tempered(module, query, key, value, attention_mask, temperature=1.0, **kwargs):
+        temperatures.append(temperature)
+        kwargs["scaling"] /= temperature
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    model, reference = registered_and_scaled(monkeypatch, tempered, sdpa_mask, "sdpa", 5.0)
+    with torch.no_grad():
+        got = model(**batch, temperature=5.0)
+        expected = reference(**batch)
+        assert temperatures == [5.0] * 6  # 2 encoder layers, 2 decoder layers with two attentions each
+        assert_same_up_to_rounding(got.logits, expected.logits, TINY_TERMS)
+        assert_same_up_to_rounding(got.loss, expected.loss, TINY_TERMS)
+
+        # A cached step: the step after the first two target tokens.
+        source, mask, target = batch["input_ids"], batch["attention_mask"], batch["labels"][:, :3].clone()
+        first = model(
+            input_ids=source,
+            attention_mask=mask,
+            decoder_input_ids=target[:, :2],
+            use_cache=True,
+            temperature=5.0,
+        )
+        temperatures.clear()
+        step = model(
+            encoder_outputs=(first.encoder_last_hidden_state,),
+            attention_mask=mask,
+            decoder_input_ids=target[:, 2:],
+            cache=first.cache,
+            use_cache=True,
+            temperature=5.0,
+        )
+        assert temperatures == [5.0] * 4
+        whole = reference(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits[:, -1:]
+        assert_same_up_to_rounding(step.logits, whole, TINY_TERMS)
+
+
 def test_output_attentions_needs_eager(batch):
     with pytest.raises(ValueError, match="attn_implementation='eager'"):
         tiny_model("sdpa")(**batch, output_attentions=True)
+
+
+def test_output_attentions_returns_the_weights_a_registered_function_returns(batch, monkeypatch):
+    """A function registered with `AttentionInterface` that returns its weights (here the eager attention
+    at half the scale) gives them with `output_attentions=True`, as in transformers' models: every
+    implementation but "eager" was refused, saying that the others compute no weights."""
+    from transformers.masking_utils import eager_mask
+
+    def halved(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling / 2, dropout)
+
+    model, reference = registered_and_scaled(monkeypatch, halved, eager_mask, "eager", 2.0)
+    with torch.no_grad():
+        got, expected = (m(**batch, output_attentions=True) for m in (model, reference))
+    for name in ("encoder_attentions", "decoder_attentions", "cross_attentions"):
+        assert len(got[name]) == 2, name
+        for weights, reference_weights in zip(got[name], expected[name], strict=True):
+            assert_same_up_to_rounding(weights, reference_weights, TINY_TERMS, msg=name)
 
 
 @pytest.mark.parametrize("tracer", ["export", "jit"])

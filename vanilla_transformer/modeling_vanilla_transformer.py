@@ -41,8 +41,18 @@ from transformers.generation import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.integrations.flash_attention import flash_attention_forward
+from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    create_bidirectional_mask,
+    create_causal_mask,
+    eager_mask,
+    flash_attention_mask,
+    flex_attention_mask,
+    sdpa_mask,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -186,10 +196,12 @@ class VanillaTransformerAttention(nn.Module):
         """hidden_states: (B, T, D); key_value_states: (B, S, D) for cross-attention. Returns (B, T, D)
         and the attention weights (B, H, T, S), None where the attention function computes none.
 
-        (`kwargs` may say that the states are packed tokens, (N, D): see `PackedTokens`.)
+        (`kwargs` may say that the states are packed tokens, (N, D): see `PackedTokens`. Other keyword
+        arguments, given to the model's `forward`, go to the attention function, as in transformers'
+        models: a function registered with `AttentionInterface` may take arguments of its own.)
         """
         is_cross_attention = key_value_states is not None
-        packing = kwargs.get("packing")
+        packing, encoder_packing = kwargs.pop("packing", None), kwargs.pop("encoder_packing", None)
         # A decoding step's self-attention: Q, K and V from one product with the three matrices stacked.
         # That stacked copy is checked against the weights once per decoding, whose start the decoder
         # cannot tell for a static cache where it does not read the cache's length (an accelerator):
@@ -216,7 +228,7 @@ class VanillaTransformerAttention(nn.Module):
             value = layer_cache.layers[self.layer_idx].values
         else:
             source = key_value_states if is_cross_attention else hidden_states
-            source_packing = kwargs.get("encoder_packing") if is_cross_attention else packing
+            source_packing = encoder_packing if is_cross_attention else packing
             keys, values = (self.k_proj(source), self.v_proj(source)) if joint is None else joint[1:]
             key = split_heads(keys, self.head_dim, source_packing)  # (B, H, S, Dh)
             value = split_heads(values, self.head_dim, source_packing)
@@ -238,6 +250,7 @@ class VanillaTransformerAttention(nn.Module):
             attention_mask,
             dropout=self.dropout if self.training else 0.0,
             scaling=self.scaling,
+            **kwargs,
         )
         return self.out_proj(merge_heads(output, packing)), weights  # (B, T, D)
 
@@ -485,12 +498,17 @@ def requested_outputs(
     config: VanillaTransformerConfig, output_attentions: bool | None, output_hidden_states: bool | None
 ) -> tuple[bool, bool]:
     """Whether to return attentions and hidden states: the arguments, else the configuration's fields.
-    Attentions need the eager attention (the others compute no weights): a ValueError otherwise."""
+    Attentions need an attention function that computes the weights: transformers' SDPA, flash and flex
+    functions do not (a ValueError); the eager one does, and a user's own function returns what it may."""
     output_attentions = config.output_attentions if output_attentions is None else output_attentions
     output_hidden_states = (
         config.output_hidden_states if output_hidden_states is None else output_hidden_states
     )
-    if output_attentions and config._attn_implementation not in ("eager", None):
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    if output_attentions and any(
+        function is weightless
+        for weightless in (sdpa_attention_forward, flash_attention_forward, flex_attention_forward)
+    ):
         raise ValueError(
             f"`output_attentions=True` needs the eager attention, but this model uses "
             f"{config._attn_implementation!r}: load it with `attn_implementation='eager'` "
@@ -515,6 +533,31 @@ def may_read(mask: torch.Tensor | None) -> bool:
     return mask is None or reads_are_free(mask)
 
 
+# transformers' own mask builders (`AttentionMaskInterface`): a model may skip one where it would give
+# no mask, or one the attention does without.
+TRANSFORMERS_MASK_BUILDERS = (sdpa_mask, eager_mask, flash_attention_mask, flex_attention_mask)
+
+
+def masks_are_transformers(config: VanillaTransformerConfig) -> bool:
+    """Whether the masks of the model's attention are built by one of transformers' own builders (or by
+    none: a name without one gets no masks). Where a user registered a builder of their own under the
+    name (`AttentionMaskInterface.register`, a local window say), every mask goes through it, as in
+    transformers' models: no step skips one."""
+    builder = ALL_MASK_ATTENTION_FUNCTIONS.get(config._attn_implementation)
+    return builder is None or any(builder is own for own in TRANSFORMERS_MASK_BUILDERS)
+
+
+def runs_transformers_sdpa(config: VanillaTransformerConfig) -> bool:
+    """Whether the model's attention is transformers' SDPA function with transformers' SDPA mask builder:
+    where this model's own masks and decoding steps compute what they would. A function or a builder
+    registered by a user under the name gets the masks transformers' builders give."""
+    name = config._attn_implementation
+    return (
+        ALL_ATTENTION_FUNCTIONS.get_interface(name, None) is sdpa_attention_forward
+        and ALL_MASK_ATTENTION_FUNCTIONS.get(name) is sdpa_mask
+    )
+
+
 def padding_mask(
     config: VanillaTransformerConfig,
     inputs_embeds: torch.Tensor,
@@ -529,7 +572,7 @@ def padding_mask(
     Elsewhere (eager attention, which materialises its scores anyway; accelerators; a 4-D mask given
     by hand; export and tracing), transformers' builder."""
     if (
-        config._attn_implementation == "sdpa"
+        runs_transformers_sdpa(config)
         and attention_mask is not None
         and attention_mask.dim() == 2
         and reads_are_free(attention_mask)
@@ -611,6 +654,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        **kwargs: Any,
     ) -> BaseModelOutput:
         """input_ids: (B, S) token ids; attention_mask: (B, S), 1 for tokens and 0 for padding.
 
@@ -618,7 +662,8 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
         `get_input_embeddings()(input_ids)` gives it; it is scaled here as the lookup is (MarianMTModel's
         encoder takes it already scaled instead; its decoder, like this one, does not).
         Returns `last_hidden_state` (B, S, D) and, on request (the arguments, else the configuration's
-        fields), per-layer hidden states and attentions.
+        fields), per-layer hidden states and attentions. Other keyword arguments go to the attention
+        function.
         """
         output_attentions, output_hidden_states = requested_outputs(
             self.config, output_attentions, output_hidden_states
@@ -656,7 +701,7 @@ class VanillaTransformerEncoder(VanillaTransformerStack):
             all_hidden_states = (reported,)
         all_attentions = () if output_attentions else None
         for layer in self.layers:
-            hidden_states, weights = layer(hidden_states, mask, packing=packing)
+            hidden_states, weights = layer(hidden_states, mask, packing=packing, **kwargs)
             if output_hidden_states:
                 reported, hidden_states = self._reported(hidden_states, packing)
                 all_hidden_states += (reported,)
@@ -709,6 +754,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         target_lengths: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """input_ids: (B, T) target ids (shifted right); attention_mask: (B, P + T) with 0 on padding.
 
@@ -717,7 +763,8 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         `output_hidden_states` left None take the configuration's fields, as in transformers' decoders.
         target_lengths: (B,) optional, without a cache: only the first `target_lengths[b]` positions of
         row b are needed. Attention is causal, so the positions after them cannot change them and are
-        skipped (they come back as zeros). The loss uses it to skip trailing target padding.
+        skipped (they come back as zeros). The loss uses it to skip trailing target padding. Other
+        keyword arguments go to the attention function.
         """
         output_attentions, output_hidden_states = requested_outputs(
             self.config, output_attentions, output_hidden_states
@@ -805,7 +852,13 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             encoder_states = encoder_packing.pack(encoder_hidden_states)  # (N_S, D)
         hidden_states = dropout(hidden_states, self.dropout, self.training)
 
-        if length == 1 and attention_mask is None and cache is not None and not cache.is_compileable:
+        if (
+            length == 1
+            and attention_mask is None
+            and cache is not None
+            and not cache.is_compileable
+            and masks_are_transformers(self.config)
+        ):
             self_mask = None  # one new token may attend to every cached position: nothing to mask
         else:
             self_mask = create_causal_mask(
@@ -834,6 +887,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
                     use_cache=use_cache,
                     packing=packing,
                     encoder_packing=encoder_packing,
+                    **kwargs,
                 )
                 if output_hidden_states:
                     reported, hidden_states = self._reported(hidden_states, packing)
@@ -882,6 +936,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
             or not all(cache.is_updated.get(index, False) for index in range(len(layers)))
             or global_module_hooks()
             or not all(unwrapped(layer, VanillaTransformerDecoderLayer) for layer in layers)
+            or not masks_are_transformers(self.config)  # a user's builder gets its masks built
         ):
             return None
         inputs_embeds = self.embed_tokens(input_ids)  # (B, 1, D)
@@ -890,10 +945,7 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
         )
         cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
         # A layer's `decoding_step` computes attention as the SDPA implementation's `forward` does.
-        sdpa = (
-            ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
-            is sdpa_attention_forward
-        )
+        sdpa = runs_transformers_sdpa(self.config)
         for layer in layers:
             stepped = layer.decoding_step(hidden_states, cross_mask, cache) if sdpa else None
             if stepped is None:
@@ -1019,7 +1071,8 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         """input_ids: (B, S); decoder_input_ids: (B, T).
 
         Returns the decoder states (B, T, D) and the encoder states (B, S, D). `target_lengths` (B,):
-        see `VanillaTransformerDecoder.forward`.
+        see `VanillaTransformerDecoder.forward`. Other keyword arguments go to the attention function
+        (one registered with transformers' `AttentionInterface` may take arguments of its own).
         """
         output_attentions, output_hidden_states = requested_outputs(
             self.config, output_attentions, output_hidden_states
@@ -1033,6 +1086,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
                 inputs_embeds=inputs_embeds,
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
+                **kwargs,
             )
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
@@ -1049,6 +1103,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             target_lengths=target_lengths,
+            **kwargs,
         )
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -1278,6 +1333,8 @@ class VanillaTransformerForConditionalGeneration(
                 default (None) logits are skipped in training mode when `labels` are given (what
                 `Trainer` runs: it reads only the loss then) and returned otherwise. As with every
                 transformers output, absent fields leave `to_tuple()`, so read outputs by name.
+            kwargs: go to the attention function, as in transformers' models (one registered with
+                `AttentionInterface` may take arguments of its own).
         Returns:
             `Seq2SeqLMOutput` with `logits` (B, T, V) (None where skipped), `loss`, `cache` and
             optional attentions.
@@ -1285,6 +1342,7 @@ class VanillaTransformerForConditionalGeneration(
         if (
             cache is not None
             and use_cache
+            and not kwargs  # the step computes attention itself
             and labels is None
             and decoder_attention_mask is None
             and decoder_inputs_embeds is None
@@ -1355,6 +1413,7 @@ class VanillaTransformerForConditionalGeneration(
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             target_lengths=target_lengths,
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state  # (B, T, D)
         loss = logits = None
