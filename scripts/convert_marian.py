@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, MarianMTModel, PretrainedConfig
 from vanilla_transformer.cli import first_line, positive_int, utf8_stdout
 from vanilla_transformer.conversion import convert_from_marian, write_converted_card
 from vanilla_transformer.evaluation import evaluate_model, format_scores, looks_local
-from vanilla_transformer.model_card import base_license
+from vanilla_transformer.model_card import base_license, copy_license_file
 from vanilla_transformer.parallel_data import load_parallel_data, resolve_languages
 from vanilla_transformer.publishing import check_new_folder, disk_full_message, publish_folder
 
@@ -147,8 +147,9 @@ try:
                 test_file=args.test_file,
                 source_lang=args.source_lang,
                 target_lang=args.target_lang,
-                license=base_license(args.model),
+                **(licence := base_license(args.model)),
             )
+            copy_license_file(args.model, staging, licence["license_link"])
 except Exception as error:  # safetensors' and tokenizers' errors are not OSErrors
     message = disk_full_message(
         error, args.output, model, "Nothing was written: free some space and run again."

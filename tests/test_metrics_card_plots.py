@@ -592,10 +592,15 @@ def test_model_card_language_metadata_takes_language_codes_with_regions_and_scri
         (("eng_Latn", "zho_Hans"), ["eng", "zho"], ["eng-Latn", "zho-Hans"]),
         (("EN", "de"), ["en", "de"], None),
         (("en", "pt-BR"), ["en", "pt"], ["en", "pt-BR"]),  # both languages named in the tags
+        # Private-use and grandfathered tags (train.py takes them) have no ISO 639 language: they gave
+        # `language` the codes "x" and "i".
+        (("es-419", "x-klingon"), ["es"], ["es-419", "x-klingon"]),
+        (("en", "i-klingon"), ["en"], ["en", "i-klingon"]),
+        (("x-one", "x-two"), None, ["x-one", "x-two"]),
     ]
     for (source, target), language, bcp47 in cases:
         data = ModelCard(str(build_model_card(**card_kwargs(source_lang=source, target_lang=target)))).data
-        assert data.to_dict()["language"] == language, (source, target)
+        assert data.to_dict().get("language") == language, (source, target)
         assert data.to_dict().get("language_bcp47") == bcp47, (source, target)
 
 
@@ -791,6 +796,45 @@ def test_a_converted_model_card_describes_no_training_and_links_its_hub_source()
         assert "Not trained here" not in card.text and "**Optimiser**" in card.text
 
 
+LICENCE_FIELDS = ("license", "license_name", "license_link")
+
+
+def test_a_licence_without_an_identifier_keeps_its_name_and_link(tmp_path, monkeypatch, caplog):
+    """A start model under a licence of its own (`license: other`, with `license_name` and `license_link`,
+    as the Hub asks) gave fine-tuned and converted cards `license: other` alone: which licence, and its
+    terms, were lost. A link to the repo's own file becomes its address on the Hub; from a local folder
+    the file comes along."""
+    from vanilla_transformer import model_card
+
+    metadata = "---\nlicense: other\nlicense_name: opus-research\nlicense_link: {}\n---\n# A model\n"
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "README.md").write_text(metadata.format("LICENSE"))
+    (local / "LICENSE").write_text("The terms.\n")
+    fields = base_license(str(local))
+    assert fields == {"license": "other", "license_name": "opus-research", "license_link": "LICENSE"}
+    folder = tmp_path / "derived"
+    model_card.copy_license_file(str(local), folder, fields["license_link"])
+    assert (folder / "LICENSE").read_text() == "The terms.\n"
+    data = ModelCard(str(build_model_card(**card_kwargs(**fields)))).data.to_dict()
+    assert {key: data.get(key) for key in LICENCE_FIELDS} == fields
+
+    (local / "LICENSE").unlink()
+    with caplog.at_level("WARNING", logger="vanilla_transformer.model_card"):
+        model_card.copy_license_file(str(local), tmp_path / "other", "LICENSE")
+    assert "links its licence to LICENSE, which is not in that folder" in caplog.text
+
+    for link, expected in (
+        ("LICENSE", "https://huggingface.co/org/model/blob/main/LICENSE"),
+        ("./docs/LICENSE.md", "https://huggingface.co/org/model/blob/main/docs/LICENSE.md"),
+        ("https://example.org/terms", "https://example.org/terms"),
+    ):
+        card = ModelCard(metadata.format(link))
+        monkeypatch.setattr(model_card.ModelCard, "load", lambda *args, card=card, **kwargs: card)
+        monkeypatch.setattr(model_card.constants, "ENDPOINT", "https://huggingface.co")
+        assert base_license("org/model")["license_link"] == expected
+
+
 def test_base_license_reads_a_card_and_says_when_it_cannot(tmp_path, caplog, monkeypatch):
     """Offline, a Hub model's licence went unread without a word and the new card stated none."""
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -803,10 +847,10 @@ def test_base_license_reads_a_card_and_says_when_it_cannot(tmp_path, caplog, mon
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "README.md").write_text("---\nlicense: [unclosed\n---\n")
     with caplog.at_level("WARNING", logger="vanilla_transformer.model_card"):
-        assert base_license(str(tmp_path / "licensed")) == "cc-by-4.0"
-        assert base_license(str(tmp_path / "bare")) is None
+        assert base_license(str(tmp_path / "licensed"))["license"] == "cc-by-4.0"
+        assert base_license(str(tmp_path / "bare")) == dict.fromkeys(LICENCE_FIELDS)
         assert not caplog.records
-        assert base_license(str(tmp_path / "broken")) is None
+        assert base_license(str(tmp_path / "broken")) == dict.fromkeys(LICENCE_FIELDS)
         assert "licence of" in caplog.text and "broken could not be read" in caplog.text
         caplog.clear()
 
@@ -814,7 +858,7 @@ def test_base_license_reads_a_card_and_says_when_it_cannot(tmp_path, caplog, mon
             raise LocalEntryNotFoundError("Cannot reach the Hub, and the file is not in the cache")
 
         monkeypatch.setattr(model_card.ModelCard, "load", offline)
-        assert base_license("Helsinki-NLP/opus-mt-en-es") is None
+        assert base_license("Helsinki-NLP/opus-mt-en-es") == dict.fromkeys(LICENCE_FIELDS)
         assert "Helsinki-NLP/opus-mt-en-es could not be read (Cannot reach the Hub" in caplog.text
         assert "the new model card states none" in caplog.text
 

@@ -520,6 +520,28 @@ def test_average_checkpoints_refuses_an_output_it_cannot_write_before_averaging(
     assert f"--output {tmp_path / 'averaged'} cannot be written: {tmp_path} is not writable" in result.stderr
 
 
+def test_a_validation_split_held_out_of_the_training_data_is_scored_as_the_card_counts_it(tmp_path):
+    """Without a test or validation file the run scores pairs held out of the training file. Its
+    validation loss and the card's counts took those within --max_length (training data), while BLEU
+    was scored on every held-out pair: "its first 8 of 29 sentence pairs" under a table saying 29, with
+    3 of 5 sample translations from pairs outside them (and lines of any length translated)."""
+    rows = load_default_corpus()["train"].select(range(1100))  # train.py holds out 500 pairs
+    train_file = tmp_path / "train.tsv"
+    train_file.write_text("en\tes\n" + "".join(f"{r['en']}\t{r['es']}\n" for r in rows), encoding="utf-8")
+    args = small_args(tmp_path / "run", {"train_file": str(train_file)}, max_length=24)
+    args += ["--max_steps", "2", "--eval_steps", "0", "--test_samples", "1000", "--save_steps", "2"]
+    result = train(parse_config(args))
+    card = (tmp_path / "run" / "README.md").read_text(encoding="utf-8")
+    counted = int(re.search(r"^\| validation \| ([\d,]+) \|$", card, re.M)[1].replace(",", ""))
+    metrics = result["metrics"]
+    assert metrics["split"] == "validation" and metrics["scored_pairs"] == counted
+    assert f"On the validation split ({counted} sentence pairs)" in card
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    for sample in result["samples"]:
+        lengths = [len(tokenizer(text)["input_ids"]) for text in (sample["source"], sample["reference"])]
+        assert max(lengths) <= 24, sample
+
+
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):
     """A checkpoint between two log lines carries the updates not yet logged: the first line after a
     resume averages the same updates as the uninterrupted run's (it used to leave out those before the
@@ -2736,6 +2758,11 @@ def test_push_to_hub_problems_end_training_before_any_work(tmp_path, monkeypatch
     monkeypatch.setattr(hub, "get_token", lambda: "hf_dummy")
     with pytest.raises(InputError, match="--push_to_hub: Invalid Hub repo id 'bad id//x'"):
         train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="bad id//x"))
+    # HF_HUB_OFFLINE (common on compute nodes): the whole run trained, then the upload failed.
+    monkeypatch.setattr(training_module.hub_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(InputError, match="--push_to_hub: HF_HUB_OFFLINE is set"):
+        train(TrainingConfig(output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="someone/tiny"))
+    monkeypatch.setattr(training_module.hub_constants, "HF_HUB_OFFLINE", False)
     assert not (tmp_path / "run" / "checkpoints").exists()
     # An earlier run's folder keeps a user's files through the final swap: the upload would refuse them
     # at the end, after the training (a log the output is written to is not one of them).
@@ -2769,9 +2796,26 @@ def test_a_failed_upload_after_training_keeps_the_folder_and_says_how_to_publish
     args = small_args(tmp_path / "run", corpus_files, max_steps=4, eval_steps=0, save_steps=4)
     hub_flags = ["--push_to_hub", "--hub_model_id", "someone/tiny", "--hub_keep_other_files"]
     config = parse_config([*args, *hub_flags])
-    with pytest.raises(InputError, match=r"is complete, but publishing it failed \(ConnectError: \[Errno"):
+    with pytest.raises(
+        InputError, match=r"is complete, but publishing it failed \(ConnectError: \[Errno"
+    ) as error:
         train(config)
     assert calls[0]["delete_other_files"] is False  # the repo's other files left in place, as asked
+    # The command it gives publishes as the run would have: it left out the other files kept (it
+    # deleted them) and the visibility asked for (a private repo created public); paths quoted.
+    command = f"python scripts/push_to_hub.py --folder {tmp_path / 'run'} --repo_id someone/tiny"
+    assert str(error.value).endswith(f"{command} --keep_other_files")
+    for flags, tail in (
+        (["--hub_private"], " --private"),
+        (["--no-hub_private"], " --no-private"),
+        ([], ""),
+    ):
+        run_config = parse_config([*args, "--push_to_hub", "--hub_model_id", "someone/tiny", *flags])
+        assert (
+            training_module.later_push_command(run_config, tmp_path / "run", "someone/tiny") == command + tail
+        )
+    spaced = training_module.later_push_command(parse_config(args), tmp_path / "my run", "someone/tiny")
+    assert f"--folder '{tmp_path / 'my run'}'" in spaced
     assert parse_config(args).hub_keep_other_files is False  # by default it holds the folder's files only
     assert (tmp_path / "run" / "model.safetensors").is_file() and (tmp_path / "run" / "README.md").is_file()
 

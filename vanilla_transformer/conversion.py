@@ -153,6 +153,8 @@ def write_converted_card(
     source_lang: str,
     target_lang: str,
     license: str | None,
+    license_name: str | None = None,
+    license_link: str | None = None,
 ) -> Path:
     """The model card of a converted model folder (`folder/README.md`): the model whose weights it holds
     (`converted_from`, a folder or a Hub id, linked as `base_model` if it is not a folder here) and its
@@ -173,6 +175,8 @@ def write_converted_card(
         source_lang=source_lang,
         target_lang=target_lang,
         license=license,
+        license_name=license_name,
+        license_link=license_link,
         examples=list(scores["sources"][:3]),
     )
 

@@ -45,7 +45,7 @@ from .machine import (
     training_leaves_mps,
 )
 from .metrics import score_translations
-from .model_card import base_license, decoding_settings, write_model_card
+from .model_card import base_license, copy_license_file, decoding_settings, write_model_card
 from .parallel_data import (
     check_data_paths,
     load_parallel_data,
@@ -820,6 +820,8 @@ def write_finetuned_card(
         "description": f"Local parallel text, {config.source_lang}-{config.target_lang}.",
         "train_pairs": len(trainer.train_dataset),  # the validation pairs scored: under Results
     }
+    licence = base_license(config.model)
+    copy_license_file(config.model, config.output_dir, licence["license_link"])
     return write_model_card(
         config.output_dir,
         model_name=Path(config.output_dir).resolve().name,
@@ -829,7 +831,7 @@ def write_finetuned_card(
         dataset=dataset,
         source_lang=config.source_lang,
         target_lang=config.target_lang,
-        license=base_license(config.model),
+        **licence,
         examples=list(validation["source"][:3]),
     )
 

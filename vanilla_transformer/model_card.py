@@ -9,12 +9,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, constants
 from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers import GenerationConfig
 
@@ -253,13 +254,16 @@ def _template_variables(
 def _hub_languages(*codes: str) -> tuple[list[str], list[str] | None]:
     """The metadata's `language` and `language_bcp47` for language codes as given ("en", "pt-BR",
     "zh_Hant", "zho_Hans"). The Hub takes ISO 639 codes only, lowercase, in `language` (a region or a
-    script is an error there): each code's language, once. Where a code has a region or a script, every
-    code goes to `language_bcp47` as given ("_" written "-"), so that it names both languages; None where
-    none has."""
+    script is an error there): each code's language, once; a tag whose first part is no such code (a
+    private-use "x-klingon", a grandfathered "i-klingon") has none there. Where a code has a region, a
+    script or no ISO 639 language, every code goes to `language_bcp47` as given ("_" written "-"), so
+    that it names both languages; None where none has."""
     tags = [code.replace("_", "-") for code in codes]
-    languages = [tag.split("-")[0].lower() for tag in tags]
+    primary = [tag.split("-")[0].lower() for tag in tags]
+    languages = [code if 2 <= len(code) <= 3 and code.isalpha() else None for code in primary]
     bcp47 = [tag for tag, language in zip(tags, languages, strict=True) if tag.lower() != language]
-    return list(dict.fromkeys(languages)), (list(dict.fromkeys(tags)) if bcp47 else None)
+    iso = [language for language in languages if language is not None]
+    return list(dict.fromkeys(iso)), (list(dict.fromkeys(tags)) if bcp47 else None)
 
 
 def _card_data(
@@ -270,6 +274,8 @@ def _card_data(
     source_lang: str,
     target_lang: str,
     license: str | None,
+    license_name: str | None = None,
+    license_link: str | None = None,
     base_model: str | None = None,
     base_model_relation: str | None = None,
 ) -> ModelCardData:
@@ -304,9 +310,11 @@ def _card_data(
     language, language_bcp47 = _hub_languages(source_lang, target_lang)
     return ModelCardData(
         model_name=model_name,
-        language=language,
+        language=language or None,
         **({"language_bcp47": language_bcp47} if language_bcp47 else {}),
         license=license,
+        **({"license_name": license_name} if license_name else {}),
+        **({"license_link": license_link} if license_link else {}),
         base_model=base_model,
         **({"base_model_relation": base_model_relation} if base_model_relation else {}),
         library_name="transformers",
@@ -328,6 +336,8 @@ def build_model_card(
     source_lang: str,
     target_lang: str,
     license: str | None = "apache-2.0",
+    license_name: str | None = None,
+    license_link: str | None = None,
     base_template: str | Path | None = None,
     examples: Sequence[str] | None = None,
 ) -> ModelCard:
@@ -344,7 +354,8 @@ def build_model_card(
     name or a Hub id), and with "finetuned_from_hub" true the metadata's `base_model` links that Hub
     model; a converted one's names the model whose weights it holds as "converted_from" (and
     "converted_from_hub"), and the card then describes no training. `license` None leaves the
-    licence unstated. `base_template` is the path of a Jinja2 template (default: the packaged
+    licence unstated; `license_name` and `license_link` name a licence the Hub has no identifier for
+    (`license` "other"). `base_template` is the path of a Jinja2 template (default: the packaged
     `model_card_template.md`). `examples`: source sentences for the usage examples (e.g. from the
     test split; default: three English Bible verses). The YAML metadata carries a model-index with
     the scores; the card is re-parsed to check it.
@@ -377,6 +388,8 @@ def build_model_card(
         source_lang=source_lang,
         target_lang=target_lang,
         license=license,
+        license_name=license_name,
+        license_link=license_link,
         base_model=base_model,
         base_model_relation=relation,
     )
@@ -462,16 +475,20 @@ def write_model_card(output_dir: str | Path, **kwargs: Any) -> Path:
     return path
 
 
-def base_license(model: str) -> str | None:
-    """The licence stated by the card of `model` (a folder's README.md, or the Hub repo's), if any: what
-    a model fine-tuned from it, or converted from it, inherits."""
+def base_license(model: str) -> dict[str, str | None]:
+    """The licence stated by the card of `model` (a folder's README.md, or the Hub repo's): what a model
+    fine-tuned from it, or converted from it, inherits, as `build_model_card`'s `license`,
+    `license_name` and `license_link` (None where the card states none). A link relative to a Hub
+    repo (its LICENSE file, say) becomes the file's address there; one relative to a local folder
+    stays as it is, and `copy_license_file` brings the file along."""
+    fields: dict[str, str | None] = dict.fromkeys(("license", "license_name", "license_link"))
     readme = Path(model) / "README.md"
     if Path(model).exists() and not readme.is_file():
-        return None
+        return fields
     try:
         card = ModelCard.load(readme if Path(model).exists() else model)
     except RemoteEntryNotFoundError:  # a Hub repo without a card states no licence
-        return None
+        return fields
     except Exception as error:  # no network, a malformed card: the licence is unknown, not absent
         logger.warning(
             "The licence of %s could not be read (%s); the new model card states none. If it has one, "
@@ -479,13 +496,44 @@ def base_license(model: str) -> str | None:
             model,
             first_line(error),
         )
-        return None
-    return card.data.license
+        return fields
+    data = card.data.to_dict()
+    fields |= {key: data.get(key) for key in fields}
+    link = fields["license_link"]
+    if link and _relative(link) and not Path(model).exists():
+        fields["license_link"] = f"{constants.ENDPOINT}/{model}/blob/main/{link.removeprefix('./')}"
+    return fields
+
+
+def _relative(link: str) -> bool:
+    """Whether a card's `license_link` names a file of its own repo or folder (not an address)."""
+    return "://" not in link and not link.startswith(("/", "mailto:"))
+
+
+def copy_license_file(model: str, folder: str | Path, license_link: str | None) -> None:
+    """Copy the licence file that the card of a local folder `model` links relatively (`license_link`, as
+    `base_license` gives it) into `folder`, where the new card's same link then finds it; a link to a
+    file the folder lacks is said."""
+    if not license_link or not _relative(license_link) or not Path(model).is_dir():
+        return
+    source = Path(model) / license_link
+    if not source.is_file():
+        logger.warning(
+            "The card of %s links its licence to %s, which is not in that folder; the new card's link "
+            "finds nothing until the file is added.",
+            model,
+            license_link,
+        )
+        return
+    target = Path(folder) / license_link
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
 
 
 __all__ = [
     "base_license",
     "build_model_card",
+    "copy_license_file",
     "decoding_settings",
     "default_template_path",
     "evaluation_metrics",

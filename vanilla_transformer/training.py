@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import time
 import uuid
@@ -40,6 +41,7 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
+from huggingface_hub import constants as hub_constants
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
@@ -1308,6 +1310,12 @@ def main_process_first(accelerator: Accelerator, what: str, timeout_s: float) ->
 def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     """The Accelerator for this launch (one process, DDP, FSDP), after checks that fail before any work."""
     if config.push_to_hub:  # fail now, not after training
+        if hub_constants.HF_HUB_OFFLINE:
+            raise InputError(
+                "--push_to_hub: HF_HUB_OFFLINE is set, so the folder could not be uploaded after training; "
+                "unset it, or train without --push_to_hub and publish the folder later with "
+                "scripts/push_to_hub.py."
+            )
         try:
             check_repo_id(config.hub_model_id or output_dir.name)
             resolve_token(flag=None)
@@ -2146,8 +2154,10 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
 
 def score_test_split(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict[str, str]]:
     """Score the final model on the test split (the validation split when there is none) into `metrics`;
-    returns five sample translations."""
-    config, data = run.config, run.data
+    returns five sample translations. A validation split drawn from the training data is scored as
+    its validation loss is measured and the card counts it: its pairs within --max_length (a test
+    split or a validation split of its own keeps every pair)."""
+    config, data = run.config, run.tokenized
     split = "test" if "test" in data else "validation"
     count = min(config.test_samples or len(data[split]), len(data[split]))
     test_split = data[split].select(range(count))
@@ -2176,6 +2186,17 @@ def score_test_split(run: Run, final: Any, metrics: dict[str, Any]) -> list[dict
     ]
 
 
+def later_push_command(config: TrainingConfig, output_dir: Path, repo_id: str) -> str:
+    """The shell command that publishes `output_dir` as this run's --push_to_hub would have: the same
+    visibility and the same treatment of the repo's other files."""
+    command = ["python", "scripts/push_to_hub.py", "--folder", str(output_dir), "--repo_id", repo_id]
+    if config.hub_private is not None:
+        command.append("--private" if config.hub_private else "--no-private")
+    if config.hub_keep_other_files:
+        command.append("--keep_other_files")
+    return shlex.join(command)
+
+
 def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[str, str]]) -> None:
     """Write the model folder (main process), then push it to the Hub if asked."""
     # Written aside and renamed into place: a kill leaves the previous folder or the new one.
@@ -2200,7 +2221,7 @@ def publish(run: Run, final: Any, metrics: dict[str, Any], samples: list[dict[st
             raise InputError(
                 f"The model folder {run.output_dir} is complete, but publishing it failed "
                 f"({type(error).__name__}: {first_line(error)}); publish it later with "
-                f"scripts/push_to_hub.py --folder {run.output_dir} --repo_id {repo_id}"
+                f"{later_push_command(run.config, run.output_dir, repo_id)}"
             ) from error
         run.log(f"uploaded to the Hub: {metrics['hub_commit']}")
 
