@@ -532,10 +532,19 @@ def test_a_validation_split_held_out_of_the_training_data_is_scored_as_the_card_
     args += ["--max_steps", "2", "--eval_steps", "0", "--test_samples", "1000", "--save_steps", "2"]
     result = train(parse_config(args))
     card = (tmp_path / "run" / "README.md").read_text(encoding="utf-8")
-    counted = int(re.search(r"^\| validation \| ([\d,]+) \|$", card, re.M)[1].replace(",", ""))
+    counted = re.search(
+        r"^\| validation \(held out of the training data at random\) \| ([\d,]+) \|$", card, re.M
+    )
+    counted = int(counted[1].replace(",", ""))
     metrics = result["metrics"]
     assert metrics["split"] == "validation" and metrics["scored_pairs"] == counted
-    assert f"On the validation split ({counted} sentence pairs)" in card
+    assert (
+        f"On the validation split ({counted} sentence pairs) of train.tsv, drawn from its training pairs at "
+        "random and not trained on, scored with sacreBLEU"
+    ) in card
+    # The dataset has no validation split: the metadata names none (the Hub's results linked one).
+    results = ModelCard(card).data.eval_results
+    assert results and all(result.dataset_split is None for result in results)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
     for sample in result["samples"]:
         lengths = [len(tokenizer(text)["input_ids"]) for text in (sample["source"], sample["reference"])]

@@ -229,6 +229,8 @@ def _template_variables(
         repetition=metrics.get("repetition"),
         reference_repetition=metrics.get("reference_repetition"),
         eval_split=metrics.get("split", "test"),
+        # A validation split drawn from the training data at random: no split the data has.
+        held_out=bool(metrics.get("held_out")),
         # The scored pairs' data, and the size of the split they are the first of.
         eval_dataset_name=metrics.get("dataset_name") or dataset.get("name"),
         split_pairs=metrics.get("split_pairs") or dataset.get(f"{metrics.get('split', 'test')}_pairs"),
@@ -289,7 +291,8 @@ def _card_data(
         # A Hub dataset's config is the name load_dataset took (wmt/wmt14's "de-en" also for en -> de;
         # none where it took none); other data has none, and the language pair stands for one.
         "dataset_config": dataset.get("hub_config") if hub_id else f"{source_lang}-{target_lang}",
-        "dataset_split": metrics.get("split", "test"),
+        # (none for pairs held out of the training data: the dataset has no such split to point to)
+        "dataset_split": None if metrics.get("held_out") else metrics.get("split", "test"),
     }
     eval_results = [
         EvalResult(
@@ -344,8 +347,9 @@ def build_model_card(
     """Render the model card of a trained model.
 
     `metrics` needs "bleu", "chrf" and "bleu_signature", scored on the split named by "split" (default
-    "test"); optional: "chrf_signature", "val_loss", "test_loss", the decoding settings "num_beams",
-    "length_penalty", "length_penalty_form", "max_length_offset", "no_repeat_ngram_size", and
+    "test"; "held_out" true: a validation split drawn from the training data at random); optional:
+    "chrf_signature", "val_loss", "test_loss", the decoding settings "num_beams", "length_penalty",
+    "length_penalty_form", "max_length_offset", "no_repeat_ngram_size", and
     "default_num_beams" where the model's generation config decodes with other beams than the scores;
     "dataset_name" where the scored pairs come from other data than the training data, and
     "split_pairs", the size of the split whose first pairs were scored (default: the dataset's

@@ -2398,6 +2398,7 @@ def write_model_folder(
         # The scored split's own file, where it is not the training data's (a --test_file, say).
         "dataset_name": scored_file_name(scored, metrics["split"]),
         "scored_pairs": metrics["scored_pairs"],
+        "held_out": metrics["split"] == "validation" and run.validation_held_out,
         "bleu": metrics["test_bleu"],
         "chrf": metrics["test_chrf"],
         "bleu_signature": metrics["test_bleu_signature"],
