@@ -457,6 +457,11 @@ def test_card_for_repo_rewrites_only_the_loading_examples(tmp_path, name):
     assert f'repo = "{REPO_ID}"' in card and f'model="{REPO_ID}"' in card
     for kept in ('pipeline("translation"', 'batch["en"]', 'batch["es"]'):
         assert card.count(kept) == text.count(kept) > 0
+    # A published card (a downloaded snapshot) pushed to another repo loads that repo: it kept loading
+    # the first one.
+    moved = card_for_repo(card, "acme/translator-en-es")
+    assert REPO_ID not in moved.split("---", 2)[2]
+    assert moved.count("acme/translator-en-es") == card.count(REPO_ID) > 0
 
 
 def test_push_script_names_an_unreachable_hub_in_one_line(model_folder):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import re
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, constants, get_token
@@ -218,16 +219,17 @@ def card_for_repo(text: str, repo_id: str) -> str:
     """A model card's text with its usage examples loading `repo_id`.
 
     The training script renders the card before the folder has a Hub name, so its examples load the
-    card's `model_name` (the folder's name): `repo = "NAME"`, `model="NAME"`, `--model NAME`. Those
-    occurrences, and no other, become the repo id (a folder named "translation" or "en" leaves
+    card's `model_name` (the folder's name): `repo = "NAME"`, `model="NAME"`, `--model NAME`; a card
+    published before (a downloaded snapshot pushed to another repo) loads its earlier repo id there.
+    Those occurrences, and no other, become the repo id (a folder named "translation" or "en" leaves
     `pipeline("translation", ...)` and `batch["en"]` alone); the rest of the text, the title and the
     model-index are left as they are.
     """
-    name = ModelCard(text).data.model_name
-    if not name or name == repo_id:
+    if not ModelCard(text).data.model_name:
         return text
-    for form in ('repo = "{}"', 'model="{}"', "--model {} "):  # not every quoted name: "en", "translation"
-        text = text.replace(form.format(name), form.format(repo_id))
+    # The three forms, whatever they load: not every quoted name ("en", "translation").
+    for form in (r'(repo = ")[^"\n]+(")', r'(model=")[^"\n]+(")', r"(--model )\S+( )"):
+        text = re.sub(form, lambda match: f"{match[1]}{repo_id}{match[2]}", text)
     return text
 
 
