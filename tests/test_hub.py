@@ -31,7 +31,7 @@ import torch
 import transformers.utils.hub
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, RepoUrl
 
-from tests.conftest import tiny_model
+from tests.conftest import logged_messages, tiny_model
 from vanilla_transformer.corpus import load_default_corpus
 from vanilla_transformer.hub import card_for_repo, check_model_folder, push_model_folder
 from vanilla_transformer.metrics import score_translations
@@ -462,6 +462,46 @@ def test_card_for_repo_rewrites_only_the_loading_examples(tmp_path, name):
     moved = card_for_repo(card, "acme/translator-en-es")
     assert REPO_ID not in moved.split("---", 2)[2]
     assert moved.count("acme/translator-en-es") == card.count(REPO_ID) > 0
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_other_files_kept_are_never_the_other_weights_layout(model_folder, tmp_path, monkeypatch, sharded):
+    """`delete_other_files=False` (--keep_other_files) pushing a sharded save over a single file left the
+    repo's model.safetensors, which loads instead of the new shards, without a word (and an index with
+    its shards beside a new single file); the other weights layout is deleted with the new upload."""
+    single = ["model.safetensors"]
+    shards = [
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    commits = []
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda self, repo_id, **kwargs: RepoUrl(f"https://hf.co/{repo_id}")
+    )
+    monkeypatch.setattr(
+        HfApi, "repo_info", lambda self, *args, **kwargs: types.SimpleNamespace(private=False, sha="1")
+    )
+    earlier = single if sharded else shards
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, *args, **kwargs: [*earlier, "onnx/model.onnx"])
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        commits.append(operations)
+        return types.SimpleNamespace(commit_url="https://hf.co/x/commit/1")
+
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    if sharded:
+        model = tiny_model(seed=4)
+        (folder / "model.safetensors").unlink()
+        model.save_pretrained(folder, max_shard_size="20KB")
+    with logged_messages("vanilla_transformer.hub") as messages:
+        push_model_folder(folder, "alice/tiny", token="hf_dummy", delete_other_files=False)
+    deleted = {op.path_in_repo for op in commits[-1] if isinstance(op, CommitOperationDelete)}
+    uploaded = {op.path_in_repo for op in commits[-1] if not isinstance(op, CommitOperationDelete)}
+    assert deleted == set(earlier) - uploaded and deleted  # onnx/model.onnx kept, as asked
+    assert any("the other weights layout" in message for message in messages)
 
 
 def test_push_script_names_an_unreachable_hub_in_one_line(model_folder):

@@ -128,6 +128,15 @@ def resolve_token(token: str | None = None, flag: str | None = "--token") -> str
     return token
 
 
+# The shards of a sharded save (`save_pretrained(max_shard_size=...)`), as transformers names them.
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_weights_file(name: str) -> bool:
+    """Whether a repo's file `name` holds this model's weights, as one file or as an index and shards."""
+    return name in (WEIGHTS, WEIGHTS_INDEX) or SHARD.fullmatch(name) is not None
+
+
 def weight_files(folder: Path) -> list[str]:
     """The files of `folder`'s weights: `WEIGHTS`, else the shards that `WEIGHTS_INDEX` names (a sharded
     save, which transformers loads as well), present or not; none where it has neither. The index
@@ -271,7 +280,9 @@ def push_model_folder(
     The repo ends up holding the folder's files and no others: files an earlier upload left that the
     folder does not have are deleted in the same commit (they stay in the repo's history), because a
     load would read them with the new files (a `tokenizer.json` left by an earlier model is preferred
-    over a converted OPUS-MT model's sentencepiece files); `delete_other_files=False` leaves them. The
+    over a converted OPUS-MT model's sentencepiece files); `delete_other_files=False` leaves them, but
+    for the weights of the other layout (a `model.safetensors` beside a sharded upload's index, which a
+    load would read instead of the new shards; an index and shards beside a new single file). The
     commit is made on the revision whose files were listed: if another lands in between, the Hub
     refuses it and nothing changes. The model card goes up with its usage examples loading the repo
     (`card_for_repo`; a `repo_id` without a namespace is the token owner's, and the card names it in
@@ -316,15 +327,16 @@ def push_model_folder(
     operations.append(CommitOperationAdd("README.md", card.encode()))
     uploaded = {operation.path_in_repo for operation in operations}
     # Listed at that commit: repo_info's `siblings` may be cut short by the Hub, the tree listing is not.
-    remote = (
-        api.list_repo_files(repo.repo_id, revision=info.sha, repo_type="model") if delete_other_files else []
-    )
+    remote = api.list_repo_files(repo.repo_id, revision=info.sha, repo_type="model")
     stale = sorted(name for name in remote if name not in uploaded and name not in HUB_OWN)
+    if not delete_other_files:
+        stale = [name for name in stale if is_weights_file(name)]
     if stale:
         logger.warning(
             "Deleting from %s what the folder does not have (kept in the repo's history): %s",
             repo.repo_id,
-            ", ".join(stale),
+            ", ".join(stale)
+            + ("" if delete_other_files else " (the other weights layout, which a load would read)"),
         )
         operations += [CommitOperationDelete(name) for name in stale]
     commit = api.create_commit(
