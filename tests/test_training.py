@@ -2489,28 +2489,6 @@ def test_a_broken_json_file_in_a_model_folder_is_named_before_anything_uses_it(
     assert f"{folder} has no generation_config.json" in caplog.text
 
 
-def test_the_languages_of_a_hub_models_card_are_read_too(tmp_path, monkeypatch):
-    """evaluate_model.py compared the pairs scored with the card's languages for a local folder only:
-    the same German-English model given by repo id was scored on English-Spanish pairs without a word."""
-    from vanilla_transformer import evaluation
-
-    card = ModelCard("---\nlanguage:\n- de\n- en\ntags:\n- translation\n- vanilla-transformer\n---\n")
-    asked = []
-
-    def load(source, *args, **kwargs):
-        asked.append(source)
-        if source != "org/de-en":
-            raise OSError("not on the Hub")
-        return card
-
-    monkeypatch.setattr(evaluation.ModelCard, "load", load)
-    assert evaluation.model_card_languages("org/de-en") == ["de", "en"]
-    assert evaluation.model_card_languages("org/unreachable") is None  # offline, or no card: nothing said
-    (tmp_path / "folder").mkdir()  # a local folder without a card is not looked for on the Hub
-    assert evaluation.model_card_languages(tmp_path / "folder") is None
-    assert asked == ["org/de-en", "org/unreachable"]
-
-
 def test_scoring_other_languages_than_the_models_card_names_is_said(tmp_path, caplog):
     """evaluate_model.py without --test_file scores the embedded English-Spanish corpus: a converted
     German-English model was scored on it (BLEU near 0) without a word, and so were pairs of another

@@ -117,15 +117,14 @@ def warn_without_generation_config(folder: Path, model: Any) -> None:
 
 
 def model_card_languages(path: str | Path) -> list[str] | None:
-    """The [source, target] language codes that the card of a model folder or Hub model (written by this
-    package, whose `language` metadata is that pair in order) names; None for any other card, or where
-    none can be read (a Hub model's offline and not in the cache, say)."""
+    """The [source, target] language codes a local model folder's card (written by this package, whose
+    `language` metadata is that pair in order) names; None for any other folder or card."""
     readme = Path(path) / "README.md"
-    if Path(path).exists() and not readme.is_file():
+    if not readme.is_file():
         return None
     try:
-        data = ModelCard.load(readme if Path(path).exists() else str(path)).data
-    except Exception:  # a malformed card, none on the Hub, no network: nothing to compare with
+        data = ModelCard.load(readme).data
+    except Exception:  # a malformed card: nothing to compare with
         return None
     # A code with a region or a script ("pt-BR") is in `language_bcp47`, its language alone in `language`.
     metadata = data.to_dict()
