@@ -434,9 +434,10 @@ def test_save_pretrained_with_push_to_hub_uploads_the_pipeline(tmp_path, monkeyp
     assert (tmp_path / "model" / "pipeline_vanilla_transformer.py").is_file()  # the local folder too
 
 
-@pytest.mark.parametrize("name", ["translation", "en", "es"])
+@pytest.mark.parametrize("name", ["translation", "en", "es", "my run"])
 def test_card_for_repo_rewrites_only_the_loading_examples(tmp_path, name):
-    # A folder named like a quoted word of the card (a pipeline task, a language column) keeps that word.
+    # A folder named like a quoted word of the card (a pipeline task, a language column) keeps that word;
+    # one with a space is replaced whole (the translate command became `--model NAME/REPO run`).
     write_model_card(
         tmp_path,
         model_name=name,
@@ -455,11 +456,15 @@ def test_card_for_repo_rewrites_only_the_loading_examples(tmp_path, name):
     assert f'repo = "{name}"' in text and f'model="{name}"' in text
     assert f'repo = "{name}"' not in card and f'model="{name}"' not in card
     assert f'repo = "{REPO_ID}"' in card and f'model="{REPO_ID}"' in card
+    assert f"translate.py --model {REPO_ID} --input" in card
     for kept in ('pipeline("translation"', 'batch["en"]', 'batch["es"]'):
         assert card.count(kept) == text.count(kept) > 0
     # A published card (a downloaded snapshot) pushed to another repo loads that repo: it kept loading
-    # the first one.
+    # the first one. (The start model that a recorded command names is not the model.)
+    command = "python scripts/finetune.py --model org/start --output_dir x\n"
+    card = card.replace("## Results", command + "## Results")
     moved = card_for_repo(card, "acme/translator-en-es")
+    assert "finetune.py --model org/start " in moved
     assert REPO_ID not in moved.split("---", 2)[2]
     assert moved.count("acme/translator-en-es") == card.count(REPO_ID) > 0
 
@@ -502,6 +507,24 @@ def test_other_files_kept_are_never_the_other_weights_layout(model_folder, tmp_p
     uploaded = {op.path_in_repo for op in commits[-1] if not isinstance(op, CommitOperationDelete)}
     assert deleted == set(earlier) - uploaded and deleted  # onnx/model.onnx kept, as asked
     assert any("the other weights layout" in message for message in messages)
+
+
+def test_the_licence_file_a_card_links_is_published_with_the_folder(model_folder, tmp_path):
+    """A fine-tuned or converted folder carries its start model's licence file (`copy_license_file`), which
+    the upload refused as not a model folder's; the file the card links, in a subfolder too, goes up."""
+    from vanilla_transformer.hub import other_files
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    (folder / "LICENSE").write_text("terms")
+    assert other_files(folder) == []
+    (folder / "docs").mkdir()
+    (folder / "docs" / "TERMS.md").write_text("terms")
+    assert other_files(folder) == ["docs/TERMS.md"]
+    card = ModelCard((folder / "README.md").read_text(encoding="utf-8"))
+    card.data.license, card.data.license_link = "other", "docs/TERMS.md"
+    (folder / "README.md").write_text(str(card), encoding="utf-8")
+    assert other_files(folder) == []
 
 
 def test_push_script_names_an_unreachable_hub_in_one_line(model_folder):

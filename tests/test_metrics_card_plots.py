@@ -824,7 +824,13 @@ def test_a_licence_without_an_identifier_keeps_its_name_and_link(tmp_path, monke
         model_card.copy_license_file(str(local), tmp_path / "other", "LICENSE")
     assert "links its licence to LICENSE, which is not in that folder" in caplog.text
 
+    # A link out of the folder ("../LICENSE") is no file of it: not copied (it was written beside the new
+    # folder), and not made an address in the start model's repo.
+    (tmp_path / "LICENSE").write_text("elsewhere")
+    model_card.copy_license_file(str(local), tmp_path / "climbing" / "model", "../LICENSE")
+    assert not (tmp_path / "climbing").exists()
     for link, expected in (
+        ("../LICENSE", "../LICENSE"),
         ("LICENSE", "https://huggingface.co/org/model/blob/main/LICENSE"),
         ("./docs/LICENSE.md", "https://huggingface.co/org/model/blob/main/docs/LICENSE.md"),
         ("https://example.org/terms", "https://example.org/terms"),

@@ -520,16 +520,27 @@ def test_average_checkpoints_refuses_an_output_it_cannot_write_before_averaging(
     assert f"--output {tmp_path / 'averaged'} cannot be written: {tmp_path} is not writable" in result.stderr
 
 
-def test_a_validation_split_held_out_of_the_training_data_is_scored_as_the_card_counts_it(tmp_path):
+def test_a_validation_split_held_out_of_the_training_data_is_scored_as_the_card_counts_it(
+    tmp_path, monkeypatch
+):
     """Without a test or validation file the run scores pairs held out of the training file. Its
     validation loss and the card's counts took those within --max_length (training data), while BLEU
     was scored on every held-out pair: "its first 8 of 29 sentence pairs" under a table saying 29, with
-    3 of 5 sample translations from pairs outside them (and lines of any length translated)."""
+    3 of 5 sample translations from pairs outside them (and lines of any length translated); so was
+    the BLEU of each validation during training."""
     rows = load_default_corpus()["train"].select(range(1100))  # train.py holds out 500 pairs
     train_file = tmp_path / "train.tsv"
     train_file.write_text("en\tes\n" + "".join(f"{r['en']}\t{r['es']}\n" for r in rows), encoding="utf-8")
     args = small_args(tmp_path / "run", {"train_file": str(train_file)}, max_length=24)
-    args += ["--max_steps", "2", "--eval_steps", "0", "--test_samples", "1000", "--save_steps", "2"]
+    args += ["--max_steps", "2", "--eval_steps", "1", "--eval_samples", "200"]
+    args += ["--test_samples", "1000", "--save_steps", "2"]
+    translated, translate_sharded = [], training_module.translate_sharded
+
+    def recorded(accelerator, model, tokenizer, sources, **kwargs):
+        translated.append(list(sources))
+        return translate_sharded(accelerator, model, tokenizer, sources, **kwargs)
+
+    monkeypatch.setattr(training_module, "translate_sharded", recorded)
     result = train(parse_config(args))
     card = (tmp_path / "run" / "README.md").read_text(encoding="utf-8")
     counted = re.search(
@@ -549,6 +560,9 @@ def test_a_validation_split_held_out_of_the_training_data_is_scored_as_the_card_
     for sample in result["samples"]:
         lengths = [len(tokenizer(text)["input_ids"]) for text in (sample["source"], sample["reference"])]
         assert max(lengths) <= 24, sample
+    assert len(translated) == 3  # validations at updates 1 and 2, then the final score
+    assert {len(sources) for sources in translated} == {counted}
+    assert all(len(tokenizer(text)["input_ids"]) <= 24 for sources in translated for text in sources)
 
 
 def test_resume_from_inside_a_logging_window_logs_the_same_averages(tmp_path, corpus_files):

@@ -74,6 +74,8 @@ MODEL_FILES = (
     "*.model",
     "metrics.json",
     "*.png",
+    "LICENSE*",  # the licence a card links (`license_link`), copied from the model it started from
+    "LICENCE*",
 )
 
 
@@ -84,15 +86,27 @@ def incidental(name: str) -> bool:
 
 def other_files(folder: str | Path, uploadable: list[Path] | None = None) -> list[str]:
     """The files under `folder` that an upload would send (`uploadable`, listed here if not given) and
-    that are not a model folder's (`MODEL_FILES`, at the top level), as paths relative to it."""
+    that are not a model folder's (`MODEL_FILES`, at the top level, and the licence file its card
+    links), as paths relative to it."""
     folder = Path(folder)
     paths = _uploadable(folder) if uploadable is None else uploadable
     names = sorted(path.relative_to(folder).as_posix() for path in paths)
+    licence = _linked_licence(folder)
     return [
         name
         for name in names
-        if "/" in name or not any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES)
+        if name != licence
+        and ("/" in name or not any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILES))
     ]
+
+
+def _linked_licence(folder: Path) -> str | None:
+    """The file of `folder` that its card's `license_link` names (a path inside it), if any."""
+    try:
+        link = ModelCard.load(folder / "README.md").data.license_link
+    except Exception:  # no card, or one that cannot be read: check_model_folder says so
+        return None
+    return link.removeprefix("./") if isinstance(link, str) and (folder / link).is_file() else None
 
 
 def _uploadable(folder: Path) -> list[Path]:
@@ -228,16 +242,19 @@ def card_for_repo(text: str, repo_id: str) -> str:
     """A model card's text with its usage examples loading `repo_id`.
 
     The training script renders the card before the folder has a Hub name, so its examples load the
-    card's `model_name` (the folder's name): `repo = "NAME"`, `model="NAME"`, `--model NAME`; a card
-    published before (a downloaded snapshot pushed to another repo) loads its earlier repo id there.
-    Those occurrences, and no other, become the repo id (a folder named "translation" or "en" leaves
-    `pipeline("translation", ...)` and `batch["en"]` alone); the rest of the text, the title and the
-    model-index are left as they are.
+    card's `model_name` (the folder's name): `repo = "NAME"`, `model="NAME"`, `translate.py --model
+    NAME`; a card published before (a downloaded snapshot pushed to another repo) loads its earlier
+    repo id there. Those occurrences, and no other, become the repo id (a folder named "translation"
+    or "en" leaves `pipeline("translation", ...)` and `batch["en"]` alone, and a recorded command's
+    `--model` its start model); the rest of the text, the title and the model-index are left as they
+    are.
     """
-    if not ModelCard(text).data.model_name:
+    name = ModelCard(text).data.model_name
+    if not name:
         return text
-    # The three forms, whatever they load: not every quoted name ("en", "translation").
-    for form in (r'(repo = ")[^"\n]+(")', r'(model=")[^"\n]+(")', r"(--model )\S+( )"):
+    loaded = rf"(?:{re.escape(str(name))}|[\w.-]+/[\w.-]+)"  # the folder's name, or an earlier repo id
+    forms = (rf'(repo = "){loaded}(")', rf'(model="){loaded}(")', rf"(translate\.py --model ){loaded}( )")
+    for form in forms:
         text = re.sub(form, lambda match: f"{match[1]}{repo_id}{match[2]}", text)
     return text
 

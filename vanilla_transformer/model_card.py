@@ -11,7 +11,7 @@ import json
 import logging
 import shutil
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -510,8 +510,13 @@ def base_license(model: str) -> dict[str, str | None]:
 
 
 def _relative(link: str) -> bool:
-    """Whether a card's `license_link` names a file of its own repo or folder (not an address)."""
-    return "://" not in link and not link.startswith(("/", "mailto:"))
+    """Whether a card's `license_link` names a file of its own repo or folder (not an address, and not a
+    path out of it: "../LICENSE")."""
+    return (
+        "://" not in link
+        and not link.startswith(("/", "mailto:"))
+        and ".." not in PurePosixPath(link.removeprefix("./")).parts
+    )
 
 
 def copy_license_file(model: str, folder: str | Path, license_link: str | None) -> None:

@@ -1163,11 +1163,12 @@ class Run:
             self.accelerator,
             self.accelerator.unwrap_model(evaluated),
             self.tokenizer,
-            self.data["validation"]["source"][: config.eval_samples],
+            self.tokenized["validation"]["source"][: config.eval_samples],
             batch_size=config.eval_batch_size,
             **config.decoding(),
         )
-        references = self.data["validation"]["target"][: config.eval_samples]
+        # (the pairs the loss is measured on: a split held out of the training data, within --max_length)
+        references = self.tokenized["validation"]["target"][: config.eval_samples]
         bleu = score_translations(hypotheses, references, target_lang=config.target_lang)["bleu"]
         self.model.train()
         return {"val_loss": losses["loss"], "val_ppl": losses["ppl"], "val_bleu": bleu}
