@@ -62,6 +62,14 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
         {"translation_text": translate(model, tokenizer, SENTENCES[:1], num_beams=1, max_new_tokens=3)[0]}
     ]
     assert fixed(SENTENCES[0], max_new_tokens=8) == single
+    # A call's whole generation config replaces them, as in transformers' pipelines (the construction's
+    # max_new_tokens won over it, and generate warned of the two given together).
+    from transformers import GenerationConfig
+
+    whole = GenerationConfig(**{**model.generation_config.to_dict(), "num_beams": 1, "max_new_tokens": 8})
+    with logged_messages("transformers") as messages:
+        assert fixed(SENTENCES[0], generation_config=whole) == single
+    assert not any("generation_config" in message for message in messages), messages
     with pytest.raises(ValueError, match="takes a string, a list or tuple of strings"):
         translator(42)
     with pytest.raises(ValueError, match=r"a string or a list of strings: inputs\[1\] is a int"):
@@ -446,6 +454,12 @@ def test_stop_sequences_and_return_type_as_transformers_pipelines_take_them(save
         translator(SENTENCES[1], return_type=ReturnType.FULL_TEXT)
     with pytest.raises(ValueError, match="Give return_type, or return_tensors and return_text, not both"):
         translator(SENTENCES[1], return_type=ReturnType.TENSORS, return_text=True)
+    # Given at construction, a call's return_tensors=False gives the text again (an error named a
+    # return_text=False the caller never gave).
+    ids_only = TranslationPipeline(
+        model=model, tokenizer=tokenizer, num_beams=1, max_new_tokens=8, return_type="TENSORS"
+    )
+    assert ids_only(SENTENCES[1], return_tensors=False) == translator(SENTENCES[1])
 
 
 def test_language_codes_are_refused_clearly(saved):
@@ -457,6 +471,14 @@ def test_language_codes_are_refused_clearly(saved):
             translator(SENTENCES[0], **option)
         with pytest.raises(ValueError, match="takes no language codes"):
             TranslationPipeline(model=model, tokenizer=tokenizer, **option)
+    # A multilingual tokenizer (NLLB's, M2M100's, mBART's) takes them: the message said that the model
+    # translates one language pair.
+    import copy
+
+    multilingual = copy.deepcopy(tokenizer)
+    multilingual._build_translation_inputs = lambda *args, **kwargs: None
+    with pytest.raises(ValueError, match="for a multilingual model set the tokenizer's src_lang and give"):
+        TranslationPipeline(model=model, tokenizer=multilingual)(SENTENCES[0], src_lang="eng_Latn")
 
 
 def test_loading_a_folder_with_the_package_imported_overwrites_nothing(saved, tmp_path):

@@ -192,11 +192,17 @@ class TranslationPipeline(Pipeline):
         **generate_kwargs: Any,
     ) -> tuple[dict, dict, dict]:
         for name, code in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
-            if code is not None:
+            if code is None:
+                continue
+            if hasattr(self.tokenizer, "_build_translation_inputs"):  # a multilingual tokenizer's
                 raise ValueError(
-                    f"{name}={code!r}: this model translates the one language pair it was trained on and "
-                    "takes no language codes (src_lang and tgt_lang were for multilingual models); remove it."
+                    f"{name}={code!r}: this pipeline takes no language codes; for a multilingual model set "
+                    "the tokenizer's src_lang and give the target language's token as forced_bos_token_id."
                 )
+            raise ValueError(
+                f"{name}={code!r}: this model translates the one language pair it was trained on and "
+                "takes no language codes (src_lang and tgt_lang were for multilingual models); remove it."
+            )
         preprocess_params = {}
         if truncation is not None:
             if not isinstance(truncation, bool):
@@ -230,7 +236,8 @@ class TranslationPipeline(Pipeline):
                 )
             if return_tensors is not None or return_text is not None:
                 raise ValueError("Give return_type, or return_tensors and return_text, not both.")
-            return_tensors, return_text = kind == "TENSORS", kind != "TENSORS"
+            # (the text follows from it: a later call's return_tensors=False gives the text again)
+            return_tensors = kind == "TENSORS"
         if stop_sequence is not None:
             strings = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
             if not isinstance(strings, (list, tuple)) or not all(isinstance(t, str) and t for t in strings):
@@ -255,8 +262,11 @@ class TranslationPipeline(Pipeline):
             raise ValueError("return_text=False without return_tensors=True leaves nothing to return.")
         # `Pipeline` merges a call's pre- and postprocessing options over the construction's itself, but
         # replaces the construction's forward options with a call's: merge them here, so that those given
-        # at construction stay unless the call changes them.
+        # at construction stay unless the call changes them; a call's whole `generation_config` replaces
+        # them, as in transformers' pipelines.
         given = getattr(self, "_forward_params", {}).get("generate_kwargs", {})
+        if "generation_config" in generate_kwargs:
+            given = {}
         return preprocess_params, {"generate_kwargs": {**given, **generate_kwargs}}, postprocess_params
 
     def __call__(self, inputs: str | list[str] | tuple[str, ...] | Iterable[str], **kwargs: Any) -> Any:
