@@ -6,7 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import BOS, PAD, TINY_TERMS, assert_same_up_to_rounding, tiny_config, tiny_model
+from tests.conftest import (
+    BOS,
+    PAD,
+    TINY_TERMS,
+    assert_same_up_to_rounding,
+    logged_messages,
+    tiny_config,
+    tiny_model,
+)
 from vanilla_transformer import (
     VanillaTransformerConfig,
     VanillaTransformerForConditionalGeneration,
@@ -557,6 +565,14 @@ def test_keyword_arguments_of_a_registered_attention_function_reach_it(batch, mo
 def test_output_attentions_needs_eager(batch):
     with pytest.raises(ValueError, match="attn_implementation='eager'"):
         tiny_model("sdpa")(**batch, output_attentions=True)
+    # Not asked for, the attention function is not looked up (every forward checks): a configuration
+    # without an implementation made transformers warn, and a name it lacks raised.
+    config = tiny_config()
+    for name in (None, "not registered"):
+        config._attn_implementation = name
+        with logged_messages("transformers") as messages:
+            assert modeling.requested_outputs(config, False, True) == (False, True)
+        assert messages == []
 
 
 def test_output_attentions_returns_the_weights_a_registered_function_returns(batch, monkeypatch):

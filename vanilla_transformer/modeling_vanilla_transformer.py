@@ -504,9 +504,9 @@ def requested_outputs(
     output_hidden_states = (
         config.output_hidden_states if output_hidden_states is None else output_hidden_states
     )
-    function = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    # (looked up only when asked: every forward runs this, and a name the interface lacks raises there)
     if output_attentions and any(
-        function is weightless
+        ALL_ATTENTION_FUNCTIONS.get(config._attn_implementation) is weightless
         for weightless in (sdpa_attention_forward, flash_attention_forward, flex_attention_forward)
     ):
         raise ValueError(
