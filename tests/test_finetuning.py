@@ -198,6 +198,28 @@ def test_the_saved_folder_is_the_fine_tuned_model(start, marian_start, tmp_path,
         assert positions and all(torch.equal(before[name], trained[name]) for name in positions)
 
 
+def test_a_model_whose_tokenizer_pads_on_the_left_is_fine_tuned_on_right_padded_targets(start, tmp_path):
+    """transformers' collator pads the labels on the tokenizer's side: a model folder whose tokenizer
+    pads on the left was fine-tuned from decoder inputs `<s> <pad> ... y1 ...`, a context no translation
+    is decoded from. The training batches are padded on the right, the tokenizer left as it is."""
+    from transformers import AutoTokenizer
+
+    model_dir, data = start
+    folder = tmp_path / "left"
+    shutil.copytree(model_dir, folder)
+    AutoTokenizer.from_pretrained(model_dir, padding_side="left").save_pretrained(folder)
+    trainer = build_trainer(small_config(folder, data, tmp_path / "out", max_steps=1))
+    assert trainer.processing_class.padding_side == "left"
+    rows = sorted(range(len(trainer.train_dataset)), key=lambda i: len(trainer.train_dataset[i]["labels"]))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in (rows[0], rows[-1])])
+    tokenizer = trainer.processing_class
+    labelled = batch["labels"] != -100
+    assert labelled[0, 0] and not labelled[0, -1]  # the short target first, its padding after it
+    assert (batch["decoder_input_ids"][:, 0] == tokenizer.bos_token_id).all()
+    assert (batch["decoder_input_ids"][:, 1] != tokenizer.pad_token_id).all()
+    assert batch["attention_mask"][0, 0] == 1
+
+
 @pytest.mark.parametrize("kind", ["ours", "marian"])
 @pytest.mark.parametrize("factor", [0.0, 0.2])
 def test_one_label_smoothing_knob(start, marian_start, tmp_path, factor, kind):

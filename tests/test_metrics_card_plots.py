@@ -341,7 +341,8 @@ def test_translate_reads_a_sentence_as_the_training_data_reads_it(keeping_spaces
     lines. A sentence given with its line break (as `readlines()` gives it), in Windows' form, with
     spaces around it or across lines was encoded with word-start tokens that no training source has
     (by this package's tokenizers from before they stripped texts' ends, as here, and by others that keep
-    spaces) and translated otherwise."""
+    spaces) and translated otherwise; so was one with two spaces or tabs between its words (by every
+    tokenizer of this package: a second space is a token of its own)."""
     from vanilla_transformer.tokenization import train_bpe_tokenizer
 
     tokenizer = keeping_spaces_at_the_ends(train_bpe_tokenizer(SOURCES * 5, 80))
@@ -352,7 +353,10 @@ def test_translate_reads_a_sentence_as_the_training_data_reads_it(keeping_spaces
         "  " + clean[2] + " ",
         clean[3].replace(" ", " \n ", 1),
         " \t" + clean[4],
+        clean[0].replace(" ", "  ", 2),
+        clean[1].replace(" ", "\t\t").replace(".", ".\u3000 "),
     ]
+    clean += clean[:2]
     expected = [tokenizer(text)["input_ids"] for text in clean]
     for raw, ids in zip(given, expected, strict=True):  # the tokenizer alone reads each of them otherwise
         assert tokenizer(raw)["input_ids"] != ids, raw

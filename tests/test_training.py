@@ -786,6 +786,50 @@ def test_config_overrides_take_precedence_over_the_recipe(tmp_path, corpus_files
     assert "**Stutter augmentation**" in card and "50% of the" in card and "1 to 3 times" in card
 
 
+def right_padded(batch: dict[str, torch.Tensor], bos: int, pad: int) -> bool:
+    """Whether every target of `batch` starts its decoder input with `bos` and text, its padding after."""
+    labelled = batch["labels"] != -100
+    lengths = labelled.sum(1, keepdim=True)
+    prefix = torch.arange(labelled.shape[1]) < lengths
+    return (
+        bool(torch.equal(labelled, prefix))
+        and bool((batch["decoder_input_ids"][:, 0] == bos).all())
+        and bool((batch["decoder_input_ids"][:, 1] != pad).all())
+    )
+
+
+def test_a_left_padding_tokenizer_trains_on_right_padded_targets(tmp_path, corpus_files, monkeypatch):
+    """transformers' collator pads the labels on the tokenizer's side: with a tokenizer saved to pad on
+    the left, a short target was trained from `<s> <pad> ... y1 ...` and the stutter augmentation (which
+    reads right-padded targets) erased every label of the targets it changed, without a word. Batches are
+    padded on the right now; the tokenizer written with the model keeps its own side."""
+    import datasets
+
+    rows = datasets.load_dataset("csv", data_files=corpus_files["train_file"], delimiter="\t")["train"]
+    texts = list(rows["en"]) + list(rows["es"])
+    train_bpe_tokenizer(texts, 400).save_pretrained(tmp_path / "tok")
+    AutoTokenizer.from_pretrained(tmp_path / "tok", padding_side="left").save_pretrained(tmp_path / "left")
+    assert AutoTokenizer.from_pretrained(tmp_path / "left").padding_side == "left"
+    seen = []
+
+    def spy(batch, rate, *args, **kwargs):
+        out = add_stutters(batch, rate, *args, **kwargs)
+        seen.append((batch, out))
+        return out
+
+    monkeypatch.setattr(training_module, "add_stutters", spy)
+    args = small_args(tmp_path / "run", corpus_files, max_steps=2, eval_steps=0, test_samples=1)
+    args[args.index("--vocab_size") : args.index("--vocab_size") + 2] = []
+    args = [*args, "--tokenizer_name", str(tmp_path / "left"), "--stutter_rate", "0.5"]
+    train(parse_config(args))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    assert tokenizer.padding_side == "left"
+    assert len(seen) == 2
+    for batch, stuttered in seen:
+        assert right_padded(batch, tokenizer.bos_token_id, tokenizer.pad_token_id)
+        assert (stuttered["labels"] != -100).sum() >= (batch["labels"] != -100).sum()
+
+
 def test_a_field_given_by_its_flag_and_by_config_overrides_once_each(tmp_path):
     """--config_overrides won over --dropout, --label_smoothing and --unlikelihood_weight: given both
     with other values, the flag was ignored without a word. Two values are refused; the same value

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch.utils.data import SequentialSampler
 from transformers import (
-    DataCollatorForSeq2Seq,
     EvalPrediction,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
@@ -50,6 +49,7 @@ from .parallel_data import (
     check_data_paths,
     load_parallel_data,
     resolve_languages,
+    seq2seq_collator,
     text_digest,
     tokenize_parallel_data,
 )
@@ -636,7 +636,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         args=arguments,
         train_dataset=tokenized["train"].select_columns([*columns, "source_length"]),
         eval_dataset=validation.select_columns(columns),
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        data_collator=seq2seq_collator(tokenizer, model),
         processing_class=tokenizer,
         compute_metrics=BleuMetric(
             tokenizer,

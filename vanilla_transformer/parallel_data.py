@@ -734,6 +734,23 @@ def tokenize_parallel_data(
     return tokenized
 
 
+def seq2seq_collator(tokenizer: Any, model: Any) -> Any:
+    """transformers' `DataCollatorForSeq2Seq` for `model`, its labels padded with -100, padding on the
+    right whatever side `tokenizer` pads on. It pads the labels on the tokenizer's side, and a
+    tokenizer saved to pad on the left (as many are, for decoder-only generation) gave a short target
+    the decoder input `<s> <pad> <pad> ... y1 ...`, a context no translation is decoded from, and the
+    stutter augmentation (which reads targets as right-padded) lost every label of the targets it
+    changed."""
+    import copy
+
+    from transformers import DataCollatorForSeq2Seq
+
+    if tokenizer.padding_side != "right":
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.padding_side = "right"
+    return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+
+
 __all__ = [
     "DEFAULT_LANGUAGES",
     "DataError",
@@ -743,5 +760,6 @@ __all__ = [
     "check_utf8",
     "file_sha256",
     "load_parallel_data",
+    "seq2seq_collator",
     "tokenize_parallel_data",
 ]

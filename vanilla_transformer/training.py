@@ -46,7 +46,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
 from .batching import TokenBatchSampler
 from .cli import LARGEST_INT, InputError, first_line, json_field, parse_dataclass
@@ -76,6 +76,7 @@ from .parallel_data import (
     file_sha256,
     load_parallel_data,
     resolve_languages,
+    seq2seq_collator,
     text_digest,
     tokenize_parallel_data,
 )
@@ -1434,7 +1435,7 @@ def start(config: TrainingConfig) -> Run:
         f"model: {config.preset}, {model.num_parameters():,} parameters, vocabulary {len(tokenizer):,}; "
         f"peak lr {peak_lr:.2e}, {config.lr_schedule} schedule"
     )
-    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    collator = seq2seq_collator(tokenizer, model)
     shards = accelerator.num_processes
     train_loader = make_loader(
         tokenized["train"], collator, config.max_tokens, shuffle=True, seed=config.seed, num_shards=shards

@@ -55,7 +55,7 @@ def translate(
 ) -> list[str]:
     """Translate `sentences` with `model.generate`, `batch_size` sentences at a time.
 
-    Each sentence is read as training data is (`one_line`: stripped, its line breaks made spaces).
+    Each sentence is read as training data is (`one_line`: stripped, each run of whitespace a space).
     Sentences are sorted by token length (longest first) so that each batch carries little padding;
     the translations come back in the input order, decoded without special tokens, stripped and on one
     line each (a model trained on text with line breaks may write them: they become spaces, so that a
