@@ -147,6 +147,73 @@ def test_evaluation_sources_that_occur_in_train_are_reported(tmp_path):
     assert report.lines()[0].startswith("warning: 2 of the test pairs have a source sentence that")
 
 
+def test_a_csv_field_that_opens_a_quote_it_does_not_close_is_named(tmp_path):
+    """Read leniently, a field opening a quote ran on through the next lines (four pairs read as two, one
+    of them ('A', '5 inch OK,Vale Hi,Hola"')) and a quoted start lost its quotes, without a word."""
+    for text, line in (
+        ('en,es\nA,"5 inch\nOK,Vale\nHi,"Hola"\nBye,Adios\n', "2 through line 4"),
+        ('en,es\nHi,Hola\n"Go home" he said.,"Vete a casa" dijo.\n', "3"),
+    ):
+        path = write(tmp_path / "q.csv", text)
+        with pytest.raises(DataError, match=rf"q\.csv, line {line}: not readable as CSV .*quoted whole"):
+            load_parallel_data(test_file=path, for_training=False)
+    path = write(tmp_path / "ok.csv", 'en,es\n"""Go home"" he said.",Vete.\nHe said 5" or so,Dijo\n')
+    data, _ = load_parallel_data(test_file=path, for_training=False)
+    assert data["test"]["source"] == ['"Go home" he said.', 'He said 5" or so']
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_lines_ended_by_a_carriage_return_alone_are_read_in_their_columns(tmp_path, suffix):
+    """pandas' C parser read a row whose first field is empty, after a blank line, one column to the left
+    in a file of old Mac line endings: ('Adios', 'farewell') trained as a pair."""
+    sep = "\t" if suffix == ".tsv" else ","
+    rows = (
+        ["en", "es", "note"],
+        ["Hello", "Hola", "hi"],
+        [],
+        ["", "Adios", "farewell"],
+        ["Thanks", "Gracias", "x"],
+    )
+    path = write(tmp_path / f"cr{suffix}", "\r".join(sep.join(row) for row in rows) + "\r")
+    data, report = load_parallel_data(test_file=path, for_training=False)
+    assert list(zip(data["test"]["source"], data["test"]["target"], strict=True)) == [
+        ("Hello", "Hola"),
+        ("Thanks", "Gracias"),
+    ]
+    assert report.empty == {"test": 1}
+
+
+def test_a_byte_order_mark_inside_a_file_is_named(tmp_path):
+    """A headerless file saved with a byte-order mark, appended: the mark stayed in the sentence (a
+    perfect translation scored 48.3 BLEU, not 55.3, with it on the target side)."""
+    for suffix, sep in ((".tsv", "\t"), (".csv", ",")):
+        path = write(tmp_path / f"m{suffix}", f"\ufeffen{sep}es\nHi{sep}Hola\n\ufeffThanks{sep}Gracias\n")
+        with pytest.raises(DataError, match=rf"m\{suffix}, line 3: starts with a byte-order mark"):
+            load_parallel_data(test_file=path, for_training=False)
+
+
+def test_held_out_validation_shares_no_source_with_train_as_the_model_reads_them(tmp_path):
+    """Validation held out of the training file kept pairs whose source was also a training source with
+    another translation (only identical pairs were dropped), or the same text with a no-break space or
+    decomposed accents (NFKC reads them alike), and said nothing: the scores rewarded memorising. The
+    same variants in a validation or test file given as such are counted in the warning."""
+    rows = []
+    for i in range(60):
+        rows += [f"¿Thank you {i}?\tGracias {i}.", f"¿Thank you {i}?\tMuchas gracias {i}."]
+        rows += [f"Cafe\u0301  {i} ?\tCafé {i}.", f"Café {i}\u00a0?\tUn café {i}."]
+    train_file = write(tmp_path / "t.tsv", "en\tes\n" + "\n".join(rows) + "\n")
+    data, report = load_parallel_data(train_file=train_file, validation_size=60)
+    keys = {parallel_data.sentence_key(source) for source in data["train"]["source"]}
+    assert len(data["validation"]) < 60
+    assert not any(parallel_data.sentence_key(source) in keys for source in data["validation"]["source"])
+    assert report.held_out_in_train == 60 - len(data["validation"])
+    assert report.lines()[0].startswith(f"dropped {report.held_out_in_train} held-out validation pairs whose")
+    test = write(tmp_path / "test.tsv", "en\tes\nCafe\u0301 0 ?\tx\nCafé\u00a00\u00a0?\ty\nnew\tnuevo\n")
+    given = write(tmp_path / "v.tsv", "en\tes\nnew\tnuevo\n")
+    _, report = load_parallel_data(train_file=train_file, validation_file=given, test_file=test)
+    assert report.sources_in_train == {"validation": 0, "test": 2}
+
+
 def test_the_report_says_whether_validation_was_drawn_from_train(tmp_path):
     """An averaged model's card can rescore a split of the data's own, not one drawn at random."""
     rows = "".join(f"s{i}\tt{i}\n" for i in range(30))
@@ -953,7 +1020,9 @@ def test_splits_that_leave_nothing_to_train_or_validate_on_are_named(tmp_path, t
     """The ends of the data checks: a file of one pair repeated (every held-out pair is also a training
     pair), a length bound nothing fits, and a bound too small for a word and the end token."""
     repeated = write(tmp_path / "same.tsv", "en\tes\n" + "thank you\tgracias\n" * 30)
-    with pytest.raises(DataError, match="Every held-out validation pair also occurs in train"):
+    with pytest.raises(
+        DataError, match="Every held-out validation pair has a source sentence that also occurs in train"
+    ):
         load_parallel_data(train_file=repeated, validation_size=5)
     pairs = {"source": ["a long sentence " * 8] * 3, "target": ["una frase larga " * 8] * 3}
     data = DatasetDict({"train": Dataset.from_dict(pairs), "validation": Dataset.from_dict(pairs)})

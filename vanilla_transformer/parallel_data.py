@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import re
+import unicodedata
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,8 +55,8 @@ class DataReport:
         ]
         if self.held_out_in_train:
             out.append(
-                f"dropped {self.held_out_in_train} held-out validation pairs that also occur in train "
-                "(repeated pairs of the training file)"
+                f"dropped {self.held_out_in_train} held-out validation pairs whose source sentence also "
+                "occurs in train (sentences the training file repeats)"
             )
         out += [
             f"warning: {n} of the {split} pairs have a source sentence that also occurs in train: their "
@@ -191,6 +192,11 @@ def _check_delimited(path: Path) -> list[str]:
             pairs += 1
             if [row[0].removeprefix("\ufeff"), *row[1:]] == header:  # with its own mark, after `cat`
                 raise DataError(f"{path}, line {line}: repeats the header row {header}; remove it.")
+            if row[0].startswith("\ufeff"):  # a file saved with one, appended: the mark is no text
+                raise DataError(
+                    f"{path}, line {line}: starts with a byte-order mark (U+FEFF), as where a file saved "
+                    "with one was appended to another (`cat`); it would stay in the sentence. Remove it."
+                )
             if path.suffix == ".tsv" and (quoted := next(filter(_csv_quoted, row), None)) is not None:
                 raise DataError(
                     f"{path}, line {line}: {quoted!r} is quoted the CSV way (in quotes, its own quotes "
@@ -216,13 +222,21 @@ def _check_delimited(path: Path) -> list[str]:
 
 
 def _csv_rows(path: Path, handle: Any) -> Iterator[tuple[int, list[str]]]:
-    """The rows of a CSV file with the line each ends on; a row the csv module cannot read is named."""
-    reader = csv.reader(handle)
+    """The rows of a CSV file with the line each ends on; a row the csv module cannot read is named.
+    Read strictly: leniently, a field that opens with a quote it does not close ran on through the
+    next lines (three pairs read as one, without a word), and `"Go home" he said.` lost its quotes."""
+    reader = csv.reader(handle, strict=True)
+    start = 1  # the line the next row starts on (a quoted field may hold line breaks)
     try:
         for row in reader:
             yield reader.line_num, row
+            start = reader.line_num + 1
     except csv.Error as error:
-        raise DataError(f"{path}, line {reader.line_num}: not readable as CSV ({error}).") from None
+        through = f" through line {reader.line_num}" if reader.line_num > start else ""
+        raise DataError(
+            f"{path}, line {start}{through}: not readable as CSV ({error}). A field that starts with a "
+            'double quote must be quoted whole, its own quotes doubled ("""Go home"" he said.").'
+        ) from None
 
 
 def _csv_quoted(field: str) -> bool:
@@ -272,10 +286,22 @@ def check_jsonl(path: Path, columns: Collection[str] = ()) -> None:
         raise DataError(f"{path} is empty: it needs one JSON object per line.")
 
 
-def _holds_nul(path: Path, block: int = 1 << 20) -> bool:
-    """Whether a file has a NUL byte anywhere."""
+BARE_CR = re.compile(rb"\r(?!\n)")  # a line that ends in a carriage return alone (old Mac files)
+
+
+def _misread_by_pandas_c_parser(path: Path, block: int = 1 << 20) -> bool:
+    """Whether a delimited file has what pandas' C parser misreads without an error: a NUL byte (before
+    pandas 3.1 a field ended there, "a\0b" read as "a") or a line ending in a carriage return alone
+    (pandas 3.1: after a blank line, a row whose first field is empty was read one column to the left)."""
+    carried = b""  # a carriage return that ended the last block: a line feed may start the next one
     with path.open("rb") as handle:
-        return any(b"\0" in chunk for chunk in iter(lambda: handle.read(block), b""))
+        for chunk in iter(lambda: handle.read(block), b""):
+            chunk, carried = carried + chunk, b""
+            if chunk.endswith(b"\r"):
+                chunk, carried = chunk[:-1], b"\r"
+            if b"\0" in chunk or BARE_CR.search(chunk):
+                return True
+    return bool(carried)
 
 
 def _empty_json(path: Path, head: int = 4096) -> bool:
@@ -351,7 +377,7 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
     paths = {split: Path(path) for split, path in files.items()}
     suffixes = set()
     fields: dict[str, int] = {}  # a delimited file's number of columns
-    with_nul: set[str] = set()  # the delimited files' splits with a NUL byte in their text
+    python_parser: set[str] = set()  # the delimited files' splits that pandas' C parser misreads
     digests: dict[str, str] = {}  # a file's contents, which name its cache (see below)
     check_data_paths(paths)
     for split, path in paths.items():
@@ -360,8 +386,8 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
         if FILE_BUILDERS[path.suffix] == "csv":
             header = check_delimited(path)
             fields[split] = len(header)
-            if _holds_nul(path):
-                with_nul.add(split)
+            if _misread_by_pandas_c_parser(path):
+                python_parser.add(split)
             # pandas renames a repeated name ("es", "es.1"): the run would read the first column of the
             # name without a word, whichever of them the user meant. (A name the run does not read, or
             # columns without a name, a spreadsheet's trailing empty ones, read as "Unnamed: 2", are none
@@ -397,10 +423,9 @@ def _load_files(files: Mapping[str, str | Path], columns: set[str]) -> DatasetDi
         parsing: dict[str, Any] = (
             {"converters": dict.fromkeys(range(fields[split]), str)} if split in fields else {}
         )
-        # pandas' C parser before 3.1 ends a field at a NUL byte, so "a\0b" was read as "a" with no
-        # error; its Python parser (the csv module's, so with its field limit lifted) keeps the field
-        # whole (slower, so only for such files).
-        if split in with_nul:
+        # pandas' Python parser (the csv module's, so with its field limit lifted) reads a NUL byte and
+        # lines ended by a carriage return alone as the checks above did (slower, so only for such files).
+        if split in python_parser:
             parsing["engine"] = "python"
         # datasets finds its cache of a local file by the file's path and modification time alone: a file
         # rewritten with the same time (`cp -p`, `rsync -a`, `touch -r`, a coarse-clock file system) was
@@ -644,33 +669,51 @@ def load_parallel_data(
                 "scripts/finetune.py hold out fewer pairs (--validation_size)."
             )
         held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
-        # A pair the file repeats ("Thank you." is common in OPUS data) could land on both sides, and
-        # the validation scores would reward memorising it. The held-out pairs are kept in memory and
-        # train is read in batches: a set of every training pair held gigabytes for millions of them.
-        wanted = set(zip(held_out["test"]["source"], held_out["test"]["target"], strict=True))
-        seen: set[tuple[str, str]] = set()
-        for batch in held_out["train"].select_columns(["source", "target"]).iter(batch_size=10_000):
-            seen.update(pair for pair in zip(batch["source"], batch["target"], strict=True) if pair in wanted)
-        validation = held_out["test"].filter(lambda row: (row["source"], row["target"]) not in seen)
+        # A source the file repeats ("Thank you." is common in OPUS data, with one translation or
+        # several) could land on both sides, and the validation scores would reward memorising it: such
+        # held-out pairs are dropped.
+        validation = held_out["test"]
+        seen = _sources_in(held_out["train"], set(map(sentence_key, validation["source"])))
+        validation = validation.filter(lambda row: sentence_key(row["source"]) not in seen)
         report.held_out_in_train = len(held_out["test"]) - len(validation)
         if len(validation) == 0:
-            raise DataError("Every held-out validation pair also occurs in train; pass validation_file.")
+            raise DataError(
+                "Every held-out validation pair has a source sentence that also occurs in train; pass "
+                "validation_file."
+            )
         data["train"], data["validation"] = held_out["train"], validation
         report.validation_held_out = True
     report.sources_in_train = sources_in_train(data, [] if report.validation_held_out else ["validation"])
     return data, report
 
 
+def sentence_key(text: str) -> str:
+    """`text` as a model reads it, for finding the same sentence in two splits: NFKC-normalised (as the
+    tokenizers this package trains read text: a no-break space, decomposed accents), stripped, each run
+    of whitespace one space (as `one_line` reads it)."""
+    return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
+def _sources_in(train: Any, wanted: set[str]) -> set[str]:
+    """Those of the sentence keys `wanted` that are the key of a source of `train`, read in batches: a set
+    of every training source held gigabytes for millions of them."""
+    seen: set[str] = set()
+    for batch in train.select_columns(["source"]).iter(batch_size=10_000):
+        seen.update(key for key in map(sentence_key, batch["source"]) if key in wanted)
+    return seen
+
+
 def sources_in_train(data: DatasetDict, splits: list[str]) -> dict[str, int]:
     """For each of `splits` (and the test split, where there is one), how many of its pairs have a
-    source sentence that is also a source of the train split. The held-out sources are kept in memory
-    and train is read in batches, so a corpus of millions of pairs is not."""
-    held_out = {split: data[split]["source"][:] for split in [*splits, "test"] if split in data}  # whole
-    wanted = {source for sources in held_out.values() for source in sources}
-    seen: set[str] = set()
-    for batch in data["train"].select_columns(["source"]).iter(batch_size=10_000):
-        seen.update(source for source in batch["source"] if source in wanted)
-    return {split: sum(source in seen for source in sources) for split, sources in held_out.items()}
+    source sentence that is also a source of the train split (compared as `sentence_key`s). The
+    evaluation splits' sources are kept in memory and train is read in batches."""
+    held_out = {
+        split: [sentence_key(source) for source in data[split]["source"][:]]  # whole
+        for split in [*splits, "test"]
+        if split in data
+    }
+    seen = _sources_in(data["train"], {key for keys in held_out.values() for key in keys})
+    return {split: sum(key in seen for key in keys) for split, keys in held_out.items()}
 
 
 @_naming_cache_problems
