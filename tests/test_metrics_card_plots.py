@@ -367,6 +367,22 @@ def test_translate_reads_a_sentence_as_the_training_data_reads_it(keeping_spaces
     assert translate(model, tokenizer, ["\n", " \r\n "]) == ["", ""]
 
 
+def test_invisible_characters_of_joined_files_are_no_text(tokenizer):
+    """Files saved with a byte-order mark and joined (`cat a.txt b.txt`) start lines with it: such a line
+    was translated otherwise (the mark an unknown token before its first word), and one of the mark alone
+    (an empty file's), or of a zero-width space, was translated into made-up text, not kept blank."""
+    lines = ["Jesus wept .\n", "\ufeffJesus wept .\n", "\ufeff\n", "\u200b\u2060\r\n", "Jesus \u200b wept ."]
+    model = EchoModel()
+    assert list(translate_lines(model, tokenizer, lines)) == [
+        "Jesus wept .",
+        "Jesus wept .",
+        "",
+        "",
+        "Jesus wept .",
+    ]
+    assert sum(len(batch) for batch in model.batches) == 3  # the blank lines are not sent
+
+
 def test_translate_keeps_one_line_per_sentence(tokenizer, monkeypatch):
     """A model trained on text with line breaks may write them: each translation stays on one line, so
     that a line-by-line output keeps one line per input."""

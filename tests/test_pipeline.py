@@ -76,9 +76,11 @@ def test_wrapping_a_loaded_model_matches_generate(saved):
         translator([SENTENCES[0], 42])
     with pytest.raises(ValueError, match="empty string"):
         translator("   ")
+    with pytest.raises(ValueError, match="empty string"):  # a byte-order mark, a zero-width space: no text
+        translator("\ufeff\u200b")
     # In a list: named, before any sentence is translated (it stopped a batch midway, unnamed).
     with pytest.raises(ValueError, match=r"empty string: inputs\[1\] \(and 1 more\) is blank"):
-        translator([SENTENCES[0], " ", SENTENCES[1], ""], batch_size=2)
+        translator([SENTENCES[0], " ", SENTENCES[1], "\u2060"], batch_size=2)
     assert translator([]) == []  # no sentences: no translations (an IndexError inside transformers once)
 
 

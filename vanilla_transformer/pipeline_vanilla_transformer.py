@@ -65,12 +65,20 @@ def evaluation_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
                     module.training = mode
 
 
+# Characters that show nothing and are not whitespace to `str.split`: a byte-order mark (which starts
+# every file a Windows editor saved, and so lines of files joined with `cat`), a zero-width space, a word
+# joiner. Each is an unknown token that took the next word's word-start marker: "\ufeffJesus wept."
+# translated otherwise, and a line of one of them alone was translated into made-up text.
+INVISIBLE = "\ufeff\u200b\u2060"
+
+
 def one_line(text: str) -> str:
     """`text` stripped, with every run of whitespace (line breaks that `str.splitlines` knows included)
-    made one space: how this package reads every sentence, training data included. A second space
-    encodes as a word-start token of its own, which no training sentence has: two spaces after a full
-    stop changed most translations of a trained model."""
-    return " ".join(text.split())
+    made one space and the invisible characters beside them (`INVISIBLE`) dropped: how this package
+    reads every sentence, training data included. A second space encodes as a word-start token of its
+    own, which no training sentence has: two spaces after a full stop changed most translations of a
+    trained model."""
+    return " ".join(word for word in (part.strip(INVISIBLE) for part in text.split()) if word)
 
 
 def _checked_text(text: Any, index: int) -> str:
@@ -79,7 +87,7 @@ def _checked_text(text: Any, index: int) -> str:
         raise ValueError(
             f"The translation pipeline translates strings: inputs[{index}] is a {type(text).__name__}."
         )
-    if not text.strip():
+    if not one_line(text):
         raise ValueError(f"Cannot translate an empty string: inputs[{index}] is blank.")
     return text
 
@@ -309,7 +317,7 @@ class TranslationPipeline(Pipeline):
             )
         if not inputs:  # no sentences, no translations (transformers' batching fails on an empty list)
             return []
-        blank = [index for index, text in enumerate(inputs) if not text.strip()]
+        blank = [index for index, text in enumerate(inputs) if not one_line(text)]
         if blank:  # named before any is translated (one would otherwise stop the batch midway)
             raise ValueError(
                 f"Cannot translate an empty string: inputs[{blank[0]}]"
@@ -323,7 +331,7 @@ class TranslationPipeline(Pipeline):
     def preprocess(
         self, text: str, truncation: bool | str | TruncationStrategy = False
     ) -> dict[str, torch.Tensor]:
-        if not text.strip():
+        if not one_line(text):
             raise ValueError("Cannot translate an empty string.")
         # As training data is read (`one_line`). A sentence with its line break (a file's line) or spaces
         # around it was encoded with word-start tokens at its ends that no training source has, and

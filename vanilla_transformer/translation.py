@@ -268,7 +268,7 @@ def translate_stream(
         except Exception:  # a line that cannot be read (not UTF-8): the lines read before it first
             yield from flush(chunk)
             raise
-        chunk.append(raw.rstrip("\r\n").strip())
+        chunk.append(one_line(raw))
         if len(chunk) == window:
             yield from flush(chunk)
             done += len(chunk)
