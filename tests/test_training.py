@@ -1573,6 +1573,18 @@ def test_checkpoint_averaging_is_the_element_wise_mean(tmp_path):
     assert torch.equal(averaged["w"], torch.full((2, 3), 3.0))
     assert torch.equal(averaged["b"], torch.tensor([3.0, -3.0]))
     assert averaged["w"].dtype == torch.float32
+    # Checkpoints of other models: a weight only one held came out divided by the count of all.
+    for index, other in enumerate(({"w": torch.ones(2, 3)}, {**weights, "extra": torch.ones(1)})):
+        (tmp_path / f"other-{index}").mkdir()
+        save_file(other, tmp_path / f"other-{index}" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"other-0 does not hold the weights .*\(b only in the first\)"):
+        average_checkpoints([folders[0], tmp_path / "other-0"])
+    with pytest.raises(ValueError, match=r"\(extra only in this one\)"):
+        average_checkpoints([folders[0], tmp_path / "other-1"])
+    save_file({"w": torch.ones(3, 2), "b": torch.ones(2)}, folders[1] / "model.safetensors")
+    (folders[1] / "pytorch_model_fsdp.bin").unlink()
+    with pytest.raises(ValueError, match=r"\(w: \[3, 2\], not \[2, 3\]\)"):
+        average_checkpoints(folders)
 
 
 KILLED_WHILE_PUBLISHING = """

@@ -21,7 +21,7 @@ import shlex
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -960,15 +960,32 @@ def foreign_checkpoints(model_folder: Path, checkpoints: Sequence[Path]) -> list
 
 
 def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of the model weights saved in `paths` (paper Section 6.1)."""
+    """Element-wise mean of the model weights saved in `paths` (paper Section 6.1); a ValueError names a
+    checkpoint whose weights' names or shapes differ from the first's (a weight that only some held was
+    divided by the count of all: half its value from one of two)."""
     if not paths:
         raise ValueError("No checkpoint to average.")
     total: dict[str, torch.Tensor] = {}
     for path in paths:
         weights = checkpoint_weights(path)
+        if total and (differ := _differing_weights(total, weights)):
+            raise ValueError(
+                f"{path} does not hold the weights {paths[0]} holds ({differ}): the checkpoints averaged "
+                "must be of one model."
+            )
         for name, tensor in weights.items():
             total[name] = total.get(name, 0) + tensor.double()
     return {name: (tensor / len(paths)).float() for name, tensor in total.items()}
+
+
+def _differing_weights(first: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> str:
+    """The first weight that one of two state dicts lacks or holds in another shape, said; "" if none."""
+    for name in sorted(set(first) ^ set(other)):
+        return f"{name} only in {'the first' if name in first else 'this one'}"
+    for name in sorted(first):
+        if first[name].shape != other[name].shape:
+            return f"{name}: {list(other[name].shape)}, not {list(first[name].shape)}"
+    return ""
 
 
 def load_averaged_weights(model: VanillaTransformerForConditionalGeneration, paths: Sequence[Path]) -> None:
