@@ -63,6 +63,34 @@ def test_a_tab_or_other_whitespace_between_words_separates_them(tokenizer, tmp_p
     assert AutoTokenizer.from_pretrained(tmp_path)("God\tcreated the earth.")["input_ids"] == spaced
 
 
+def test_a_run_of_whitespace_reads_as_one_space(tokenizer, tmp_path, monkeypatch):
+    """A second space was a word-start token of its own, which no training sentence has: two spaces after
+    a full stop, given to the tokenizer directly (as `model.generate(**tokenizer(text))` is called),
+    changed a trained model's translation. A tokenizer trained before keeps its rule, and `length_check`
+    still judges long texts in pieces with it."""
+    from tokenizers import normalizers
+
+    from vanilla_transformer import tokenization
+
+    plain = tokenizer("God created the earth. Jesus wept.")["input_ids"]
+    for text in ("God created the earth.  Jesus wept.", "God  created\t\tthe \u3000earth. \n Jesus wept."):
+        assert tokenizer(text)["input_ids"] == plain, repr(text)
+    tokenizer.save_pretrained(tmp_path)  # the rule is saved with it
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path)("God created the earth.  Jesus wept.")["input_ids"] == plain
+    )
+    earlier = AutoTokenizer.from_pretrained(tmp_path)
+    earlier.backend_tokenizer.normalizer = tokenization.text_normalizer(runs=False)
+    assert earlier("God created the earth.  Jesus wept.")["input_ids"] != plain
+    # Judged in pieces (each piece's count lowered by the slack) with either rule, whole with another.
+    text = "word " * tokenization.LENGTH_CHECK_CHUNK
+    assert all(tokenization.length_check(8, judged)([text]) == [True] for judged in (tokenizer, earlier))
+    monkeypatch.setattr(tokenization, "LENGTH_CHECK_SLACK", tokenization.LENGTH_CHECK_CHUNK)
+    assert all(tokenization.length_check(8, judged)([text]) == [False] for judged in (tokenizer, earlier))
+    earlier.backend_tokenizer.normalizer = normalizers.NFKC()
+    assert tokenization.length_check(8, earlier)([text]) == [True]
+
+
 def test_whitespace_around_a_sentence_is_no_token(tokenizer, tmp_path):
     """A line read with its line break, or a sentence with spaces around it, was encoded with word-start
     tokens at its ends that no training sentence (stripped) has, and translated otherwise."""

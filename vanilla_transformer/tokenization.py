@@ -36,11 +36,12 @@ def text_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
 
 
-def text_normalizer() -> normalizers.Normalizer:
-    """NFKC, every whitespace character a space, the ends stripped (see `train_bpe_tokenizer`)."""
-    return normalizers.Sequence(
-        [normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " "), normalizers.Strip()]
-    )
+def text_normalizer(*, runs: bool = True) -> normalizers.Normalizer:
+    """NFKC, each run of whitespace characters one space, the ends stripped (see `train_bpe_tokenizer`);
+    with `runs=False`, each whitespace character a space, as tokenizers trained before 2026-12-07 read
+    text (`length_check` knows both)."""
+    spaces = Regex(r"\s+" if runs else r"\s")
+    return normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(spaces, " "), normalizers.Strip()])
 
 
 def train_bpe_tokenizer(
@@ -48,9 +49,11 @@ def train_bpe_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Learn one BPE vocabulary from source and target sentences together.
 
-    Text is NFKC-normalised, every whitespace character made a space (a tab between two words was a
+    Text is NFKC-normalised, every run of whitespace made one space (a tab between two words was a
     character of its own, `<unk>` where training text had none, and the next word lost its word-start
-    marker: two words read and translated as one) and the ends stripped (as the training data's
+    marker: two words read and translated as one; a second space was a word-start token of its own,
+    which no training sentence has, and two spaces after a full stop changed most translations of a
+    model called with the tokenizer's own output) and the ends stripped (as the training data's
     sentences are: a line's line break, or spaces around a sentence, were word-start tokens that no
     training sentence has, and changed its translation), then split on spaces with a word-boundary marker
     (Metaspace) and before and after punctuation, so that decoding restores the original spacing.
@@ -152,7 +155,7 @@ def length_check(max_length: int, tokenizer: Any = None) -> Callable[[Sequence[s
     in_pieces = tokenizer is None or (
         normalizer is not None
         and pre_tokenizer is not None
-        and normalizer.__getstate__() == text_normalizer().__getstate__()
+        and normalizer.__getstate__() in {text_normalizer(runs=r).__getstate__() for r in (True, False)}
         and pre_tokenizer.__getstate__() == text_pre_tokenizer().__getstate__()
     )
 
