@@ -5,6 +5,7 @@ import json
 import os
 import random
 import tracemalloc
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -223,21 +224,27 @@ def test_a_byte_order_mark_inside_a_file_is_named(tmp_path):
 def test_held_out_validation_shares_no_source_with_train_as_the_model_reads_them(tmp_path):
     """Validation held out of the training file kept pairs whose source was also a training source with
     another translation (only identical pairs were dropped), or the same text with a no-break space or
-    decomposed accents (NFKC reads them alike), and said nothing: the scores rewarded memorising. The
-    same variants in a validation or test file given as such are counted in the warning."""
+    decomposed accents (NFKC reads them alike), and said nothing: the scores rewarded memorising. Sources
+    are drawn whole now (no pair lost, as dropping such validation pairs lost them and left a few), and
+    the same variants in a validation or test file given as such are counted in the warning."""
     rows = []
     for i in range(60):
-        rows += [f"¿Thank you {i}?\tGracias {i}.", f"¿Thank you {i}?\tMuchas gracias {i}."]
-        rows += [f"Cafe\u0301  {i} ?\tCafé {i}.", f"Café {i}\u00a0?\tUn café {i}."]
+        rows += [f"Thank you {i}.\tGracias {i}.", f"Thank you {i}.\tMuchas gracias {i}."]
+        rows += [f"Cafe\u0301 {i} ?\tCafé {i}.", f"Café {i} ?\tUn café {i}.", f"fine {i}!\tbien {i}"]
     train_file = write(tmp_path / "t.tsv", "en\tes\n" + "\n".join(rows) + "\n")
     data, report = load_parallel_data(train_file=train_file, validation_size=60)
-    keys = {parallel_data.sentence_key(source) for source in data["train"]["source"]}
-    assert len(data["validation"]) < 60
-    assert not any(parallel_data.sentence_key(source) in keys for source in data["validation"]["source"])
-    assert report.held_out_in_train == 60 - len(data["validation"])
-    assert report.lines()[0].startswith(f"dropped {report.held_out_in_train} held-out validation pairs whose")
-    test = write(tmp_path / "test.tsv", "en\tes\nCafe\u0301 0 ?\tx\nCafé\u00a00\u00a0?\ty\nnew\tnuevo\n")
+
+    def read(text: str) -> str:  # as the tokenizer reads it: NFKC, whitespace runs one space
+        return " ".join(unicodedata.normalize("NFKC", text).split())
+
+    keys = {read(source) for source in data["train"]["source"]}
+    assert 60 <= len(data["validation"]) <= 61 and len(data["train"]) + len(data["validation"]) == 300
+    assert not any(read(source) in keys for source in data["validation"]["source"])
+    assert report.lines() == []
     given = write(tmp_path / "v.tsv", "en\tes\nnew\tnuevo\n")
+    test = write(
+        tmp_path / "test.tsv", "en\tes\n\ufb01ne 0!\tx\n\uff46\uff49\uff4e\uff45 1!\ty\nnew\tnuevo\n"
+    )
     _, report = load_parallel_data(train_file=train_file, validation_file=given, test_file=test)
     assert report.sources_in_train == {"validation": 0, "test": 2}
 
@@ -957,12 +964,12 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
     """A pair the training file repeats once landed on both sides of the held-out split."""
     rows = "".join(f"s{i}\tt{i}\n" for i in range(60)) + "Thank you.\tGracias.\n" * 40
     train_file = write(tmp_path / "t.tsv", "en\tes\n" + rows)
-    data, report = load_parallel_data(train_file=train_file, validation_size=30)
-    train = set(zip(data["train"]["source"], data["train"]["target"], strict=True))
-    validation = list(zip(data["validation"]["source"], data["validation"]["target"], strict=True))
-    assert ("Thank you.", "Gracias.") in train and not train & set(validation)
-    assert report.held_out_in_train == 30 - len(validation) > 0
-    assert f"dropped {report.held_out_in_train} held-out validation pairs" in report.lines()[0]
+    for seed in range(4):
+        data, report = load_parallel_data(train_file=train_file, validation_size=30, seed=seed)
+        train = set(zip(data["train"]["source"], data["train"]["target"], strict=True))
+        validation = list(zip(data["validation"]["source"], data["validation"]["target"], strict=True))
+        assert not train & set(validation) and len(train) + len(set(validation)) == 61  # nothing lost
+        assert report.lines() == []
 
 
 @pytest.mark.parametrize("suffix", [".tsv", ".jsonl"])
@@ -1048,9 +1055,7 @@ def test_splits_that_leave_nothing_to_train_or_validate_on_are_named(tmp_path, t
     """The ends of the data checks: a file of one pair repeated (every held-out pair is also a training
     pair), a length bound nothing fits, and a bound too small for a word and the end token."""
     repeated = write(tmp_path / "same.tsv", "en\tes\n" + "thank you\tgracias\n" * 30)
-    with pytest.raises(
-        DataError, match="Every held-out validation pair has a source sentence that also occurs in train"
-    ):
+    with pytest.raises(DataError, match="repeats its source sentences too much to hold out 5 pairs"):
         load_parallel_data(train_file=repeated, validation_size=5)
     pairs = {"source": ["a long sentence " * 8] * 3, "target": ["una frase larga " * 8] * 3}
     data = DatasetDict({"train": Dataset.from_dict(pairs), "validation": Dataset.from_dict(pairs)})

@@ -544,14 +544,17 @@ def test_a_validation_split_held_out_of_the_training_data_is_scored_as_the_card_
     result = train(parse_config(args))
     card = (tmp_path / "run" / "README.md").read_text(encoding="utf-8")
     counted = re.search(
-        r"^\| validation \(held out of the training data at random\) \| ([\d,]+) \|$", card, re.M
+        r"^\| validation \(held out of the training data at random, by source sentence\) \| ([\d,]+) \|$",
+        card,
+        re.M,
     )
     counted = int(counted[1].replace(",", ""))
     metrics = result["metrics"]
     assert metrics["split"] == "validation" and metrics["scored_pairs"] == counted
     assert (
         f"On the validation split ({counted} sentence pairs) of train.tsv, drawn from its training pairs at "
-        "random and not trained on, scored with sacreBLEU"
+        "random by source sentence and not trained on (no training pair has one of its sources), scored with "
+        "sacreBLEU"
     ) in card
     # The dataset has no validation split: the metadata names none (the Hub's results linked one).
     results = ModelCard(card).data.eval_results

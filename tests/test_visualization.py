@@ -211,10 +211,11 @@ def test_a_generated_translation_is_shown_from_the_start_token_it_was_decoded_fr
 
 
 def test_bad_inputs_get_clear_errors(model, tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="source sentence is empty"):
-        attention_maps(model, tokenizer, "  ")
-    with pytest.raises(ValueError, match="target sentence is empty"):
-        attention_maps(model, tokenizer, SOURCE, "")
+    for blank in ("  ", "\ufeff", "\u200b \u2060"):  # spaces; a byte-order mark, zero-width characters
+        with pytest.raises(ValueError, match="source sentence is empty"):
+            attention_maps(model, tokenizer, blank)
+        with pytest.raises(ValueError, match="target sentence is empty"):
+            attention_maps(model, tokenizer, SOURCE, blank)
     with pytest.raises(ValueError, match="labels"):
         plot_attention_grid(torch.rand(1, 1, 2, 3), ["a"], ["a", "b", "c"], tmp_path / "x.png", title="t")
     with pytest.raises(ValueError, match="even d_model"):

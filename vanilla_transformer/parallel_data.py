@@ -43,8 +43,7 @@ class DataReport:
 
     empty: dict[str, int] = field(default_factory=dict)
     too_long: dict[str, int] = field(default_factory=dict)
-    held_out_in_train: int = 0
-    validation_held_out: bool = False  # the validation split was drawn from train at random
+    validation_held_out: bool = False  # the validation split was drawn from train at random, by source
     # Pairs of a validation or test split given as such (not drawn from train) whose source is also a
     # training source: kept (the split is the user's), but said, as their scores reward memorising.
     sources_in_train: dict[str, int] = field(default_factory=dict)
@@ -53,11 +52,6 @@ class DataReport:
         out = [
             f"skipped {n} {split} rows with an empty source or target" for split, n in self.empty.items() if n
         ]
-        if self.held_out_in_train:
-            out.append(
-                f"dropped {self.held_out_in_train} held-out validation pairs whose source sentence also "
-                "occurs in train (sentences the training file repeats)"
-            )
         out += [
             f"warning: {n} of the {split} pairs have a source sentence that also occurs in train: their "
             "scores reward memorising the training data (remove them from one of the two)"
@@ -192,10 +186,11 @@ def _check_delimited(path: Path) -> list[str]:
             pairs += 1
             if [row[0].removeprefix("\ufeff"), *row[1:]] == header:  # with its own mark, after `cat`
                 raise DataError(f"{path}, line {line}: repeats the header row {header}; remove it.")
-            if row[0].startswith("\ufeff"):  # a file saved with one, appended: the mark is no text
+            if row[0].startswith("\ufeff"):  # a file saved with one, appended
                 raise DataError(
-                    f"{path}, line {line}: starts with a byte-order mark (U+FEFF), as where a file saved "
-                    "with one was appended to another (`cat`); it would stay in the sentence. Remove it."
+                    f"{path}, line {line}: starts with a byte-order mark (U+FEFF), the mark of a file saved "
+                    "with one and appended to another (`cat`); remove it (in CSV it leaves a quoted first "
+                    "field's quotes in the text)."
                 )
             if path.suffix == ".tsv" and (quoted := next(filter(_csv_quoted, row), None)) is not None:
                 raise DataError(
@@ -668,23 +663,43 @@ def load_parallel_data(
                 f"{validation_size} for validation: pass a validation file (--validation_file), or in "
                 "scripts/finetune.py hold out fewer pairs (--validation_size)."
             )
-        held_out = data["train"].train_test_split(test_size=validation_size, seed=seed)
-        # A source the file repeats ("Thank you." is common in OPUS data, with one translation or
-        # several) could land on both sides, and the validation scores would reward memorising it: such
-        # held-out pairs are dropped.
-        validation = held_out["test"]
-        seen = _sources_in(held_out["train"], set(map(sentence_key, validation["source"])))
-        validation = validation.filter(lambda row: sentence_key(row["source"]) not in seen)
-        report.held_out_in_train = len(held_out["test"]) - len(validation)
-        if len(validation) == 0:
-            raise DataError(
-                "Every held-out validation pair has a source sentence that also occurs in train; pass "
-                "validation_file."
-            )
-        data["train"], data["validation"] = held_out["train"], validation
+        data["train"], data["validation"] = _hold_out_by_source(data["train"], validation_size, seed)
         report.validation_held_out = True
     report.sources_in_train = sources_in_train(data, [] if report.validation_held_out else ["validation"])
     return data, report
+
+
+def _hold_out_by_source(train: Any, size: int, seed: int) -> tuple[Any, Any]:
+    """`train` split in two: a validation split of about `size` pairs drawn at random by source sentence
+    (every pair of a source drawn goes with it, so that it ends at a source's last pair), and the rest.
+    A source the file repeats ("Thank you." is common in OPUS data, with one translation or several)
+    drawn pair by pair could land on both sides, and the validation scores would reward memorising it;
+    dropping such validation pairs lost them and left a few of `size` (12 of 200 with two translations a
+    source). The draw is a seeded hash of each source's `sentence_key`, read in batches: a set of every
+    training pair held gigabytes for millions of them."""
+    import numpy as np
+
+    salt = (seed % (1 << 64)).to_bytes(8, "little")
+    draws = np.empty(len(train), dtype=np.uint64)
+    filled = 0
+    for batch in train.select_columns(["source"]).iter(batch_size=10_000):
+        for source in batch["source"]:
+            digest = hashlib.blake2b(sentence_key(source).encode(), digest_size=8, salt=salt).digest()
+            draws[filled] = int.from_bytes(digest, "little")
+            filled += 1
+    order = np.argsort(draws, kind="stable")
+    taken = size
+    while taken < len(order) and draws[order[taken]] == draws[order[taken - 1]]:
+        taken += 1  # the rest of the last source's pairs
+    if 2 * taken > len(order):
+        raise DataError(
+            f"The training data repeats its source sentences too much to hold out {size} pairs for "
+            f"validation by source ({taken} of its {len(order)} pairs share the sources drawn): pass a "
+            "validation file (--validation_file)."
+        )
+    validation = train.select(order[:taken])  # in the random order drawn
+    rest = np.sort(order[taken:])
+    return train.select(rest), validation
 
 
 def sentence_key(text: str) -> str:

@@ -65,12 +65,13 @@ def attention_maps(
     tokens, and position i predicts target token i (its last token is `</s>`). The model switches to
     eager attention for the call (SDPA does not return weights) and back afterwards.
     """
-    if not isinstance(source, str) or not source.strip():
-        raise ValueError("The source sentence is empty: give a sentence to look inside.")
-    if target is not None and not target.strip():
-        raise ValueError("The target sentence is empty: omit it to use the model's own translation.")
     # As `translate` reads them (`one_line`): a tokenizer saved before it stripped the ends encoded a line
-    # break or spaces around a sentence as word-start tokens that no training sentence has.
+    # break or spaces around a sentence as word-start tokens that no training sentence has. Blank as read
+    # (spaces, or a byte-order mark alone) is empty.
+    if not isinstance(source, str) or not one_line(source):
+        raise ValueError("The source sentence is empty: give a sentence to look inside.")
+    if target is not None and not one_line(target):
+        raise ValueError("The target sentence is empty: omit it to use the model's own translation.")
     source, target = one_line(source), None if target is None else one_line(target)
     device = next(model.parameters()).device
     input_ids = tokenizer(source, return_tensors="pt")["input_ids"].to(device)
