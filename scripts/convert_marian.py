@@ -78,6 +78,10 @@ except ValueError as error:
     parser.error(f"--output {error}")
 if looks_local(args.model) and not Path(args.model).exists():
     parser.error(f"No model folder at {args.model}.")
+if Path(args.model).is_file():  # transformers would read it as the config and unpickle it as the weights
+    parser.error(f"--model {args.model} is a file: give the model folder that holds it (or a Hub id).")
+if Path(args.model).is_dir() and not (Path(args.model) / "config.json").is_file():
+    parser.error(f"{args.model} has no config.json: it is not a model folder (a MarianMTModel's).")
 try:
     model_type = PretrainedConfig.get_config_dict(args.model)[0].get("model_type")
     if model_type != "marian":

@@ -29,6 +29,17 @@ def test_convert_script_says_when_a_folder_is_not_marian(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     result = run_in_process("convert_marian.py", "--model", "./nope", "--output", str(tmp_path / "out"))
     assert result.returncode == 2 and "No model folder at ./nope" in result.stderr, result.stderr
+    # A file of a model folder was read as the config, then unpickled as the weights (a traceback that
+    # advised weights_only=False); a folder without config.json said "its config.json has model_type None".
+    marian_model().save_pretrained(tmp_path / "marian")
+    (tmp_path / "empty").mkdir()
+    for model, message in (
+        ("marian/config.json", "--model marian/config.json is a file: give the model folder"),
+        ("empty", "empty has no config.json: it is not a model folder"),
+    ):
+        result = run_in_process("convert_marian.py", "--model", model, "--output", str(tmp_path / "out"))
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_convert_script_writes_a_whole_folder_or_nothing(tmp_path, run_in_process):

@@ -204,6 +204,64 @@ def test_fine_tuning_a_converted_model_trains_what_fine_tuning_marian_trains():
         assert_same_up_to_rounding(ours(**batch).logits, marian(**batch).logits, 4 * TINY_TERMS)
 
 
+def test_untied_matrices_holding_equal_values_train_apart_as_in_marian():
+    """Sharing and tying were read off the matrices' values: an untied Marian model whose three embedding
+    matrices held equal values (untied copies of one trained matrix, as old checkpoints store them)
+    converted to one matrix, and three SGD steps later the logits were 0.12 apart."""
+    marian = marian_model(tie_word_embeddings=False, init_std=0.2)
+    embeddings = marian.model.encoder.embed_tokens.weight
+    with torch.no_grad():
+        for weight in (
+            marian.model.decoder.embed_tokens.weight,
+            marian.lm_head.weight,
+            marian.model.shared.weight,
+        ):
+            weight.copy_(embeddings)
+    ours = convert_from_marian(marian)
+    assert not ours.config.tie_word_embeddings and not ours.config.share_encoder_decoder_embeddings
+    batch = inputs(marian.config)
+    labels = batch.pop("decoder_input_ids")
+    for model in (marian, ours):
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        for _ in range(3):
+            model(**batch, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    with torch.no_grad():
+        logits = [model(**batch, decoder_input_ids=labels).logits for model in (ours, marian)]
+    assert_same_up_to_rounding(*logits, 4 * TINY_TERMS)
+
+
+def test_a_trained_position_table_is_refused():
+    """transformers 5 loads Marian's position tables trainable: one trained in place (a fine-tune of the
+    loaded model, converted in memory) was replaced by the sinusoid without a word (logits 0.027 apart).
+    A table in bfloat16, rounded, is still the sinusoid."""
+    marian = marian_model()
+    assert convert_from_marian(marian.to(torch.bfloat16)).dtype == torch.bfloat16
+    marian = marian_model()
+    with torch.no_grad():
+        marian.model.decoder.embed_positions.weight[3:5] += 1e-3
+    with pytest.raises(ValueError, match=r"decoder position table is not sinusoidal .* up to 0.001"):
+        convert_from_marian(marian)
+
+
+def test_what_a_call_returns_by_default_is_carried_over():
+    """A Marian model set to return attentions or hidden states (`from_pretrained(...,
+    output_attentions=True)`, for attention plots) or no cache converted to one returning neither, and a
+    cache."""
+    for flags in ({"output_attentions": True}, {"output_hidden_states": True}, {"use_cache": False}):
+        marian = marian_model(**flags)
+        ours = convert_from_marian(marian)
+        batch = inputs(marian.config)
+        with torch.no_grad():
+            expected, got = marian(**batch), ours(**batch)
+        assert set(got.keys()) == set(expected.keys()), flags
+        for name in expected:
+            if name.endswith(("attentions", "hidden_states")):  # the unpadded sentences' (rows 0 and 1)
+                for mine, theirs in zip(got[name], expected[name], strict=True):
+                    assert_same_up_to_rounding(mine[:2], theirs[:2], 4 * TINY_TERMS)
+
+
 def test_frozen_parameters_stay_frozen():
     """Parameters frozen in the Marian model (`requires_grad_(False)`, how a fine-tuning script freezes an
     encoder or the embeddings) came back trainable: fine-tuning the converted model then changed them, and

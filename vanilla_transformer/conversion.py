@@ -75,9 +75,41 @@ def config_from_marian(marian: MarianConfig) -> VanillaTransformerConfig:
         bos_token_id=marian.bos_token_id,
         eos_token_id=marian.eos_token_id,
         decoder_start_token_id=marian.decoder_start_token_id,
+        # What a call returns by default (`from_pretrained(..., output_attentions=True)` for attention
+        # plots): the same outputs as Marian's.
+        output_attentions=marian.output_attentions,
+        output_hidden_states=marian.output_hidden_states,
+        use_cache=marian.use_cache,
     )
     config._attn_implementation = marian._attn_implementation
     return config
+
+
+def _one_matrix(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two weights are one matrix (the same memory), not two that hold equal values."""
+    return a is b or (
+        a.shape == b.shape
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
+
+
+def _check_sinusoidal_positions(marian_model: MarianMTModel) -> None:
+    """A ValueError where a position table of `marian_model` is not Marian's sinusoid: transformers 5
+    loads the tables trainable, and one trained in place (a fine-tune of the loaded model, converted in
+    memory) would be replaced by the sinusoid this model computes, its outputs changed without a word."""
+    for side in ("encoder", "decoder"):
+        table = getattr(marian_model.model, side).embed_positions
+        sinusoid = table.create_weight().to(table.weight.device)
+        tolerance = 2 * torch.finfo(table.weight.dtype).eps  # the values lie in [-1, 1]
+        gap = (table.weight.detach().float() - sinusoid.float()).abs().max().item()
+        if gap > tolerance:
+            raise ValueError(
+                f"The Marian model's {side} position table is not sinusoidal (it differs from the sinusoid "
+                f"by up to {gap:.3g}: trained?). This model computes sinusoidal positions and would not "
+                "compute what it does. Marian's save_pretrained leaves the table out too: a saved and "
+                "reloaded copy of it would also differ."
+            )
 
 
 def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForConditionalGeneration:
@@ -93,13 +125,15 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
     if not isinstance(marian_model, MarianMTModel):
         raise ValueError(f"Expected a MarianMTModel, got {type(marian_model).__name__}.")
     config = config_from_marian(marian_model.config)
-    # Which matrices are one and the same is read off the weights, not the flags: a MarianMTModel
-    # created with tie_word_embeddings=False has three independent embedding matrices.
+    _check_sinusoidal_positions(marian_model)
+    # Which matrices are one and the same is read off the model, not the flags (a MarianMTModel created
+    # with tie_word_embeddings=False has three independent embedding matrices), by memory, not values:
+    # untied copies of one trained matrix (an old checkpoint storing all three) train apart.
     source = marian_model.model.encoder.embed_tokens.weight
     target = marian_model.model.decoder.embed_tokens.weight
-    config.share_encoder_decoder_embeddings = source.shape == target.shape and torch.equal(source, target)
+    config.share_encoder_decoder_embeddings = _one_matrix(source, target)
     config.decoder_vocab_size = target.shape[0]
-    config.tie_word_embeddings = torch.equal(marian_model.lm_head.weight, target)
+    config.tie_word_embeddings = _one_matrix(marian_model.lm_head.weight, target)
 
     state = {
         k: v.detach().clone()
