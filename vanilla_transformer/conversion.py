@@ -100,9 +100,13 @@ def _check_sinusoidal_positions(marian_model: MarianMTModel) -> None:
     memory) would be replaced by the sinusoid this model computes, its outputs changed without a word."""
     for side in ("encoder", "decoder"):
         table = getattr(marian_model.model, side).embed_positions
-        sinusoid = table.create_weight().to(table.weight.device)
+        sinusoid = table.create_weight().to(table.weight.device, torch.float32)
         tolerance = 2 * torch.finfo(table.weight.dtype).eps  # the values lie in [-1, 1]
-        gap = (table.weight.detach().float() - sinusoid.float()).abs().max().item()
+        # The sinusoid as it is, or rounded by a model loaded or kept in half precision and cast back.
+        gap = min(
+            (table.weight.detach().float() - sinusoid.to(dtype).float()).abs().max().item()
+            for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        )
         if gap > tolerance:
             raise ValueError(
                 f"The Marian model's {side} position table is not sinusoidal (it differs from the sinusoid "
@@ -164,7 +168,14 @@ def convert_from_marian(marian_model: MarianMTModel) -> VanillaTransformerForCon
         if source is not None and not source.requires_grad:
             parameter.requires_grad_(False)
     marian_generation = marian_model.generation_config
-    model.generation_config = GenerationConfig.from_dict(marian_generation.to_dict())
+    generation = marian_generation.to_dict()
+    if not generation.get("return_dict_in_generate"):
+        # Copied from Marian's configuration into its generation config (`from_pretrained(...,
+        # output_attentions=True)`), where transformers refuses to save them without
+        # return_dict_in_generate: the converted model's configuration carries them.
+        for name in ("output_attentions", "output_hidden_states", "output_scores", "output_logits"):
+            generation.pop(name, None)
+    model.generation_config = GenerationConfig.from_dict(generation)
     # Marian's may say it was derived from the model's configuration, which makes `from_pretrained`
     # derive a new one from this model's and drop what the conversion carried (max_length_offset).
     model.generation_config._from_model_config = False
