@@ -889,6 +889,23 @@ def test_a_resume_on_an_edited_training_file_is_refused(start, tmp_path):
     state = json.loads((tmp_path / "tuned" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry][:1] == [1]  # the first run's
+    # Checkpoints of versions that held validation out pair by pair (another split of the same file), with
+    # and without the pairs' digest: resumed, they would validate on pairs they trained on.
+    from vanilla_transformer.finetuning import FLAGS_FILE
+
+    flags_file = tmp_path / "tuned" / "checkpoint-2" / FLAGS_FILE
+    flags = json.loads(flags_file.read_text())
+    assert flags.pop("validation_draw") == "by source sentence"
+    flags_file.write_text(json.dumps(flags | {"train_sha256": "0" * 64}))
+    again = small_config(
+        start_dir, pairs, tmp_path / "tuned", max_steps=3, resume_from_checkpoint="latest", **options
+    )
+    with pytest.raises(InputError, match="the validation pairs are now held out by source sentence"):
+        finetune(again)
+    del flags["train_sha256"]
+    flags_file.write_text(json.dumps(flags))
+    with pytest.raises(InputError, match="written by an earlier version of this package, which held its"):
+        finetune(again)
 
 
 def test_a_checkpoint_records_its_flags_before_it_counts_as_whole(start, tmp_path, monkeypatch):

@@ -310,16 +310,33 @@ def changed_flags(checkpoint: Path, config: FinetuneConfig) -> list[str]:
 
 def check_training_data(checkpoint: Path, record: dict[str, Any], train_file: str) -> None:
     """Refuse to resume from `checkpoint` on other training pairs than those it was trained on (`record`:
-    their count and `text_digest`). Only the file's path was compared: with the file edited in place,
-    Trainer skipped the batches already trained by count over other data, and the card stated the new
-    data as the whole fine-tune's."""
+    their count and `text_digest`, and how a validation split held out of them was drawn). Only the
+    file's path was compared: with the file edited in place, Trainer skipped the batches already trained
+    by count over other data, and the card stated the new data as the whole fine-tune's."""
     recorded = recorded_flags(checkpoint)
+    # A checkpoint written before the held-out validation split was drawn by source sentence (it records
+    # no draw) was trained on another split of the same file: resumed, it would validate on pairs it
+    # trained on. Those without a digest could not be told apart otherwise.
+    drawn = record.get("validation_draw")
+    earlier_draw = bool(recorded) and drawn is not None and recorded.get("validation_draw") != drawn
+    if earlier_draw and "train_sha256" not in recorded:
+        raise InputError(
+            f"--resume_from_checkpoint {checkpoint} was written by an earlier version of this package, which "
+            f"held its validation pairs out of --train_file {train_file} pair by pair; this one draws them "
+            "by source sentence, another split: resumed, it would validate on pairs it trained on. Start a "
+            "new fine-tune, or resume with --validation_file holding the pairs it validated on."
+        )
     if recorded.get("train_sha256", record["train_sha256"]) != record["train_sha256"]:
+        why = (
+            "the validation pairs are now held out by source sentence, another split of the same file"
+            if earlier_draw
+            else "their text differs"
+        )
         raise InputError(
             f"--resume_from_checkpoint {checkpoint} was trained on other pairs than --train_file "
             f"{train_file} gives now ({recorded['train_pairs']} then, {record['train_pairs']} now, after "
-            "the held-out validation pairs and the length filter; their text differs): resume with the data "
-            "it was trained on, or start a new fine-tune."
+            f"the held-out validation pairs and the length filter; {why}): resume with the data it was "
+            "trained on, or start a new fine-tune."
         )
 
 
@@ -588,6 +605,8 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         "train_pairs": len(tokenized["train"]),
         "train_sha256": text_digest(tokenized["train"]),
     }
+    if report.validation_held_out:
+        flags["validation_draw"] = "by source sentence"
     if (checkpoint := config.checkpoint_to_resume()) is not None:
         check_training_data(checkpoint, flags, config.train_file)
     columns = ["input_ids", "attention_mask", "labels"]

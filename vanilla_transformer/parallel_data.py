@@ -670,13 +670,13 @@ def load_parallel_data(
 
 
 def _hold_out_by_source(train: Any, size: int, seed: int) -> tuple[Any, Any]:
-    """`train` split in two: a validation split of about `size` pairs drawn at random by source sentence
-    (every pair of a source drawn goes with it, so that it ends at a source's last pair), and the rest.
-    A source the file repeats ("Thank you." is common in OPUS data, with one translation or several)
-    drawn pair by pair could land on both sides, and the validation scores would reward memorising it;
-    dropping such validation pairs lost them and left a few of `size` (12 of 200 with two translations a
-    source). The draw is a seeded hash of each source's `sentence_key`, read in batches: a set of every
-    training pair held gigabytes for millions of them."""
+    """`train` split in two: a validation split of `size` pairs drawn at random by source sentence (every
+    pair of a source drawn goes with it; a source with more pairs than the room left is passed over, so
+    that a frequent one does not swell the split), and the rest. A source the file repeats ("Thank you."
+    is common in OPUS data, with one translation or several) drawn pair by pair could land on both sides,
+    and the validation scores would reward memorising it; dropping such validation pairs lost them and
+    left a few of `size` (12 of 200 with two translations a source). The draw is a seeded hash of each
+    source's `sentence_key`, read in batches: a set of every training pair held gigabytes for millions."""
     import numpy as np
 
     salt = (seed % (1 << 64)).to_bytes(8, "little")
@@ -687,18 +687,26 @@ def _hold_out_by_source(train: Any, size: int, seed: int) -> tuple[Any, Any]:
             digest = hashlib.blake2b(sentence_key(source).encode(), digest_size=8, salt=salt).digest()
             draws[filled] = int.from_bytes(digest, "little")
             filled += 1
-    order = np.argsort(draws, kind="stable")
-    taken = size
-    while taken < len(order) and draws[order[taken]] == draws[order[taken - 1]]:
-        taken += 1  # the rest of the last source's pairs
-    if 2 * taken > len(order):
+    order = np.argsort(draws, kind="stable")  # a source's pairs side by side, sources in random order
+    taken: list[np.ndarray] = []
+    room, start = size, 0
+    while room and start < len(order):
+        end = start + 1
+        while end < len(order) and draws[order[end]] == draws[order[start]]:
+            end += 1
+        if end - start <= room:
+            taken.append(order[start:end])
+            room -= end - start
+        start = end
+    if not taken:
         raise DataError(
             f"The training data repeats its source sentences too much to hold out {size} pairs for "
-            f"validation by source ({taken} of its {len(order)} pairs share the sources drawn): pass a "
-            "validation file (--validation_file)."
+            "validation by source (each source has more pairs than that): pass a validation file "
+            "(--validation_file)."
         )
-    validation = train.select(order[:taken])  # in the random order drawn
-    rest = np.sort(order[taken:])
+    drawn = np.concatenate(taken)
+    validation = train.select(drawn)  # in the random order drawn
+    rest = np.setdiff1d(np.arange(len(order)), drawn)  # in the file's order
     return train.select(rest), validation
 
 
