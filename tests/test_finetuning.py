@@ -198,6 +198,24 @@ def test_the_saved_folder_is_the_fine_tuned_model(start, marian_start, tmp_path,
         assert positions and all(torch.equal(before[name], trained[name]) for name in positions)
 
 
+def test_the_launchers_mixed_precision_is_refused_or_stated(start, tmp_path, monkeypatch):
+    """Trainer takes the launcher's mixed precision (`accelerate launch --mixed_precision`, a config
+    file): bf16 trained under autocast while the card said nothing of it, fp16 on the CPU trained in
+    float32 and recorded fp16."""
+    model_dir, data = start
+    options = {"max_steps": 1, "eval_steps": 1, "max_eval_samples": 2, "num_beams": 1}
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(InputError, match=r"fp16 \(accelerate launch's\) does not run on the CPU"):
+        finetune(small_config(model_dir, data, tmp_path / "fp16", **options))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    finetune(small_config(model_dir, data, tmp_path / "bf16", **options))
+    row = "| precision | bf16 mixed precision: products under bfloat16 autocast"
+    assert row in (tmp_path / "bf16" / "README.md").read_text(encoding="utf-8")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    finetune(small_config(model_dir, data, tmp_path / "no", **options))
+    assert "| precision |" not in (tmp_path / "no" / "README.md").read_text(encoding="utf-8")
+
+
 def test_a_model_whose_tokenizer_pads_on_the_left_is_fine_tuned_on_right_padded_targets(start, tmp_path):
     """transformers' collator pads the labels on the tokenizer's side: a model folder whose tokenizer
     pads on the left was fine-tuned from decoder inputs `<s> <pad> ... y1 ...`, a context no translation

@@ -1912,6 +1912,51 @@ def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     assert not (tmp_path / "fp16" / "checkpoints").exists()
 
 
+def test_accelerates_own_compile_and_accumulation_settings_leave_the_run_as_it_was(
+    tmp_path, corpus_files, monkeypatch
+):
+    """Under Accelerate's torch.compile (a config file's dynamo_config, ACCELERATE_DYNAMO_BACKEND) a run
+    trained, then stopped: the compiled wrapper's weights are named `_orig_mod....`, which the checkpoints
+    are not. ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4 divided every loss by 4 (another model, without a
+    word) while the card stated no accumulation. Both runs now end with the plain run's weights."""
+    args = small_args(tmp_path / "plain", corpus_files, max_steps=3, eval_steps=0, test_samples=1)
+    train(parse_config(args))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")  # compiled, with the same operations
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    args = small_args(tmp_path / "set", corpus_files, max_steps=3, eval_steps=0, test_samples=1)
+    with logged_messages("vanilla_transformer") as messages:
+        train(parse_config(args))
+    assert any("ACCELERATE_GRADIENT_ACCUMULATION_STEPS is not used" in message for message in messages)
+    plain, other = (load_file(tmp_path / run / "model.safetensors") for run in ("plain", "set"))
+    assert set(plain) == set(other)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(other[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_the_launchers_mixed_precision_is_read_as_launch_writes_it(tmp_path, corpus_files, monkeypatch):
+    """ACCELERATE_MIXED_PRECISION is taken by Accelerate as it is: "BF16" trained in float32 while the
+    card stated bf16 autocast, and "FP16" passed the refusal of fp16 on the CPU."""
+    from vanilla_transformer.training import launcher_mixed_precision
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert launcher_mixed_precision(None) is None and launcher_mixed_precision("no") == "no"
+    for value, read in (("BF16", "bf16"), (" fp16 ", "fp16"), ("No", "no")):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
+        assert launcher_mixed_precision(None) == read
+        assert launcher_mixed_precision("bf16") == "bf16"  # the flag wins
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bfloat16")
+    with pytest.raises(InputError, match="'bfloat16' is not one of no, fp16, bf16"):
+        launcher_mixed_precision(None)
+    command = [sys.executable, str(ROOT / "scripts/train.py"), *small_args(tmp_path / "fp16", corpus_files)]
+    environment = os.environ | {"ACCELERATE_MIXED_PRECISION": "FP16"}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=environment, check=False
+    )
+    assert result.returncode == 1 and "fp16 (the flag's or accelerate launch's) does not run on the CPU" in (
+        result.stderr
+    )
+
+
 def test_the_data_path_reads_dataset_columns_in_batches_not_row_by_row(tmp_path, monkeypatch):
     """A datasets column iterated value by value reads one row at a time: for 1.5M training pairs the
     batch sampler's lengths took about 2 minutes (0.02 s read whole), and the tokenizer's word count

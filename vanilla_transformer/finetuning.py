@@ -672,6 +672,14 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
         # and gradient were that many times one large batch's. Trainer's smoother at 0 is plain cross
         # entropy over the whole update's tokens.
         trainer.label_smoother = LabelSmoother(epsilon=0.0)
+    # Trainer takes the launcher's mixed precision (an `accelerate launch` config file, its flag, or
+    # ACCELERATE_MIXED_PRECISION): fp16 it runs only off the CPU, where it trained in float32 and recorded
+    # fp16; bf16 it runs, and the card says so (it said nothing).
+    if trainer.accelerator.mixed_precision == "fp16" and trainer.args.device.type == "cpu":
+        raise InputError(
+            "Mixed precision fp16 (accelerate launch's) does not run on the CPU: Trainer would train in "
+            "float32 and record fp16. Launch with --mixed_precision bf16 (bfloat16 autocast) or no."
+        )
     return trainer
 
 
@@ -833,6 +841,7 @@ def write_finetuned_card(
         "adam_beta2": args.adam_beta2,
         "adam_epsilon": args.adam_epsilon,
         "max_grad_norm": args.max_grad_norm or None,
+        "mixed_precision": None if (precision := trainer.accelerator.mixed_precision) == "no" else precision,
     }
     dataset = {
         "name": Path(config.train_file).name,

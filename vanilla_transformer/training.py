@@ -34,6 +34,7 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
+    GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     LoggerType,
     ProjectConfiguration,
@@ -1158,7 +1159,9 @@ class Run:
 
     @property
     def unwrapped(self) -> VanillaTransformerForConditionalGeneration:
-        return self.accelerator.unwrap_model(self.model)
+        # Not the compiled wrapper of Accelerate's torch.compile (`dynamo_config`, ACCELERATE_DYNAMO_BACKEND):
+        # its weights' names start with `_orig_mod.`, which checkpoints and the saved folder do not.
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     @property
     def sharded(self) -> bool:
@@ -1179,7 +1182,7 @@ class Run:
         )
         hypotheses = translate_sharded(
             self.accelerator,
-            self.accelerator.unwrap_model(evaluated),
+            self.accelerator.unwrap_model(evaluated, keep_torch_compile=False),
             self.tokenizer,
             self.tokenized["validation"]["source"][: config.eval_samples],
             batch_size=config.eval_batch_size,
@@ -1326,6 +1329,22 @@ def main_process_first(accelerator: Accelerator, what: str, timeout_s: float) ->
     yield
 
 
+def launcher_mixed_precision(flag: str | None) -> str | None:
+    """The mixed precision to train in: `flag` (--mixed_precision), else the launcher's
+    (ACCELERATE_MIXED_PRECISION, which `accelerate launch` sets from its flag or config file) in lower
+    case; an InputError for a value that is neither no, fp16, bf16 nor fp8. Accelerate validates an
+    argument but takes the variable as it is: "BF16" trained in float32 while the card stated "products
+    under BF16 autocast", and "FP16" passed the refusal of fp16 on the CPU."""
+    if flag is not None:
+        return flag
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher is None:
+        return None
+    if (value := launcher.strip().lower()) not in ("no", "fp16", "bf16", "fp8"):
+        raise InputError(f"ACCELERATE_MIXED_PRECISION={launcher!r} is not one of no, fp16, bf16 (or fp8).")
+    return value
+
+
 def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
     """The Accelerator for this launch (one process, DDP, FSDP), after checks that fail before any work."""
     if config.push_to_hub:  # fail now, not after training
@@ -1352,12 +1371,22 @@ def make_accelerator(config: TrainingConfig, output_dir: Path) -> Accelerator:
         raise InputError(problem)
     if leaving_mps := training_leaves_mps():
         logger.warning("Training runs on the CPU, not on Apple's MPS device: it has no float64 for sums.")
+    mixed_precision = launcher_mixed_precision(config.mixed_precision)
+    if os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1").strip() != "1":
+        logger.warning(
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS is not used: this script accumulates its own windows "
+            f"(--gradient_accumulation_steps {config.gradient_accumulation_steps})."
+        )
     accelerator = Accelerator(
         # Several processes without GPUs (`accelerate launch --multi_gpu --num_processes N` or torchrun on a
         # CPU machine): Accelerate uses the gloo backend only when told that it runs on CPUs (not where
         # another accelerator, an XPU or NPU, would take the processes).
         cpu=(int(os.environ.get("WORLD_SIZE", "1")) > 1 and not distributed_accelerator()) or leaving_mps,
-        mixed_precision=config.mixed_precision,
+        mixed_precision=mixed_precision,
+        # The script accumulates (`update`): Accelerate's own accumulation, which the environment variable
+        # above sets even over an argument, divided every loss by its steps (--max_grad_norm clipped at
+        # that many times the norm given) and the card stated no accumulation.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
         log_with=None if config.report_to == "none" else config.report_to,
         project_config=ProjectConfiguration(
             project_dir=str(output_dir), logging_dir=str(output_dir / "logs")
@@ -2131,7 +2160,7 @@ def finalise(run: Run, stopped: bool) -> tuple[VanillaTransformerForConditionalG
     accelerator, state, config = run.accelerator, run.state, run.config
     # Data parallelism must leave every process with the same weights; a mismatch is a bug, not noise.
     final_model = run.model_to_evaluate()
-    final = accelerator.unwrap_model(final_model)
+    final = accelerator.unwrap_model(final_model, keep_torch_compile=False)  # see `Run.unwrapped`
     parameters = torch.cat([p.detach().double().flatten() for p in final.parameters()])
     checksum = torch.stack([parameters.sum(), parameters.square().sum()])
     checksums = accelerator.gather(checksum[None]).tolist()
