@@ -688,16 +688,17 @@ def _hold_out_by_source(train: Any, size: int, seed: int) -> tuple[Any, Any]:
             draws[filled] = int.from_bytes(digest, "little")
             filled += 1
     order = np.argsort(draws, kind="stable")  # a source's pairs side by side, sources in random order
+    ordered = draws[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))  # each source's first
+    counts = np.diff(np.append(starts, len(order)))
     taken: list[np.ndarray] = []
-    room, start = size, 0
-    while room and start < len(order):
-        end = start + 1
-        while end < len(order) and draws[order[end]] == draws[order[start]]:
-            end += 1
-        if end - start <= room:
-            taken.append(order[start:end])
-            room -= end - start
-        start = end
+    room = size
+    for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
+        if not room:
+            break
+        if count <= room:
+            taken.append(order[start : start + count])
+            room -= count
     if not taken:
         raise DataError(
             f"The training data repeats its source sentences too much to hold out {size} pairs for "
