@@ -973,6 +973,16 @@ def test_held_out_validation_shares_no_pair_with_train(tmp_path):
         # the split to all 40 of its pairs and more where it was drawn).
         assert len(validation) == 30 and ("Thank you.", "Gracias.") in train
         assert report.lines() == []
+    # Fewer pairs than asked where no source left fits the room (each twice, 31 asked): said.
+    twice = write(
+        tmp_path / "twice.tsv", "en\tes\n" + "".join(f"s{i}\tt{i}\ns{i}\tu{i}\n" for i in range(40))
+    )
+    data, report = load_parallel_data(train_file=twice, validation_size=31)
+    assert len(data["validation"]) == 30 and len(data["train"]) == 50
+    assert report.lines() == [
+        "held out 30 validation pairs, not 31: the training file's other source sentences each have more "
+        "pairs than the room left (a source's pairs are held out together)"
+    ]
 
 
 @pytest.mark.parametrize("suffix", [".tsv", ".jsonl"])

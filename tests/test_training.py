@@ -1912,16 +1912,12 @@ def test_bfloat16_autocast_training_on_cpu(tmp_path, corpus_files, trained):
     assert not (tmp_path / "fp16" / "checkpoints").exists()
 
 
-def test_accelerates_own_compile_and_accumulation_settings_leave_the_run_as_it_was(
-    tmp_path, corpus_files, monkeypatch
-):
-    """Under Accelerate's torch.compile (a config file's dynamo_config, ACCELERATE_DYNAMO_BACKEND) a run
-    trained, then stopped: the compiled wrapper's weights are named `_orig_mod....`, which the checkpoints
-    are not. ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4 divided every loss by 4 (another model, without a
-    word) while the card stated no accumulation. Both runs now end with the plain run's weights."""
+def test_accelerates_own_accumulation_setting_leaves_the_run_as_it_was(tmp_path, corpus_files, monkeypatch):
+    """ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4 divided every loss by 4 (another model, without a word)
+    while the card stated no accumulation: the run now ends with the plain run's weights, and says the
+    variable is not used."""
     args = small_args(tmp_path / "plain", corpus_files, max_steps=3, eval_steps=0, test_samples=1)
     train(parse_config(args))
-    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")  # compiled, with the same operations
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
     args = small_args(tmp_path / "set", corpus_files, max_steps=3, eval_steps=0, test_samples=1)
     with logged_messages("vanilla_transformer") as messages:
@@ -1931,6 +1927,25 @@ def test_accelerates_own_compile_and_accumulation_settings_leave_the_run_as_it_w
     assert set(plain) == set(other)
     for name, tensor in plain.items():
         torch.testing.assert_close(other[name], tensor, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_run_under_accelerates_compile_averages_and_saves_its_model(tmp_path, corpus_files):
+    """Under Accelerate's torch.compile (a config file's dynamo_config, ACCELERATE_DYNAMO_BACKEND) a run
+    trained, then stopped averaging its checkpoints: the compiled wrapper's weights are named
+    `_orig_mod....`, which the checkpoints are not. In a process of its own: Accelerate keeps the first
+    run's compile setting for the rest of a process."""
+    command = [sys.executable, str(ROOT / "scripts/train.py")]
+    command += small_args(tmp_path / "run", corpus_files, max_steps=8, eval_steps=0, test_samples=1)
+    environment = os.environ | {"ACCELERATE_DYNAMO_BACKEND": "eager"}  # compiled, the same operations
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=environment, timeout=600, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())["metrics"]
+    assert len(metrics["averaged_checkpoints"]) == 2  # after updates 4 and 8
+    saved = load_file(tmp_path / "run" / "model.safetensors")
+    assert saved and not any(name.startswith("_orig_mod") for name in saved)
 
 
 def test_the_launchers_mixed_precision_is_read_as_launch_writes_it(tmp_path, corpus_files, monkeypatch):

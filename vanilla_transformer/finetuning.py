@@ -328,7 +328,8 @@ def check_training_data(checkpoint: Path, record: dict[str, Any], train_file: st
         )
     if recorded.get("train_sha256", record["train_sha256"]) != record["train_sha256"]:
         why = (
-            "the validation pairs are now held out by source sentence, another split of the same file"
+            "the validation pairs are now held out otherwise (by source sentence, to the size asked), "
+            "another split of the same file"
             if earlier_draw
             else "their text differs"
         )

@@ -231,21 +231,23 @@ def training_leaves_mps() -> bool:
 def one_process_of_several(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this process runs alone although its launch asked for several, or None.
 
-    `accelerate launch --cpu --num_processes N`, or a config file of `distributed_type: MULTI_CPU` (with
-    `use_cpu` true or false), starts one process whatever N is (its CPU launcher starts several only
-    through mpirun), without a word: it sets the rendezvous address (`MASTER_ADDR`) that a launch of
-    several processes gets, and no process count (`WORLD_SIZE`, or mpirun's). `ACCELERATE_USE_CPU`, set
-    by every `accelerate launch`, tells its launch from an address the user's shell exports."""
+    `accelerate launch --cpu --num_processes N` starts one process whatever N is (its CPU launcher starts
+    several only through mpirun), without a word: it sets the rendezvous address (`MASTER_ADDR`) that a
+    launch of several processes gets, and no process count (`WORLD_SIZE`, or mpirun's)."""
     environ = os.environ if environ is None else environ
+    try:
+        on_cpus = bool(str_to_bool(environ.get("ACCELERATE_USE_CPU", "false").strip()))
+    except ValueError:
+        on_cpus = False
     counted = any(
         name in environ for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
     )
-    if "ACCELERATE_USE_CPU" not in environ or "MASTER_ADDR" not in environ or counted:
+    if not on_cpus or "MASTER_ADDR" not in environ or counted:
         return None
     return (
-        "accelerate launch (--cpu, or a MULTI_CPU configuration) started this one process, whatever its "
-        "--num_processes says: the run trains in one process. For N processes on CPUs: "
-        "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes N ..."
+        "accelerate launch --cpu started this one process, whatever its --num_processes says: the run "
+        "trains in one process. For N processes on CPUs: CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu "
+        "--num_processes N ..."
     )
 
 

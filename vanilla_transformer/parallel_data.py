@@ -44,6 +44,7 @@ class DataReport:
     empty: dict[str, int] = field(default_factory=dict)
     too_long: dict[str, int] = field(default_factory=dict)
     validation_held_out: bool = False  # the validation split was drawn from train at random, by source
+    held_out_short: tuple[int, int] | None = None  # (pairs drawn, pairs asked) where fewer fitted
     # Pairs of a validation or test split given as such (not drawn from train) whose source is also a
     # training source: kept (the split is the user's), but said, as their scores reward memorising.
     sources_in_train: dict[str, int] = field(default_factory=dict)
@@ -52,6 +53,12 @@ class DataReport:
         out = [
             f"skipped {n} {split} rows with an empty source or target" for split, n in self.empty.items() if n
         ]
+        if self.held_out_short:
+            drawn, asked = self.held_out_short
+            out.append(
+                f"held out {drawn} validation pairs, not {asked}: the training file's other source sentences "
+                "each have more pairs than the room left (a source's pairs are held out together)"
+            )
         out += [
             f"warning: {n} of the {split} pairs have a source sentence that also occurs in train: their "
             "scores reward memorising the training data (remove them from one of the two)"
@@ -665,18 +672,21 @@ def load_parallel_data(
             )
         data["train"], data["validation"] = _hold_out_by_source(data["train"], validation_size, seed)
         report.validation_held_out = True
+        if len(data["validation"]) < validation_size:
+            report.held_out_short = (len(data["validation"]), validation_size)
     report.sources_in_train = sources_in_train(data, [] if report.validation_held_out else ["validation"])
     return data, report
 
 
 def _hold_out_by_source(train: Any, size: int, seed: int) -> tuple[Any, Any]:
-    """`train` split in two: a validation split of `size` pairs drawn at random by source sentence (every
-    pair of a source drawn goes with it; a source with more pairs than the room left is passed over, so
-    that a frequent one does not swell the split), and the rest. A source the file repeats ("Thank you."
-    is common in OPUS data, with one translation or several) drawn pair by pair could land on both sides,
-    and the validation scores would reward memorising it; dropping such validation pairs lost them and
-    left a few of `size` (12 of 200 with two translations a source). The draw is a seeded hash of each
-    source's `sentence_key`, read in batches: a set of every training pair held gigabytes for millions."""
+    """`train` split in two: a validation split of up to `size` pairs drawn at random by source sentence
+    (every pair of a source drawn goes with it; a source with more pairs than the room left is passed
+    over, so that a frequent one does not swell the split: fewer where no other fits), and the rest. A
+    source the file repeats ("Thank you." is common in OPUS data, with one translation or several) drawn
+    pair by pair could land on both sides, and the validation scores would reward memorising it;
+    dropping such validation pairs lost them and left a few of `size` (12 of 200 with two translations a
+    source). The draw is a seeded hash of each source's `sentence_key`, read in batches: a set of every
+    training pair held gigabytes for millions."""
     import numpy as np
 
     salt = (seed % (1 << 64)).to_bytes(8, "little")
