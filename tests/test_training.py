@@ -1021,8 +1021,11 @@ def test_resuming_from_an_older_checkpoint_retires_the_later_ones(tmp_path, corp
     other = tmp_path / "other-train.tsv"
     header, first, rest = train_file.read_text(encoding="utf-8").split("\n", 2)
     other.write_text("\n".join([header, first.replace("\t", "\t¡"), rest]), encoding="utf-8")
-    with pytest.raises(InputError, match=r"Cannot continue .*train_sha256 .*a digest of the training pairs"):
+    with pytest.raises(
+        InputError, match=r"Cannot continue .*train_sha256 .*a digest of the training pairs"
+    ) as error:
         train(parse_config([*latest, "--train_file", str(other)]))
+    assert "now by source sentence" in str(error.value)  # a held-out split drawn otherwise since 11170c5
     # Another tokenizer (its ids are not the ones the weights were trained for): once used silently.
     from vanilla_transformer.tokenization import train_bpe_tokenizer
 

@@ -1638,7 +1638,9 @@ def check_data_order(resume_path: Path, data_order: dict[str, Any]) -> None:
         meanings = {
             "processes": "'processes' is the number of launched processes",
             "train_pairs": "'train_pairs' is the number of training pairs after filtering",
-            "train_sha256": "'train_sha256' is a digest of the training pairs' text (other data)",
+            "train_sha256": "'train_sha256' is a digest of the training pairs' text (other data; or, where "
+            "validation is held out of the training file, another split of it: runs before 2026-12-07 held "
+            "it out pair by pair, now by source sentence)",
         }
         explained = [text for key, text in meanings.items() if any(c.startswith(f"{key} ") for c in changed)]
         raise InputError(
