@@ -9,6 +9,7 @@ language code (or by `source_column`/`target_column`). Every split comes out wit
 from __future__ import annotations
 
 import codecs
+import copy
 import csv
 import errno
 import functools
@@ -723,9 +724,9 @@ def _hold_out_by_source(train: Any, size: int, seed: int) -> tuple[Any, Any]:
 
 def sentence_key(text: str) -> str:
     """`text` as a model reads it, for finding the same sentence in two splits: NFKC-normalised (as the
-    tokenizers this package trains read text: a no-break space, decomposed accents), stripped, each run
-    of whitespace one space (as `one_line` reads it)."""
-    return " ".join(unicodedata.normalize("NFKC", text).split())
+    tokenizers this package trains read text: a no-break space, decomposed accents), then as `one_line`
+    reads every sentence."""
+    return one_line(unicodedata.normalize("NFKC", text))
 
 
 def _sources_in(train: Any, wanted: set[str]) -> set[str]:
@@ -818,8 +819,6 @@ def seq2seq_collator(tokenizer: Any, model: Any) -> Any:
     the decoder input `<s> <pad> <pad> ... y1 ...`, a context no translation is decoded from, and the
     stutter augmentation (which reads targets as right-padded) lost every label of the targets it
     changed."""
-    import copy
-
     from transformers import DataCollatorForSeq2Seq
 
     if tokenizer.padding_side != "right":

@@ -981,8 +981,8 @@ def average_checkpoints(paths: Sequence[Path]) -> dict[str, torch.Tensor]:
 
 def _differing_weights(first: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]) -> str:
     """The first weight that one of two state dicts lacks or holds in another shape, said; "" if none."""
-    for name in sorted(set(first) ^ set(other)):
-        return f"{name} only in {'the first' if name in first else 'this one'}"
+    if unshared := sorted(set(first) ^ set(other)):
+        return f"{unshared[0]} only in {'the first' if unshared[0] in first else 'this one'}"
     for name in sorted(first):
         if first[name].shape != other[name].shape:
             return f"{name}: {list(other[name].shape)}, not {list(first[name].shape)}"
