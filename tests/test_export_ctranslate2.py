@@ -286,8 +286,11 @@ def test_what_cannot_be_exported_is_refused_with_the_reason(tmp_path, corpus):
     # An earlier export is replaced, all its files: one of another model (a converted OPUS-MT's
     # sentencepiece tokenizer, two vocabularies) left files the next export does not write, read with it.
     exported = sorted(p.name for p in (tmp_path / "ct2").iterdir())
+    settings = json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())
     for stale in ("source.spm", "source_vocabulary.json", "target_vocabulary.json"):
         (tmp_path / "ct2" / stale).write_text("from an earlier export")
+        settings["files"].append(stale)  # which that export wrote, as it records
+    (tmp_path / "ct2" / SETTINGS_FILE).write_text(json.dumps(settings))
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=16)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["max_positions"] == 16
     assert sorted(p.name for p in (tmp_path / "ct2").iterdir()) == exported
@@ -557,6 +560,39 @@ def test_the_token_ids_generate_reads_are_exported(tmp_path, corpus):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
 
 
+def test_a_vocabulary_padded_past_the_tokenizer_exports(tmp_path, corpus):
+    """`resize_token_embeddings(..., pad_to_multiple_of=N)` leaves rows no token names: the export was
+    refused ("The tokenizer has 401 tokens but the model's vocabulary is 448"). They get names no token
+    has, and an output of such a row is dropped, as generate()'s decoding drops its id."""
+    model, tokenizer = trained_folder(tmp_path / "model", corpus, steps=0, add_final_logits_bias=True)
+    tokenizer.add_tokens(["<domain>"])
+    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    assert model.config.vocab_size == 448 > len(tokenizer) == 401
+    model.generation_config.num_beams, model.generation_config.max_new_tokens = 1, 10
+    sources = list(corpus["test"]["en"][:6])
+    for unused_wins in (False, True):
+        if unused_wins:  # an unused row outscores every token at every step
+            with torch.no_grad():
+                model.final_logits_bias[0, 420] = model.final_logits_bias.max() + 3
+            assert (
+                model.generate(**tokenizer(sources, padding=True, return_tensors="pt"))[:, 1:] == 420
+            ).all()
+        model.save_pretrained(tmp_path / "model")
+        tokenizer.save_pretrained(tmp_path / "model")
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=64)
+        expected = translate(model, tokenizer, sources)
+        assert CTranslate2Translator(tmp_path / "ct2").translate(sources) == expected
+        assert all(expected) != unused_wins  # translations, or none
+    vocabulary = json.loads((tmp_path / "ct2" / "shared_vocabulary.json").read_text())
+    assert vocabulary[:401] == tokenizer.convert_ids_to_tokens(list(range(401)))
+    assert vocabulary[401:] == [f"<unused_row_{row}>" for row in range(401, 448)]
+    # More tokens than rows: refused, with the way to make them fit.
+    tokenizer.add_tokens([f"<more_{i}>" for i in range(60)])
+    tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"has 461 tokens but the model's vocabulary is 448: resize"):
+        export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=64)
+
+
 def test_translating_with_beams_names_the_papers_length_penalty_form(tmp_path, corpus, caplog):
     """A model whose generation config asks for the paper's length penalty form ranks beams by
     ((5 + |Y|) / 6)^alpha, CTranslate2 by |Y|^alpha: only the export said so (whatever the beam size),
@@ -629,6 +665,40 @@ def test_a_second_export_of_a_folder_being_written_is_refused(tmp_path, corpus):
     # Once it is done, the folder is an earlier export to replace, as before.
     export_ctranslate2(tmp_path / "model", tmp_path / "ct2", quantization="int8", max_positions=64)
     assert json.loads((tmp_path / "ct2" / SETTINGS_FILE).read_text())["quantization"] == "int8"
+
+
+def test_replacing_an_earlier_export_loses_nothing_it_did_not_write(tmp_path, corpus):
+    """An export replaces an earlier one as a whole: a model folder kept inside the export (exported
+    from there again) and a user's notes beside the engine were deleted without a word."""
+    trained_folder(tmp_path / "model", corpus, steps=0)
+    export = tmp_path / "ct2"
+    export_ctranslate2(tmp_path / "model", export, max_positions=64)
+    written = json.loads((export / SETTINGS_FILE).read_text())["files"]
+    assert sorted(p.name for p in export.iterdir()) == written
+
+    shutil.copytree(tmp_path / "model", export / "hf_model")
+    with pytest.raises(ValueError, match=r"hf_model lies inside .*ct2, an earlier export"):
+        export_ctranslate2(export / "hf_model", export, max_positions=64)
+    assert (export / "hf_model" / "config.json").is_file()
+    with pytest.raises(ValueError, match=r"also holds hf_model, which the export did not write"):
+        export_ctranslate2(tmp_path / "model", export, max_positions=64)
+    shutil.rmtree(export / "hf_model")
+    (export / "NOTES.md").write_text("my notes")
+    with pytest.raises(ValueError, match=r"also holds NOTES\.md, which"):
+        export_ctranslate2(tmp_path / "model", export, max_positions=64)
+    assert (export / "NOTES.md").read_text() == "my notes"
+
+    # An export written before the files were listed: a subfolder is refused, its files are its own.
+    settings = json.loads((export / SETTINGS_FILE).read_text())
+    del settings["files"]
+    (export / SETTINGS_FILE).write_text(json.dumps(settings))
+    (export / "kept").mkdir()
+    with pytest.raises(ValueError, match=r"also holds kept, which"):
+        export_ctranslate2(tmp_path / "model", export, max_positions=64)
+    (export / "kept").rmdir()
+    export_ctranslate2(tmp_path / "model", export, quantization="int8", max_positions=64)
+    assert not (export / "NOTES.md").exists()
+    assert json.loads((export / SETTINGS_FILE).read_text())["quantization"] == "int8"
 
 
 # Each activation the export maps onto one of CTranslate2's, and the one it is nearest (another

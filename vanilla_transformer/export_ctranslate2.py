@@ -51,6 +51,7 @@ from .publishing import (
     hidden_sibling,
     lock_folder,
     publish_folder,
+    some_of,
 )
 from .translation import SentenceError, checked_sentences, one_line
 
@@ -169,10 +170,21 @@ def ctranslate2_spec(
     config = model.config
     check_exportable(config, tokenizer)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    if len(tokens) != config.vocab_size:
+    if len(tokens) > config.vocab_size:
         raise ValueError(
-            f"The tokenizer has {len(tokens)} tokens but the model's vocabulary is {config.vocab_size}."
+            f"The tokenizer has {len(tokens)} tokens but the model's vocabulary is {config.vocab_size}: "
+            "resize the model's embeddings to the tokenizer "
+            "(`model.resize_token_embeddings(len(tokenizer))`, then train them) and save it again."
         )
+    # Rows past the tokenizer's last token (`resize_token_embeddings(..., pad_to_multiple_of=N)`): CTranslate2
+    # names every row, so they get names no token has; generate()'s decoding drops such ids, and so does
+    # the translator (`CTranslate2Translator.translate`).
+    taken = set(tokens)
+    for row in range(len(tokens), config.vocab_size):
+        name = f"<unused_row_{row}>"
+        while name in taken:
+            name += "_"
+        tokens.append(name)
     spec = ctranslate2.specs.TransformerSpec.from_config(
         (config.num_encoder_layers, config.num_decoder_layers),
         config.num_heads,
@@ -240,6 +252,35 @@ def check_position_table(max_positions: int, width: int) -> None:
         )
 
 
+def check_replaceable_export(export_dir: Path, model_dir: str | Path) -> None:
+    """Raise ValueError unless replacing the earlier export `export_dir` as a whole loses nothing: the model
+    folder being exported must not lie in it, and it must hold only what that export wrote (the files
+    its settings list; a folder exported before they were listed: no subfolder, which no export writes).
+    A model folder kept inside its export (and a user's notes there) was deleted without a word."""
+    source = Path(model_dir).resolve()
+    here = export_dir.resolve()
+    if source == here or here in source.parents:
+        raise ValueError(
+            f"{model_dir} lies inside {export_dir}, an earlier export that this one would replace as a whole "
+            "(deleting the model folder): move the model folder out of it, or export to another folder."
+        )
+    try:
+        written = json.loads((export_dir / SETTINGS_FILE).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a JSON object
+        written = None
+    if isinstance(written, list):
+        foreign = sorted(entry.name for entry in export_dir.iterdir() if entry.name not in written)
+    else:
+        foreign = sorted(entry.name for entry in export_dir.iterdir() if entry.is_dir())
+    if foreign:
+        named = some_of(foreign)
+        raise ValueError(
+            f"{export_dir} is an earlier export, but it also holds {named}, which the export did not write; "
+            "this export replaces the folder as a whole and would delete them: move them out of it, or "
+            "export to another folder."
+        )
+
+
 def export_ctranslate2(
     model_dir: str | Path,
     output_dir: str | Path,
@@ -249,7 +290,8 @@ def export_ctranslate2(
 ) -> Path:
     """Write the CTranslate2 model of the model folder `model_dir` to `output_dir`, with its tokenizer and
     decoding settings beside it; the folder appears whole or not at all. An earlier export there is
-    replaced, all its files; any other non-empty folder (the model folder itself, say) is refused."""
+    replaced, all its files (refused where it holds others, or the model folder); any other non-empty
+    folder (the model folder itself, say) is refused."""
     from .evaluation import load_model_folder
 
     check_not_current_folder(output_dir)
@@ -262,6 +304,8 @@ def export_ctranslate2(
             "the two. Name a new folder (or an earlier export to replace)."
         )
 
+    if target.is_dir() and (target / SETTINGS_FILE).is_file():
+        check_replaceable_export(target, model_dir)
     check_writable_place(target)  # under a file, or read-only: before the model is read and converted
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}.")
@@ -347,6 +391,8 @@ def export_ctranslate2(
         with publish_folder(output_dir, keep_other_files=False) as staging:
             spec.save(str(staging))
             tokenizer.save_pretrained(staging)
+            # what the next export of this folder may replace (`check_replaceable_export`)
+            settings["files"] = sorted([entry.name for entry in staging.iterdir()] + [SETTINGS_FILE])
             (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=1))
         return output_dir
 
@@ -468,6 +514,7 @@ class CTranslate2Translator:
         self.settings = json.loads(settings_file.read_text())
         self.warned: set[str] = set()  # each difference from generate() once
         self.tokenizer = AutoTokenizer.from_pretrained(export_dir)
+        self.vocabulary = self.tokenizer.get_vocab()  # without the names of unused rows (`ctranslate2_spec`)
         # A device named with its number as torch names it ("cuda:1", translate.py's --device for either
         # engine): CTranslate2 takes the number apart, and refused the name ("unsupported device cuda:1").
         kind, numbered, number = device.partition(":")
@@ -565,12 +612,12 @@ class CTranslate2Translator:
                     tokens = result.hypotheses[0]  # without the end token: `limit` of them if stopped there
                     if capped and len(tokens) >= limit:
                         cut.append(i)
-                    ids = self.tokenizer.convert_tokens_to_ids(tokens)
+                    ids = [self.vocabulary[token] for token in tokens if token in self.vocabulary]
                     outputs[i] = one_line(self.tokenizer.decode(ids, skip_special_tokens=True))
         if cut:
             cut.sort()
             names = [f"sentences[{i}]" if line_numbers is None else f"line {line_numbers[i]}" for i in cut]
-            named = ", ".join(names[:5]) + (f" and {len(cut) - 5} more" if len(cut) > 5 else "")
+            named = some_of(names)
             logger.warning(
                 f"The translations of {named} were cut at {settings['max_positions']} tokens, the exported "
                 f"position table's size, before the {rule} limit that generate() keeps: export again with a "

@@ -14,7 +14,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig
-from .publishing import check_folder_json, read_json_object
+from .publishing import check_folder_json, read_json_object, some_of
 
 # What a folder written by the training script holds and a Hub user needs: weights (`WEIGHTS`),
 # configuration with auto_map and custom_pipelines, the code they point to, tokenizer, generation
@@ -319,7 +319,7 @@ def push_model_folder(
     files = sorted(_uploadable(folder))
     others = other_files(folder, files)
     if others and not include_other_files:
-        listed = ", ".join(others[:10]) + (f" and {len(others) - 10} more" if len(others) > 10 else "")
+        listed = some_of(others, 10)
         raise ValueError(
             f"{folder} holds files that are not a model folder's: {listed}. Nothing was uploaded; move them "
             "out, or publish them too with --include_other_files (include_other_files=True)."

@@ -339,6 +339,12 @@ def write_failure(error: BaseException, free: int, needed: int) -> bool:
     return out_of_space(error) or (isinstance(error, WRITE_ERRORS) and free < needed)
 
 
+def some_of(names: list[str], shown: int = 5) -> str:
+    """`names` for a message: the first `shown` of them, and how many more there are."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def mebibytes(size: int) -> str:
     """`size` bytes in MiB for a message: "0.6" below 10 MiB, "1,234" above."""
     return f"{size / 2**20:,.1f}" if size < 10 * 2**20 else f"{size / 2**20:,.0f}"
@@ -381,6 +387,7 @@ __all__ = [
     "mebibytes",
     "out_of_space",
     "publish_folder",
+    "some_of",
     "staging_paths",
     "sync_file",
     "sync_folder",

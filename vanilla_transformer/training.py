@@ -94,6 +94,7 @@ from .publishing import (
     lock_folder,
     mebibytes,
     publish_folder,
+    some_of,
     sync_folder,
     sync_tree,
     write_failure,
@@ -527,7 +528,7 @@ class TrainingConfig:
         # or moved into it, and published with it, without a word.
         foreign = [] if earlier_run_folder(output) else foreign_entries(output)
         if foreign:
-            listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            listed = some_of(foreign)
             raise ValueError(
                 f"--output_dir {self.output_dir} holds {listed}, and is not the folder of an earlier "
                 "training run: the trained model's folder would replace or take in its files. Name a new "
