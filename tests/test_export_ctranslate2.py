@@ -560,6 +560,40 @@ def test_the_token_ids_generate_reads_are_exported(tmp_path, corpus):
         export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
 
 
+def test_a_start_token_that_is_not_special_is_not_part_of_the_translation(tmp_path, corpus):
+    """Every sequence generate() returns begins with the decoder's start token, the prompt, not a
+    translated word; CTranslate2 leaves it out. One that is no special token (a language tag, a word)
+    was decoded into each translation of `translate()`, the pipeline and the fine-tuning scores."""
+    import numpy as np
+    from transformers import EvalPrediction
+
+    from vanilla_transformer import TranslationPipeline
+    from vanilla_transformer.finetuning import BleuMetric
+
+    model, tokenizer = trained_folder(tmp_path / "model", corpus)
+    model.generation_config.num_beams, model.generation_config.max_new_tokens = 1, 12
+    word = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" Dios")[0])
+    assert word not in tokenizer.all_special_ids
+    model.generation_config.decoder_start_token_id = word
+    model.save_pretrained(tmp_path / "model")
+    sources = list(corpus["test"]["en"][:6])
+    export_ctranslate2(tmp_path / "model", tmp_path / "ct2", max_positions=128)
+    expected = CTranslate2Translator(tmp_path / "ct2").translate(sources)
+    assert translate(model, tokenizer, sources) == expected
+    pipe = TranslationPipeline(model=model, tokenizer=tokenizer)
+    assert [record["translation_text"] for record in pipe(sources)] == expected
+    generated = model.generate(**tokenizer(sources, padding=True, return_tensors="pt"))
+    assert (generated[:, 0] == word).all()
+    metric = BleuMetric(tokenizer)
+    metric(
+        EvalPrediction(
+            predictions=generated.numpy(),
+            label_ids=np.asarray(tokenizer(expected, padding=True)["input_ids"]),
+        )
+    )
+    assert metric.scores["bleu"] == pytest.approx(score_translations(expected, expected)["bleu"])
+
+
 def test_a_vocabulary_padded_past_the_tokenizer_exports(tmp_path, corpus):
     """`resize_token_embeddings(..., pad_to_multiple_of=N)` leaves rows no token names: the export was
     refused ("The tokenizer has 401 tokens but the model's vocabulary is 448"). They get names no token

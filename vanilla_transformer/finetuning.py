@@ -378,7 +378,8 @@ class BleuMetric:
             predictions = predictions[0]
         # Padding of generated sequences and of labels is -100 after gathering: decode it as pad.
         predictions = np.where(predictions != -100, predictions, tokenizer.pad_token_id)
-        hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
+        # after the decoder's start token that begins each generated sequence (`translate`)
+        hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions[:, 1:], skip_special_tokens=True)]
         # Seq2SeqTrainer pads the labels of a batch shorter than the generation config's `max_length` (20
         # once its defaults are filled in) with the pad id, not -100; no label is the pad token itself.
         padding = np.isin(labels, [-100, tokenizer.pad_token_id])

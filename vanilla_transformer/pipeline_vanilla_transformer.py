@@ -388,8 +388,10 @@ class TranslationPipeline(Pipeline):
             ids = ids[:length]
             record: dict[str, Any] = {}
             if return_text:
-                text = self.tokenizer.decode(
-                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
+                text = self.tokenizer.decode(  # after the decoder's start token (`translate`)
+                    ids[1:],
+                    skip_special_tokens=True,
+                    clean_up_tokenization_spaces=clean_up_tokenization_spaces,
                 )
                 record["translation_text"] = text.strip()
             if return_tensors:

@@ -107,7 +107,9 @@ def translate(
                     f"generate returned {sequences.shape[0]} sequences for {len(indices)} sentences; "
                     "`translate` returns one translation per sentence (num_return_sequences=1)."
                 )
-            decoded = tokenizer.batch_decode(sequences, skip_special_tokens=True)
+            # After the decoder's start token, which begins every sequence generate() returns: a start
+            # token that is not a special token (a language tag, say) was decoded into each translation.
+            decoded = tokenizer.batch_decode(sequences[:, 1:], skip_special_tokens=True)
             for i, text in zip(indices, decoded, strict=True):
                 translations[i] = one_line(text)
     return [translations[i] for i in range(len(sentences))]
