@@ -193,6 +193,36 @@ def test_untied_output_projection_survives_save_and_load(tmp_path):
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
 
 
+@pytest.mark.parametrize("stored_as", [None, "model.encoder.embed_tokens.weight", "lm_head.weight"])
+def test_a_checkpoint_without_the_shared_matrix_loads_as_marians_does(tmp_path, stored_as):
+    """transformers' own common test (`test_model_weights_reload_no_missing_tied_weights`): a checkpoint
+    without `model.shared.weight` loaded with the embedding left on the meta device and no missing key
+    (generate() then failed on a meta tensor), or, with the matrix under `lm_head.weight` alone, failed
+    comparing meta tensors. MarianMTModel reports the matrix missing and initialises it, or ties it from
+    the copy that is present: so does this model now."""
+    from safetensors.torch import save_file
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    shared = weights.pop("model.shared.weight")
+    if stored_as is not None:
+        weights[stored_as] = shared.clone()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, info = VanillaTransformerForConditionalGeneration.from_pretrained(
+        tmp_path, output_loading_info=True
+    )
+    assert not [name for name, tensor in loaded.named_parameters(remove_duplicate=False) if tensor.is_meta]
+    assert loaded.model.encoder.embed_tokens is loaded.model.shared is loaded.model.decoder.embed_tokens
+    assert loaded.lm_head.weight is loaded.model.shared.weight
+    if stored_as is None:  # reported and initialised, as Marian's
+        assert "model.shared.weight" in info["missing_keys"]
+        assert not torch.equal(loaded.model.shared.weight, shared)
+    else:  # tied from the copy present
+        assert not info["missing_keys"] and torch.equal(loaded.model.shared.weight, shared)
+    assert loaded.generate(torch.tensor([[5, 6, 7, EOS]]), num_beams=1, max_new_tokens=2).shape[1] <= 3
+
+
 def test_resize_token_embeddings_keeps_the_three_way_tie(tmp_path, batch):
     model = tiny_model()
     model.resize_token_embeddings(120)
@@ -228,6 +258,10 @@ def test_resizing_an_untied_output_layer_keeps_it_a_decoding_layer(tmp_path, bat
     model.save_pretrained(tmp_path)
     loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
     assert type(loaded.lm_head) is Linear and torch.equal(loaded.lm_head.weight, head.weight)
+    # `post_init()` after resizing (transformers' own tests call it) re-drew the whole layer.
+    resized = head.weight.detach().clone()
+    model.post_init()
+    assert torch.equal(model.lm_head.weight, resized)
 
 
 def test_resizing_below_a_special_token_is_refused_before_anything_changes():
@@ -239,6 +273,12 @@ def test_resizing_below_a_special_token_is_refused_before_anything_changes():
         model.resize_token_embeddings(EOS)
     assert torch.equal(model.model.shared.weight, before) and model.config.vocab_size == before.shape[0]
     model.resize_token_embeddings(EOS, pad_to_multiple_of=8)  # rounded up to 8: every special id fits
+    assert model.config.vocab_size == 8
+    for multiple in (1.3, 8.0, 0, -8):  # the size it made was blamed on vocab_size ("got 100.1")
+        with pytest.raises(
+            ValueError, match=rf"pad_to_multiple_of must be a positive integer, got {multiple}"
+        ):
+            model.resize_token_embeddings(99, pad_to_multiple_of=multiple)
     assert model.config.vocab_size == 8
 
 

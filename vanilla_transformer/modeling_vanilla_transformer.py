@@ -475,6 +475,23 @@ class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
         config._check_values()
         super().__init__(config, *inputs, **kwargs)
 
+    def mark_tied_weights_as_initialized(self, loading_info: Any) -> None:
+        """transformers' marking of tied weights as initialised before loading's initialisation runs,
+        which would leave a missing shared embedding on the meta device, unreported. The encoder and the
+        decoder hold `shared`'s module itself, so marking their weights (tied targets) marked `shared.weight`
+        too, and transformers then dropped it from the missing keys as one loaded through a shared module:
+        a checkpoint without it (or with the matrix under `lm_head.weight` only) loaded silently with a
+        meta tensor, or failed in a comparison of meta tensors. A tie source missing from the checkpoint and
+        loaded through none of its names stays missing: initialised, or tied from the copy present, as
+        MarianMTModel's is."""
+        missing = set(loading_info.missing_keys)
+        super().mark_tied_weights_as_initialized(loading_info)
+        for source in set(self.all_tied_weights_keys.values()) & missing:
+            weight = self.get_parameter(source)
+            if weight.is_meta:  # not loaded under another of its names
+                loading_info.missing_keys.add(source)
+                weight._is_hf_initialized = False
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             init.xavier_uniform_(module.weight, gain=getattr(module, "init_gain", 1.0))
@@ -967,6 +984,10 @@ def check_resized_vocabulary(
             "Resizing needs one embedding matrix shared by encoder and decoder "
             "(share_encoder_decoder_embeddings=True): this model has one of each (separate vocabularies, "
             "or one vocabulary in two matrices, as some converted Marian models)."
+        )
+    if pad_to_multiple_of is not None and not (is_integer(pad_to_multiple_of) and pad_to_multiple_of > 0):
+        raise ValueError(  # (the size it gave was blamed on vocab_size)
+            f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}."
         )
     if new_num_tokens is None:
         return
@@ -1516,7 +1537,12 @@ class VanillaTransformerForConditionalGeneration(
             resized[:, :kept] = old[:, :kept]
             self.final_logits_bias = resized  # a registered buffer: replaced, still saved
         if type(self.lm_head) is nn.Linear:  # an untied output layer, which transformers rebuilds plain
-            self.lm_head = Linear.over(self.lm_head, per_step=True)  # (and which decodes on our kernels)
+            rebuilt = self.lm_head
+            self.lm_head = Linear.over(rebuilt, per_step=True)  # (and which decodes on our kernels)
+            # transformers marks the rebuilt layer initialised: a later `post_init()` re-drew the wrapper
+            # (every row, the old ones too), where MarianMTModel's stays as resized.
+            if getattr(rebuilt, "_is_hf_initialized", False):
+                self.lm_head._is_hf_initialized = True
         return embeddings
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
