@@ -1,6 +1,7 @@
 """The benchmark compares like with like: MarianMTModel of the same shape, the same batches."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -131,6 +132,24 @@ def test_the_trainer_path_row_is_timed_right_after_the_length_bucketed_batches(m
     assert trainer[1] == bucketed[1] < heavy[1]  # the same batches, then the padded ones
     entry = results["presets"]["tiny"]
     assert {"train length-bucketed", "train Trainer path", "train padding-heavy"} <= set(entry)
+    # What a reader needs to reproduce the figures: MarianMTModel's version, the code, the options.
+    import transformers
+
+    assert results["transformers"] == transformers.__version__
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if head:  # a git checkout (CI's clone): the commit measured, marked where the tree differs from it
+        assert results["commit"].split("+")[0] == head
+    assert results["options"] == {
+        "presets": ["tiny"],
+        "max_tokens": benchmark.TRAINING_MAX_TOKENS,
+        "batches": 2,
+        "rounds": 1,
+        "repeats": 9,
+        "attention_lengths": [],
+        "memory": False,
+        "compile": False,
+        "deploy": False,
+    }
 
 
 def test_kernel_report_lists_the_measured_choices():

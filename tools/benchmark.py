@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import CompileConfig, DataCollatorForSeq2Seq, MarianConfig, MarianMTModel
 
 from vanilla_transformer.batching import TokenBatchSampler
@@ -335,8 +336,9 @@ def add_generate_cell_arguments(parser: argparse.ArgumentParser) -> None:
 def generate_options(num_beams: int, *, suppress_end: bool = False) -> dict[str, Any]:
     """`generate` options for exactly `GENERATE_LENGTH` new tokens, no sampling.
 
-    By default generation has no end token and runs to the length: each step does what a translation's
-    step does (its end-of-sentence check reads one token per row). `suppress_end=True` keeps the end
+    By default generation has no end token and runs to the length: each step computes what a
+    translation's step computes, without the end-of-sentence check (with no end token, transformers
+    stops on the length alone, for both models). `suppress_end=True` keeps the end
     token but forbids it before the length, as CTranslate2's `min_decoding_length` does, for comparing
     tokens with it; transformers does that with two logits processors (`min_length`, `min_new_tokens`),
     each copying and masking the (rows x vocabulary) scores at every step, which no translation runs.
@@ -591,7 +593,9 @@ def plot_attention_scaling(rows: Sequence[dict[str, Any]], path: str | Path) -> 
 
 # Deployment: each engine in its own process --------------------------------------------------------
 # torch's OpenMP threads keep spinning after each call and slow another engine in the same process
-# several-fold, so every engine is timed in a fresh child process, on the same weights and inputs.
+# several-fold, so every engine is timed in a fresh child process, on the same inputs and output length:
+# the CTranslate2 exports hold this model's weights (their tokens are checked against its), MarianMTModel
+# its own random ones (a fixed number of new tokens costs the same whatever the weights).
 
 ENGINES = ("ours", "marian", "ctranslate2 float32", "ctranslate2 int8")
 DEPLOY_SETTINGS = ((1, 1), (1, 4), (32, 1), (32, 4))  # (batch size, beams)
@@ -706,6 +710,27 @@ def linear_kernel_report(policy: LinearKernel) -> dict[str, Any]:
     }
 
 
+def source_commit() -> str | None:
+    """The git commit of the code measured, "+modified" where the working tree differs from it (None
+    outside a git checkout: an installed copy)."""
+    here = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+modified" if changed else "")
+
+
 def run(
     presets: Sequence[str] = ("tiny", "base"),
     *,
@@ -733,6 +758,19 @@ def run(
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,  # MarianMTModel's speed is this version's
+        "commit": source_commit(),
+        "options": {
+            "presets": list(presets),
+            "max_tokens": max_tokens,
+            "batches": batches,
+            "rounds": rounds,
+            "repeats": repeats,
+            "attention_lengths": list(attention_lengths),
+            "memory": memory,
+            "compile": with_compile,
+            "deploy": deploy,
+        },
         "machine": describe_machine(measure=False),
         "matmul_flops": matmul_peak_flops(device, torch_dtype),
         "read_bandwidth": read_bandwidth(device),
