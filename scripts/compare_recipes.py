@@ -1,13 +1,17 @@
 """This package's default recipe against the standard transformers path, at equal training minutes.
 
 Two runs on the same corpus and machine, one after the other, each in its own process:
-- ours: `scripts/train.py` with the default (tiny) recipe and `--max_train_minutes MINUTES`;
+- ours: `scripts/train.py` with the default (tiny) recipe, stopped by `--max_train_minutes MINUTES`
+  alone (its 1,650 updates lifted: a fast machine finished them minutes early);
 - marian: a MarianMTModel of the same shape (tiny preset: d_model, heads, d_ff, layers; its own joint
   BPE vocabulary of `--marian_vocab_size`) trained by `Seq2SeqTrainer` as a transformers user would:
   AdamW at 5e-4, inverse square-root schedule with 400 warm-up updates, label smoothing 0.1, 64
   sentences per batch grouped by length, dropout 0.1, stopped once its training loop has run MINUTES.
-Both are then scored on the test split with beam 4 (sacreBLEU BLEU and chrF) and the share of outputs
-with a word 4-gram repeated three or more times. Prints a table and writes `comparison.json`.
+Both are then scored on the test split with the recipe's decoding (beam 4, length penalty 0.6, stopping
+once every beam has finished; ours stops each output at its source's length + 50 new tokens, Marian each
+at the longest source's + 50), by sacreBLEU's BLEU and chrF and the share of outputs with a word 4-gram
+repeated three or more times. Both start from `--seed`. Prints a table and writes `comparison.json`, with
+the commit, the machine and the arguments.
 
     python scripts/compare_recipes.py --train_file data/train.jsonl --validation_file data/validation.jsonl \\
         --test_file data/test.jsonl --target_lang de --minutes 10 --output_dir runs/compare-de
@@ -22,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,10 @@ MARIAN = {
     "label_smoothing": 0.1,
     "batch_size": 64,
     "dropout": 0.1,
-    "num_beams": 4,
 }
 
+
+UNBOUNDED_STEPS = 10**9  # ours' update limit: the minutes end the run first
 
 # The scripts/train.py flags that run_ours passes itself, from this script's own flags.
 OWN_TRAIN_FLAGS = (
@@ -48,6 +54,20 @@ OWN_TRAIN_FLAGS = (
     "--source_lang",
     "--target_lang",
     "--max_train_minutes",
+    "--seed",
+)
+# Flags that would train or score ours otherwise than the Marian side: other data, other decoding, part
+# of the test split.
+ONE_SIDED_FLAGS = (
+    "--dataset_name",
+    "--dataset_config",
+    "--source_column",
+    "--target_column",
+    "--num_beams",
+    "--length_penalty",
+    "--length_penalty_form",
+    "--no_repeat_ngram_size",
+    "--test_samples",
 )
 
 
@@ -61,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source_lang", default="en", help="source column")
     parser.add_argument("--target_lang", default="es", help="target column")
     parser.add_argument("--minutes", type=float, default=8.0, help="training minutes of each run")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of both runs")
     parser.add_argument("--output_dir", required=True, help="folder for both runs and the comparison")
     parser.add_argument(
         "--marian_vocab_size", type=int, default=8000, help="BPE vocabulary of the MarianMTModel side"
@@ -69,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ours_args",
         default="",
         help="extra scripts/train.py flags, one string (not those this script sets: the data files and "
-        "languages, --output_dir, --max_train_minutes)",
+        "languages, --output_dir, --max_train_minutes, --seed; nor those that would train or score ours "
+        "alone otherwise: other data, decoding or test pairs)",
     )
     parser.add_argument("--only", choices=("ours", "marian"), help="run one side (in this process)")
     args = parser.parse_args(argv)
@@ -102,7 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if taken:
         parser.error(
             f"--ours_args sets {', '.join(taken)}, which this script sets for train.py itself, alike for "
-            "both sides: use its own flags (--train_file, ..., --minutes, --output_dir)"
+            "both sides: use its own flags (--train_file, ..., --minutes, --seed, --output_dir)"
+        )
+    one_sided = sorted({flag for flag in ONE_SIDED_FLAGS for name in names if flag.startswith(name)})
+    if one_sided:
+        parser.error(
+            f"--ours_args sets {', '.join(one_sided)}, which would train or score ours otherwise than the "
+            "Marian side (other data, decoding or test pairs): the comparison would not be like for like"
         )
     return args
 
@@ -120,6 +148,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     output = args.output_dir / "ours"
     command = [sys.executable, str(Path(__file__).with_name("train.py")), "--output_dir", str(output)]
     command += [*data_flags(args), "--max_train_minutes", str(args.minutes), "--report_to", "none"]
+    # The minutes alone stop it (a --max_steps of the user's, later on the line, takes precedence)
+    command += ["--max_steps", str(UNBOUNDED_STEPS), "--seed", str(args.seed)]
     command += shlex.split(args.ours_args)
     started = time.perf_counter()
     status = subprocess.run(command, check=False).returncode
@@ -130,6 +160,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command_minutes": wall / 60,
         "updates": metrics["steps"],
+        "stopped_by": metrics["stopped_by"],
         "train_minutes": metrics["train_time_s"] / 60,
         "bleu": metrics["test_bleu"],
         "chrf": metrics["test_chrf"],
@@ -155,6 +186,7 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
     from vanilla_transformer.metrics import repetition_rate, score_translations
     from vanilla_transformer.parallel_data import load_parallel_data, tokenize_parallel_data
     from vanilla_transformer.tokenization import train_bpe_tokenizer
+    from vanilla_transformer.training import TrainingConfig
     from vanilla_transformer.translation import translate
 
     class TimeLimit(TrainerCallback):
@@ -171,7 +203,7 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
             if self.elapsed >= self.seconds:
                 control.should_training_stop = True
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     try:  # the data files: missing, unreadable, without the columns (as train.py says for the other side)
         data, _ = load_parallel_data(
             train_file=args.train_file,
@@ -213,7 +245,7 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
             logging_steps=50,
             report_to=[],
             use_cpu=not torch.cuda.is_available(),
-            seed=0,
+            seed=args.seed,
         ),
         train_dataset=train_set,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
@@ -222,22 +254,42 @@ def run_marian(args: argparse.Namespace) -> dict[str, Any]:
     result = trainer.train()
     test = data["test"]
     longest = max(len(ids) for ids in tokenized["test"]["input_ids"])
+    decoding = {field.name: field.default for field in fields(TrainingConfig)}  # the recipe's, as ours
     hypotheses = translate(
         model,
         tokenizer,
         test["source"],
         batch_size=64,
-        num_beams=MARIAN["num_beams"],
+        num_beams=decoding["num_beams"],
+        length_penalty=decoding["length_penalty"],
+        early_stopping=True,
         max_new_tokens=longest + 50,
     )
     scores = score_translations(hypotheses, test["target"], target_lang=args.target_lang)
     return {
         "updates": result.global_step,
+        "stopped_by": "max_train_minutes" if limit.elapsed >= limit.seconds else "max_steps",
         "train_minutes": limit.elapsed / 60,
         "bleu": scores["bleu"],
         "chrf": scores["chrf"],
         "repetition": repetition_rate(hypotheses),
         "reference_repetition": repetition_rate(test["target"]),
+    }
+
+
+def run_record(args: argparse.Namespace) -> dict[str, Any]:
+    """What a reader needs to reproduce a comparison: the code, the machine, the versions, the flags."""
+    import torch
+    import transformers
+
+    from vanilla_transformer.machine import describe_machine, source_commit
+
+    flags = {name: str(value) if isinstance(value, Path) else value for name, value in vars(args).items()}
+    return {
+        "commit": source_commit(),
+        "machine": describe_machine(measure=False),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "arguments": {name: value for name, value in flags.items() if name != "only"},
     }
 
 
@@ -253,6 +305,11 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         )
     if {"ours", "marian"} <= results.keys() and results["marian"]["bleu"] > 0:
         lines.append(f"\nBLEU ours / marian: {results['ours']['bleu'] / results['marian']['bleu']:.2f}x")
+    for name, r in results.items():
+        if r.get("stopped_by", "max_train_minutes") != "max_train_minutes":
+            lines.append(
+                f"The {name} run stopped at its update limit, not after the minutes: not an equal budget."
+            )
     return "\n".join(lines)
 
 
@@ -279,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if status:  # that side has said why; a traceback here would only repeat its command line
             sys.exit(f"error: the {side} run failed (exit status {status}): nothing compared")
         results[side] = json.loads((args.output_dir / f"{side}.json").read_text())
-    write_json(args.output_dir / "comparison.json", results)
+    write_json(args.output_dir / "comparison.json", {**results, "run": run_record(args)})
     print(format_table(results))
     return 0
 

@@ -1,5 +1,7 @@
 """Figures name their machine: CPU model, the instruction sets that matter, cores, measured matmul rate."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -171,3 +173,56 @@ def test_matmul_rate_times_the_product_it_is_given():
 
     assert machine.matmul_rate(size=32, repeats=2, product=product) > 0
     assert shapes == [((32, 32), (32, 32))] * 3
+
+
+def test_the_source_commit_is_this_checkouts_alone(tmp_path):
+    """A measurement records the commit of the code measured: this checkout's HEAD (marked where the
+    tree differs from it), and nothing for a copy outside it, also one inside another repository (a
+    virtual environment in a user's own project), whose HEAD is not this code's."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    from vanilla_transformer import machine
+
+    def commit_of(folder):
+        spec = importlib.util.spec_from_file_location("copied_machine", folder / "machine.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.source_commit()
+
+    repository = Path(machine.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repository, capture_output=True, text=True)
+    if head.returncode == 0:  # run from a checkout (CI's clone)
+        assert machine.source_commit().removesuffix("+modified") == head.stdout.strip()
+    elsewhere = tmp_path / "project" / ".venv" / "vanilla_transformer"
+    elsewhere.mkdir(parents=True)
+    shutil.copy(machine.__file__, elsewhere / "machine.py")
+    assert commit_of(elsewhere) is None  # no repository around it
+    subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=u", "-c", "user.email=u@e", "commit", "-q", "--allow-empty", "-m", "theirs"],
+        cwd=tmp_path / "project",
+        check=True,
+    )
+    assert commit_of(elsewhere) is None  # another repository's commit is not this code's
+
+    # A checkout of its own: its commit, "+modified" for a change to the code, not to a measurement's output.
+    checkout = tmp_path / "checkout"
+    (checkout / "vanilla_transformer").mkdir(parents=True)
+    (checkout / "docs").mkdir()
+    shutil.copy(machine.__file__, checkout / "vanilla_transformer" / "machine.py")
+    (checkout / "vanilla_transformer" / "other.py").write_text("x = 1\n")
+    (checkout / "docs" / "benchmark.json").write_text("{}")
+    git = ["git", "-c", "user.name=u", "-c", "user.email=u@e"]
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run([*git, "add", "."], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "code"], cwd=checkout, check=True)
+    ours = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True
+    ).stdout.strip()
+    assert commit_of(checkout / "vanilla_transformer") == ours
+    (checkout / "docs" / "benchmark.json").write_text('{"rerun": true}')
+    assert commit_of(checkout / "vanilla_transformer") == ours
+    (checkout / "vanilla_transformer" / "other.py").write_text("x = 2\n")
+    assert commit_of(checkout / "vanilla_transformer") == ours + "+modified"

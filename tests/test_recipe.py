@@ -381,7 +381,11 @@ def test_compare_recipes_formats_the_table():
     row |= {"repetition": 0.02, "reference_repetition": 0.01}
     table = compare.format_table({"ours": row, "marian": row | {"bleu": 10.0}})
     assert "| ours | 10 | 1.0 | 13.00 | 40.00 | 2.0% (references 1.0%) |" in table
-    assert "BLEU ours / marian: 1.30x" in table
+    assert "BLEU ours / marian: 1.30x" in table and "not an equal budget" not in table
+    stopped = row | {"stopped_by": "max_steps"}
+    table = compare.format_table({"ours": stopped, "marian": row | {"stopped_by": "max_train_minutes"}})
+    assert "The ours run stopped at its update limit, not after the minutes: not an equal budget." in table
+    assert "The marian run" not in table
 
 
 def test_compare_recipes_refuses_ours_args_it_cannot_pass_on(capsys):
@@ -389,12 +393,17 @@ def test_compare_recipes_refuses_ours_args_it_cannot_pass_on(capsys):
     not read (a FileNotFoundError after the training), --max_train_minutes (or its abbreviation) or a
     data flag made the comparison unequal without a word."""
     compare = load_script("compare_recipes")
-    assert compare.parse_args(["--output_dir", "x", "--ours_args", "--vocab_size 400 --seed=3"]).ours_args
+    assert compare.parse_args(
+        ["--output_dir", "x", "--ours_args", "--vocab_size 400 --max_steps=3"]
+    ).ours_args
     for ours_args, message in (
         ("--lr_scale '2", "No closing quotation"),
         ("--output_dir=elsewhere", "sets --output_dir,"),
         ("--max_train 60", "sets --max_train_minutes,"),
-        ("--seed 1 --train_file other.tsv --target_lang de", "sets --target_lang, --train_file,"),
+        ("--seed 1 --train_file other.tsv --target_lang de", "sets --seed, --target_lang, --train_file,"),
+        # ours alone trained on other data, or scored otherwise (the Marian side at beam 4, every pair)
+        ("--num_beams 1 --test_samples 5", "sets --num_beams, --test_samples, which would train or score"),
+        ("--dataset_name x --length_pen 1", "sets --dataset_name, --length_penalty, --length_penalty_form,"),
     ):
         with pytest.raises(SystemExit):
             compare.parse_args(["--output_dir", "x", f"--ours_args={ours_args}"])
@@ -464,4 +473,10 @@ def test_compare_recipes_runs_both_sides(tmp_path, corpus_files):  # noqa: F811
     for side in ("ours", "marian"):
         assert results[side]["updates"] > 0 and results[side]["train_minutes"] >= 0.02
         assert 0 <= results[side]["bleu"] <= 100 and 0 <= results[side]["repetition"] <= 1
+        # both stopped by the minutes: ours' recipe stopped at its 1,650 updates, minutes early
+        assert results[side]["stopped_by"] == "max_train_minutes"
+    run = results["run"]
+    assert run["arguments"]["minutes"] == 0.02 and run["arguments"]["seed"] == 0
+    assert run["machine"]["cores"] >= 1 and run["versions"]["transformers"]
+    assert "not an equal budget" not in result.stdout
     assert "| ours |" in result.stdout and "| marian |" in result.stdout

@@ -40,6 +40,7 @@ from vanilla_transformer.machine import (
     matmul_rate,
     reset_peak_resident,
     resident_bytes,
+    source_commit,
     synchronize,
 )
 from vanilla_transformer.modeling_vanilla_transformer import (
@@ -708,27 +709,6 @@ def linear_kernel_report(policy: LinearKernel) -> dict[str, Any]:
         ],
         "probe_seconds": policy.probe_seconds,
     }
-
-
-def source_commit() -> str | None:
-    """The git commit of the code measured, "+modified" where the working tree differs from it (None
-    outside a git checkout: an installed copy)."""
-    here = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True, timeout=30
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+modified" if changed else "")
 
 
 def run(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -251,6 +252,34 @@ def one_process_of_several(environ: Mapping[str, str] | None = None) -> str | No
     )
 
 
+CODE_PATHS = ("vanilla_transformer", "scripts", "tools", "pyproject.toml")  # what a measurement runs
+
+
+def source_commit() -> str | None:
+    """The git commit of this package's code, "+modified" where its code differs from it, for
+    the record of a measurement (None outside this project's git checkout: an installed copy, also one
+    inside another repository, a virtual environment in the user's project, say)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*arguments: str) -> list[str]:
+        done = subprocess.run(["git", *arguments], cwd=here, capture_output=True, text=True, timeout=30)
+        if done.returncode:
+            raise subprocess.SubprocessError(done.stderr)
+        return done.stdout.splitlines()
+
+    try:
+        top, commit = git("rev-parse", "--show-toplevel", "HEAD")
+        if Path(top).resolve() != here.parent:
+            return None
+        # the code's files only: a benchmark's own outputs (docs/*.json, plots) are tracked too
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", *(f":/{path}" for path in CODE_PATHS)
+        )
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return commit + ("+modified" if changed else "")
+
+
 __all__ = [
     "cpu_flags",
     "cpu_model",
@@ -265,5 +294,6 @@ __all__ = [
     "processes_without_a_gpu",
     "reset_peak_resident",
     "resident_bytes",
+    "source_commit",
     "training_leaves_mps",
 ]

@@ -141,12 +141,13 @@ def _run_checkpoints(folder: Path) -> list[str] | None:
 # other forms for 0.46-1.03 BLEU: eighth round; sequence-level unlikelihood on greedy outputs decoded in
 # training moved loops between seeds for up to 1.1 BLEU and 12-40% more training time: ninth round; label
 # smoothing 0.2 instead of the paper's 0.1 moved the Bible loops to other seeds and added 5 on the second
-# corpus: tenth round) and stutter augmentation in a quarter of the targets (+0.4 BLEU on average over five
-# paired runs on two corpora, loops unchanged; up to 4 repeats removed the Bible loops on three seeds but cost
-# about 1 BLEU on the second corpus and looped there, and variants that insert or label less did no better:
-# docs/recipe.md, sixth round), checkpoints every 50 updates so that the average spans the last 200. The time
-# limit stops it on slower machines: 8 minutes leaves the start-up, averaging, validation and test translation
-# 1.5 minutes on the slowest machine seen (a 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
+# corpus: tenth round) and stutter augmentation in a quarter of the targets (BLEU unchanged on average over
+# five paired runs on two corpora with the committed code, 2 looping outputs against 4; up to 4 repeats
+# removed the Bible loops on three seeds but cost about 1 BLEU on the second corpus and looped there, and
+# variants that insert or label less did no better: docs/recipe.md, sixth round), checkpoints every 50
+# updates so that the average spans the last 200. The time limit stops it on slower machines: 8 minutes
+# leaves the start-up, averaging, validation and test translation 1.5 minutes on the slowest machine seen (a
+# 2-core AMD EPYC at ~50-65 GFLOP/s, where they took 94 s).
 RECIPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "lr_schedule": "inverse_sqrt",
