@@ -24,6 +24,7 @@ from vanilla_transformer.export_ctranslate2 import (
     SETTINGS_FILE,
     CTranslate2Translator,
     check_exportable,
+    check_replaceable_export,
     export_ctranslate2,
     uncarried_generation_settings,
 )
@@ -585,13 +586,18 @@ def test_a_start_token_that_is_not_special_is_not_part_of_the_translation(tmp_pa
     generated = model.generate(**tokenizer(sources, padding=True, return_tensors="pt"))
     assert (generated[:, 0] == word).all()
     metric = BleuMetric(tokenizer)
-    metric(
+    scores = metric(
         EvalPrediction(
             predictions=generated.numpy(),
             label_ids=np.asarray(tokenizer(expected, padding=True)["input_ids"]),
         )
     )
     assert metric.scores["bleu"] == pytest.approx(score_translations(expected, expected)["bleu"])
+    # gen_len counts what was generated, as for MarianMTModel (whose start token is the pad token)
+    pad, end = tokenizer.pad_token_id, tokenizer.eos_token_id
+    rows = np.array([[word, 7, 8, end, pad, pad], [word, 7, 8, 9, 10, end]])
+    assert metric(EvalPrediction(predictions=rows, label_ids=rows))["gen_len"] == 4.0  # (3 + 5) / 2
+    assert scores["gen_len"] == pytest.approx(float((generated[:, 1:] != pad).sum(dim=1).float().mean()))
 
 
 def test_a_vocabulary_padded_past_the_tokenizer_exports(tmp_path, corpus):
@@ -722,16 +728,21 @@ def test_replacing_an_earlier_export_loses_nothing_it_did_not_write(tmp_path, co
         export_ctranslate2(tmp_path / "model", export, max_positions=64)
     assert (export / "NOTES.md").read_text() == "my notes"
 
-    # An export written before the files were listed: a subfolder is refused, its files are its own.
+    # An export written before the files were listed: the files an export writes are its own.
     settings = json.loads((export / SETTINGS_FILE).read_text())
     del settings["files"]
     (export / SETTINGS_FILE).write_text(json.dumps(settings))
     (export / "kept").mkdir()
-    with pytest.raises(ValueError, match=r"also holds kept, which"):
+    with pytest.raises(ValueError, match=r"also holds NOTES\.md, kept, which"):
         export_ctranslate2(tmp_path / "model", export, max_positions=64)
     (export / "kept").rmdir()
+    (export / "NOTES.md").unlink()
+    # A Hub id is no folder inside the export, whatever the current folder holds.
+    check_replaceable_export(export, export / "my-model")
+    # What a file manager leaves there goes with the export.
+    (export / ".DS_Store").write_bytes(b"\0")
     export_ctranslate2(tmp_path / "model", export, quantization="int8", max_positions=64)
-    assert not (export / "NOTES.md").exists()
+    assert not (export / ".DS_Store").exists()
     assert json.loads((export / SETTINGS_FILE).read_text())["quantization"] == "int8"
 
 

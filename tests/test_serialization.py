@@ -280,6 +280,10 @@ def test_resizing_below_a_special_token_is_refused_before_anything_changes():
         ):
             model.resize_token_embeddings(99, pad_to_multiple_of=multiple)
     assert model.config.vocab_size == 8
+    import numpy as np
+
+    model.resize_token_embeddings(np.int64(99), pad_to_multiple_of=np.int64(8))  # transformers: ints only
+    assert model.config.vocab_size == 104
 
 
 def test_resizing_the_base_model_resizes_the_decoder_vocabulary_too(tmp_path, batch):

@@ -28,6 +28,7 @@ Needs the optional extra: `pip install -e ".[ctranslate2]"`.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import math
@@ -252,14 +253,44 @@ def check_position_table(max_positions: int, width: int) -> None:
         )
 
 
+# What an export writes, for an earlier export that did not list its files: CTranslate2's model, config and
+# vocabularies, the settings, and the files a tokenizer's `save_pretrained` writes (fast, BPE, WordPiece,
+# sentencepiece; Marian's two models).
+EXPORT_FILE_NAMES = frozenset(
+    {
+        "model.bin",
+        "config.json",
+        "shared_vocabulary.json",
+        "source_vocabulary.json",
+        "target_vocabulary.json",
+        SETTINGS_FILE,
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "vocab.txt",
+        "merges.txt",
+        "source.spm",
+        "target.spm",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+    }
+)
+# What file managers and notebooks leave in any folder they show: nothing of the user's to lose.
+SYSTEM_CLUTTER = (".DS_Store", "._*", "Thumbs.db", "desktop.ini", ".ipynb_checkpoints")
+
+
 def check_replaceable_export(export_dir: Path, model_dir: str | Path) -> None:
     """Raise ValueError unless replacing the earlier export `export_dir` as a whole loses nothing: the model
     folder being exported must not lie in it, and it must hold only what that export wrote (the files
-    its settings list; a folder exported before they were listed: no subfolder, which no export writes).
-    A model folder kept inside its export (and a user's notes there) was deleted without a word."""
-    source = Path(model_dir).resolve()
+    its settings list; for a folder exported before they were listed, files an export writes,
+    `EXPORT_FILE_NAMES`), or a file manager's clutter. A model folder kept inside its export (and a
+    user's notes there) was deleted without a word."""
+    source = Path(model_dir)
     here = export_dir.resolve()
-    if source == here or here in source.parents:
+    if source.exists() and (source.resolve() == here or here in source.resolve().parents):  # not a Hub id
         raise ValueError(
             f"{model_dir} lies inside {export_dir}, an earlier export that this one would replace as a whole "
             "(deleting the model folder): move the model folder out of it, or export to another folder."
@@ -269,15 +300,20 @@ def check_replaceable_export(export_dir: Path, model_dir: str | Path) -> None:
     except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not a JSON object
         written = None
     if isinstance(written, list):
-        foreign = sorted(entry.name for entry in export_dir.iterdir() if entry.name not in written)
+        wrote = set(written)
     else:
-        foreign = sorted(entry.name for entry in export_dir.iterdir() if entry.is_dir())
+        wrote = {entry.name for entry in export_dir.iterdir() if entry.is_file()} & EXPORT_FILE_NAMES
+    foreign = sorted(
+        entry.name
+        for entry in export_dir.iterdir()
+        if entry.name not in wrote
+        and not any(fnmatch.fnmatchcase(entry.name, junk) for junk in SYSTEM_CLUTTER)
+    )
     if foreign:
-        named = some_of(foreign)
         raise ValueError(
-            f"{export_dir} is an earlier export, but it also holds {named}, which the export did not write; "
-            "this export replaces the folder as a whole and would delete them: move them out of it, or "
-            "export to another folder."
+            f"{export_dir} is an earlier export, but it also holds {some_of(foreign)}, which the export did "
+            "not write; this export replaces the folder as a whole and would delete them: move them out of "
+            "it, or export to another folder."
         )
 
 

@@ -390,7 +390,8 @@ class BleuMetric:
             labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
             texts = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
         self.scores = score_translations(hypotheses, texts, target_lang=self.target_lang)
-        lengths = [int(np.count_nonzero(row != tokenizer.pad_token_id)) for row in predictions]
+        # the generated tokens, not the start token (counted where it is not the pad token, as Marian's is)
+        lengths = [int(np.count_nonzero(row[1:] != tokenizer.pad_token_id)) for row in predictions]
         return {"bleu": self.scores["bleu"], "chrf": self.scores["chrf"], "gen_len": float(np.mean(lengths))}
 
 

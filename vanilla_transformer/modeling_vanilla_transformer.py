@@ -975,10 +975,11 @@ class VanillaTransformerDecoder(VanillaTransformerStack):
 
 def check_resized_vocabulary(
     config: VanillaTransformerConfig, new_num_tokens: int | None, pad_to_multiple_of: int | None
-) -> None:
+) -> int | None:
     """Refuse, before anything changes, what `resize_token_embeddings` cannot do right: a model with two
     embedding matrices (transformers would resize the encoder's alone), or a size that leaves a special
-    token's id outside the vocabulary (the configuration's own checks, the decoder's too)."""
+    token's id outside the vocabulary (the configuration's own checks, the decoder's too). Returns
+    `pad_to_multiple_of` as a Python int (transformers refuses a NumPy one)."""
     if not config.share_encoder_decoder_embeddings:
         raise ValueError(
             "Resizing needs one embedding matrix shared by encoder and decoder "
@@ -989,8 +990,10 @@ def check_resized_vocabulary(
         raise ValueError(  # (the size it gave was blamed on vocab_size)
             f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}."
         )
+    if pad_to_multiple_of is not None:
+        pad_to_multiple_of = int(pad_to_multiple_of)
     if new_num_tokens is None:
-        return
+        return pad_to_multiple_of
     resized = copy.copy(config)
     size = new_num_tokens
     if pad_to_multiple_of:
@@ -999,6 +1002,7 @@ def check_resized_vocabulary(
     if config.share_encoder_decoder_embeddings:
         resized.decoder_vocab_size = resized.vocab_size
     resized._check_values()
+    return pad_to_multiple_of
 
 
 class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
@@ -1061,7 +1065,7 @@ class VanillaTransformerModel(VanillaTransformerPreTrainedModel):
         following `vocab_size`: left as it was, the decoder refused the new ids and the saved folder
         failed to load. A size that would leave a special token's id outside the vocabulary, or a model
         with two embedding matrices, is refused before anything changes."""
-        check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
+        pad_to_multiple_of = check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
         return embeddings
@@ -1527,7 +1531,7 @@ class VanillaTransformerForConditionalGeneration(
         that would leave a special token's id outside the vocabulary is refused before anything changes
         (such a model would generate with warnings, save, and then fail to load). A final logits bias
         (converted OPUS-MT models) is cut or extended with zeros, as MarianMTModel's is."""
-        check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
+        pad_to_multiple_of = check_resized_vocabulary(self.config, new_num_tokens, pad_to_multiple_of)
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
         self.config.decoder_vocab_size = self.config.vocab_size  # one shared matrix, one size
         if self.final_logits_bias is not None and self.final_logits_bias.shape[1] != self.config.vocab_size:

@@ -57,7 +57,8 @@ def translate(
 
     Each sentence is read as training data is (`one_line`: stripped, each run of whitespace a space).
     Sentences are sorted by token length (longest first) so that each batch carries little padding;
-    the translations come back in the input order, decoded without special tokens, stripped and on one
+    the translations come back in the input order, decoded after the decoder's start token (a prompt,
+    special or not, not part of the translation) and without special tokens, stripped and on one
     line each (a model trained on text with line breaks may write them: they become spaces, so that a
     line-by-line output keeps one line per input); a blank sentence translates to "". A batch that
     runs out of memory is reported as a `SentenceError` of its longest sentence, with its length.
