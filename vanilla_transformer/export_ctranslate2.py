@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .configuration_vanilla_transformer import VanillaTransformerConfig, is_integer
+from .hub import TOKENIZER_FILES
 from .modeling_vanilla_transformer import (
     DEFAULT_MAX_LENGTH_OFFSET,
     VanillaTransformerForConditionalGeneration,
@@ -254,29 +255,15 @@ def check_position_table(max_positions: int, width: int) -> None:
 
 
 # What an export writes, for an earlier export that did not list its files: CTranslate2's model, config and
-# vocabularies, the settings, and the files a tokenizer's `save_pretrained` writes (fast, BPE, WordPiece,
-# sentencepiece; Marian's two models).
-EXPORT_FILE_NAMES = frozenset(
-    {
-        "model.bin",
-        "config.json",
-        "shared_vocabulary.json",
-        "source_vocabulary.json",
-        "target_vocabulary.json",
-        SETTINGS_FILE,
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "chat_template.jinja",
-        "vocab.json",
-        "vocab.txt",
-        "merges.txt",
-        "source.spm",
-        "target.spm",
-        "spiece.model",
-        "sentencepiece.bpe.model",
-    }
+# vocabularies, the settings, and the tokenizer's files.
+EXPORT_FILES = (
+    "model.bin",
+    "config.json",
+    "shared_vocabulary.json",
+    "source_vocabulary.json",
+    "target_vocabulary.json",
+    SETTINGS_FILE,
+    *TOKENIZER_FILES,
 )
 # What file managers and notebooks leave in any folder they show: nothing of the user's to lose.
 SYSTEM_CLUTTER = (".DS_Store", "._*", "Thumbs.db", "desktop.ini", ".ipynb_checkpoints")
@@ -286,7 +273,7 @@ def check_replaceable_export(export_dir: Path, model_dir: str | Path) -> None:
     """Raise ValueError unless replacing the earlier export `export_dir` as a whole loses nothing: the model
     folder being exported must not lie in it, and it must hold only what that export wrote (the files
     its settings list; for a folder exported before they were listed, files an export writes,
-    `EXPORT_FILE_NAMES`), or a file manager's clutter. A model folder kept inside its export (and a
+    `EXPORT_FILES`), or a file manager's clutter. A model folder kept inside its export (and a
     user's notes there) was deleted without a word."""
     source = Path(model_dir)
     here = export_dir.resolve()
@@ -302,7 +289,11 @@ def check_replaceable_export(export_dir: Path, model_dir: str | Path) -> None:
     if isinstance(written, list):
         wrote = set(written)
     else:
-        wrote = {entry.name for entry in export_dir.iterdir() if entry.is_file()} & EXPORT_FILE_NAMES
+        wrote = {
+            entry.name
+            for entry in export_dir.iterdir()
+            if entry.is_file() and any(fnmatch.fnmatchcase(entry.name, name) for name in EXPORT_FILES)
+        }
     foreign = sorted(
         entry.name
         for entry in export_dir.iterdir()

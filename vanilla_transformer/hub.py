@@ -54,14 +54,8 @@ HUB_OWN = (".gitattributes",)
 # configs, the package's code, tokenizers (fast, sentencepiece, BPE), the card, its metrics and plots.
 # Anything else in a folder to publish is someone's own (notes, data: a .json or .py file is data or a
 # script unless named as a model's) and goes up only when asked: a commit cannot be taken back.
-MODEL_FILES = (
-    "README.md",
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model-*-of-*.safetensors",
-    "model.safetensors.index.json",
-    "*_vanilla_transformer.py",
+# What a tokenizer's `save_pretrained` writes (fast, BPE, WordPiece, sentencepiece; Marian's two models).
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -72,6 +66,16 @@ MODEL_FILES = (
     "merges.txt",
     "*.spm",
     "*.model",
+)
+MODEL_FILES = (
+    "README.md",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "*_vanilla_transformer.py",
+    *TOKENIZER_FILES,
     "metrics.json",
     "*.png",
     "LICENSE*",  # the licence a card links (`license_link`), copied from the model it started from
