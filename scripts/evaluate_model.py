@@ -51,7 +51,8 @@ parser.add_argument(
     "--bleu_tokenize",
     help="sacreBLEU's BLEU tokeniser: 13a, intl, zh, char, none, ja-mecab, ko-mecab, flores200, ... "
     "(default: sacreBLEU's for --target_lang: zh for Chinese, MeCab's for Japanese and Korean, else 13a; "
-    "char suits Thai, Lao, Khmer, Myanmar); the BLEU signature names it",
+    "char suits Thai, Lao, Khmer, Myanmar); moses-compound-split: the paper's tokenised BLEU with compound "
+    "splitting (needs sacremoses); the BLEU signature names it",
 )
 parser.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
 parser.add_argument(

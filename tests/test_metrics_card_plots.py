@@ -174,6 +174,59 @@ def test_evaluate_model_scores_with_the_bleu_tokeniser_named(tmp_path, monkeypat
             evaluation.evaluate_model("model", data_options=options, bleu_tokenize=name)
 
 
+def test_the_papers_bleu_is_tokenised_with_compound_splitting(tmp_path, monkeypatch):
+    """The paper's EN-DE BLEU (tensor2tensor's get_ende_bleu.sh, fairseq's compound_split_bleu.sh): both
+    sides through the Moses tokenizer, then Perl's s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g, scored on the
+    tokens as multi-bleu.perl does. The reference here runs that very Perl line."""
+    import shutil
+    import subprocess
+
+    from sacremoses import MosesTokenizer
+
+    from vanilla_transformer import evaluation
+    from vanilla_transformer.metrics import PAPER_BLEU
+
+    if shutil.which("perl") is None:
+        pytest.skip("needs perl, the reference's compound splitting")
+    references = [
+        "Die Nord-Süd-Verbindung wurde 2014 eröffnet.",
+        'Das ist ein "Testfall" für die Bundes-Regierung.',
+    ]
+    predictions = [
+        "Die Nord-Süd-Verbindung wurde im Jahr 2014 eröffnet.",
+        "Das ist ein Test-Fall, für die Bundes-Regierung.",
+    ]
+    moses = MosesTokenizer(lang="de")
+
+    def reference_tokens(texts):
+        tokenised = "".join(moses.tokenize(text, escape=False, return_str=True) + "\n" for text in texts)
+        perl = ["perl", "-CSD", "-ple", "s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g"]
+        return subprocess.run(
+            perl, input=tokenised, capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+
+    expected = sacrebleu.corpus_bleu(
+        reference_tokens(predictions), [reference_tokens(references)], tokenize="none"
+    )
+    scores = score_translations(predictions, references, target_lang="de", tokenize=PAPER_BLEU)
+    assert scores["bleu"] == pytest.approx(expected.score) and scores["sys_len"] == expected.sys_len
+    assert "tok:moses-compound-split-sacremoses-" in scores["bleu_signature"]
+    assert (
+        scores["chrf"] == score_translations(predictions, references, target_lang="de")["chrf"]
+    )  # the text's
+    # through evaluate_model.py's flag
+    test = tmp_path / "test.tsv"
+    test.write_text("en\tde\n" + "".join(f"source {i}\t{text}\n" for i, text in enumerate(references)))
+    monkeypatch.setattr(evaluation, "load_model_folder", lambda *_: (None, None))
+    monkeypatch.setattr(evaluation, "translate", lambda *_, **__: predictions)
+    options = {"test_file": str(test), "source_lang": "en", "target_lang": "de"}
+    result = evaluation.evaluate_model("model", data_options=options, bleu_tokenize=PAPER_BLEU)
+    assert result["bleu"] == pytest.approx(expected.score)
+    monkeypatch.setitem(__import__("sys").modules, "sacremoses", None)  # not installed
+    with pytest.raises(ValueError, match="needs the sacremoses package: pip install sacremoses"):
+        evaluation.evaluate_model("model", data_options=options, bleu_tokenize=PAPER_BLEU)
+
+
 def test_canonically_equivalent_spellings_score_as_the_same_text():
     """A model writes NFC text (its tokenizer normalises targets so), and sacreBLEU compares code points:
     against decomposed references (as macOS and some corpora write Vietnamese and Korean) a perfect

@@ -157,7 +157,8 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Translate a split and score it. `data_options` go to `load_parallel_data` (default: embedded corpus);
     `trust_remote_code` to `load_model_folder`; `bleu_tokenize` names sacreBLEU's BLEU tokeniser ("char",
-    "intl", "13a", ...; default: sacreBLEU's for the target language, see `score_translations`).
+    "intl", "13a", ...; default: sacreBLEU's for the target language, see `score_translations`), or
+    `metrics.PAPER_BLEU` for the paper's tokenised BLEU.
 
     Returns the scores, the sacreBLEU signatures, the share of outputs (and of references) with a word
     4-gram repeated three or more times, the number of pairs scored and the split's size, and the

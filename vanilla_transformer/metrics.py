@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,17 +42,59 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
 
     Keyword arguments go to the metric: `target_lang` (the references' language code, which picks
     sacreBLEU's BLEU tokeniser for it: "zh" for Chinese, MeCab's for Japanese and Korean, else "13a"),
-    `tokenize` (a BLEU tokeniser of your choice instead) and `lowercase` (default False). Both sides are
+    `tokenize` (a BLEU tokeniser of your choice instead; `PAPER_BLEU` for the paper's tokenised BLEU with
+    compound splitting, chrF unchanged) and `lowercase` (default False). Both sides are
     NFC-normalised first (canonically equivalent spellings match; sacreBLEU's scores on NFC text).
     Returns the metric's dict: "bleu", "chrf", "bleu_signature", "chrf_signature",
     "bleu_precisions", "brevity_penalty", "sys_len", "ref_len".
     """
     if isinstance(predictions, str) or isinstance(references, str):
         raise ValueError("`predictions` and `references` must be sequences of strings, not a single string.")
+    metric = load_translation_metric()
     # Length and emptiness are checked by evaluate and by the metric module itself.
-    return load_translation_metric().compute(
-        predictions=list(predictions), references=list(references), **kwargs
+    if kwargs.get("tokenize") != PAPER_BLEU:
+        return metric.compute(predictions=list(predictions), references=list(references), **kwargs)
+    # The paper's BLEU on the paper's tokens; chrF, which reads characters, on the text as it is.
+    plain = metric.compute(
+        predictions=list(predictions), references=list(references), **{**kwargs, "tokenize": None}
     )
+    language = kwargs.get("target_lang") or "en"
+    tokenised = metric.compute(
+        predictions=paper_tokens(predictions, language),
+        references=paper_tokens(references, language),
+        **{**kwargs, "tokenize": "none"},
+    )
+    from sacremoses import __version__ as sacremoses_version
+
+    signature = tokenised["bleu_signature"].replace(
+        "tok:none", f"tok:{PAPER_BLEU}-sacremoses-{sacremoses_version}"
+    )
+    bleu_fields = ("bleu", "bleu_precisions", "brevity_penalty", "sys_len", "ref_len")
+    return {**plain, **{name: tokenised[name] for name in bleu_fields}, "bleu_signature": signature}
+
+
+# The BLEU of the paper's tables (tensor2tensor's get_ende_bleu.sh; fairseq's compound_split_bleu.sh): both
+# sides tokenised by the Moses tokenizer for the target language, every "a-b" of the tokens written
+# "a ##AT##-##AT## b" (one pass, as Perl's s{(\S)-(\S)}{...}g: "a-b-c" keeps its second hyphen), and
+# scored on those tokens as multi-bleu.perl scores (sacreBLEU with no tokeniser of its own). Not
+# sacreBLEU's standard score, and not comparable with it: the paper's 27.3 EN-DE is this score.
+PAPER_BLEU = "moses-compound-split"
+COMPOUND_HYPHEN = re.compile(r"(\S)-(\S)")
+
+
+def paper_tokens(texts: Sequence[str], language: str) -> list[str]:
+    """`texts` as the paper's BLEU reads them (`PAPER_BLEU`): Moses-tokenised for `language` (a code such
+    as "de"), hyphenated compounds split."""
+    from sacremoses import MosesTokenizer
+
+    tokenizer = MosesTokenizer(lang=language.split("_")[0].split("-")[0])
+    return [
+        COMPOUND_HYPHEN.sub(
+            r"\1 ##AT##-##AT## \2",
+            tokenizer.tokenize(unicodedata.normalize("NFC", text), escape=False, return_str=True),
+        )
+        for text in texts
+    ]
 
 
 def check_bleu_tokenize(name: str) -> None:
@@ -61,8 +104,20 @@ def check_bleu_tokenize(name: str) -> None:
     whole test set, not after."""
     from sacrebleu.metrics.bleu import BLEU
 
+    if name == PAPER_BLEU:
+        try:
+            import sacremoses  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                f"the BLEU tokeniser {name!r} needs the sacremoses package: pip install sacremoses "
+                "(or the package's paper_bleu extra)"
+            ) from None
+        return
     if name not in BLEU.TOKENIZERS:
-        raise ValueError(f"unknown BLEU tokeniser {name!r}; sacreBLEU's are {', '.join(BLEU.TOKENIZERS)}")
+        raise ValueError(
+            f"unknown BLEU tokeniser {name!r}; sacreBLEU's are {', '.join(BLEU.TOKENIZERS)}, and the "
+            f"paper's is {PAPER_BLEU}"
+        )
     try:
         BLEU(tokenize=name)
     except Exception as error:  # ImportError, RuntimeError (MeCab), OSError (the download)
@@ -100,9 +155,11 @@ def repetition_rate(texts: Sequence[str], n: int = 4, times: int = 3) -> float:
 
 
 __all__ = [
+    "PAPER_BLEU",
     "check_bleu_tokenize",
     "load_translation_metric",
     "metric_module_path",
+    "paper_tokens",
     "repeats_ngram",
     "repetition_rate",
     "score_translations",
