@@ -585,7 +585,7 @@ def test_a_start_token_that_is_not_special_is_not_part_of_the_translation(tmp_pa
     assert [record["translation_text"] for record in pipe(sources)] == expected
     generated = model.generate(**tokenizer(sources, padding=True, return_tensors="pt"))
     assert (generated[:, 0] == word).all()
-    metric = BleuMetric(tokenizer)
+    metric = BleuMetric(tokenizer, decoder_start_token_id=word)
     scores = metric(
         EvalPrediction(
             predictions=generated.numpy(),

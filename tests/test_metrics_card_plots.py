@@ -174,14 +174,14 @@ def test_evaluate_model_scores_with_the_bleu_tokeniser_named(tmp_path, monkeypat
             evaluation.evaluate_model("model", data_options=options, bleu_tokenize=name)
 
 
-def test_the_papers_bleu_is_tokenised_with_compound_splitting(tmp_path, monkeypatch):
-    """The paper's EN-DE BLEU (tensor2tensor's get_ende_bleu.sh, fairseq's compound_split_bleu.sh): both
-    sides through the Moses tokenizer, then Perl's s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g, scored on the
-    tokens as multi-bleu.perl does. The reference here runs that very Perl line."""
+def test_the_papers_bleu_is_tokenised_with_compound_splitting(tmp_path, monkeypatch, caplog):
+    """The paper's EN-DE BLEU (tensor2tensor's get_ende_bleu.sh): replace-unicode-punctuation.perl and
+    tokenizer.perl -l de (their Python port, sacremoses), then Perl's s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g
+    (run here as Perl itself), scored on the tokens as multi-bleu.perl does (no smoothing)."""
     import shutil
     import subprocess
 
-    from sacremoses import MosesTokenizer
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
     from vanilla_transformer import evaluation
     from vanilla_transformer.metrics import PAPER_BLEU
@@ -190,30 +190,49 @@ def test_the_papers_bleu_is_tokenised_with_compound_splitting(tmp_path, monkeypa
         pytest.skip("needs perl, the reference's compound splitting")
     references = [
         "Die Nord-Süd-Verbindung wurde 2014 eröffnet.",
-        'Das ist ein "Testfall" für die Bundes-Regierung.',
+        "Das ist ein “Testfall” für die Bundes-Regierung.",
     ]
     predictions = [
         "Die Nord-Süd-Verbindung wurde im Jahr 2014 eröffnet.",
-        "Das ist ein Test-Fall, für die Bundes-Regierung.",
+        'Das ist ein "Test-Fall" für die Bundes-Regierung.',
     ]
-    moses = MosesTokenizer(lang="de")
+    moses, punctuation = MosesTokenizer(lang="de"), MosesPunctNormalizer(lang="de")
 
     def reference_tokens(texts):
-        tokenised = "".join(moses.tokenize(text, escape=False, return_str=True) + "\n" for text in texts)
+        lines = [
+            moses.tokenize(punctuation.replace_unicode_punct(t), escape=False, return_str=True) for t in texts
+        ]
         perl = ["perl", "-CSD", "-ple", "s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g"]
-        return subprocess.run(
-            perl, input=tokenised, capture_output=True, text=True, check=True
-        ).stdout.splitlines()
+        split = subprocess.run(
+            perl, input="\n".join(lines) + "\n", capture_output=True, text=True, check=True
+        )
+        return split.stdout.splitlines()
 
-    expected = sacrebleu.corpus_bleu(
-        reference_tokens(predictions), [reference_tokens(references)], tokenize="none"
-    )
+    tokens = (reference_tokens(predictions), [reference_tokens(references)])
+    expected = sacrebleu.corpus_bleu(*tokens, tokenize="none", smooth_method="none")
     scores = score_translations(predictions, references, target_lang="de", tokenize=PAPER_BLEU)
     assert scores["bleu"] == pytest.approx(expected.score) and scores["sys_len"] == expected.sys_len
-    assert "tok:moses-compound-split-sacremoses-" in scores["bleu_signature"]
-    assert (
-        scores["chrf"] == score_translations(predictions, references, target_lang="de")["chrf"]
-    )  # the text's
+    assert "|tok:moses-compound-split-de-sacremoses-" in scores["bleu_signature"]
+    assert "|smooth:none|" in scores["bleu_signature"]
+    plain = score_translations(predictions, references, target_lang="de")
+    assert scores["chrf"] == plain["chrf"] and scores["bleu"] > plain["bleu"]  # chrF: the text's
+
+    # German's rules under any spelling of its code ("z. B." one token in German, two in English)
+    abbreviated = ["Das ist z. B. ein Test.", "Am 3. Mai, um 10 Uhr."]
+    german = score_translations(abbreviated, abbreviated, target_lang="de", tokenize=PAPER_BLEU)
+    for code in ("DE", "de_DE", "deu", "deu_Latn"):
+        same = score_translations(abbreviated, abbreviated, target_lang=code, tokenize=PAPER_BLEU)
+        assert same["sys_len"] == german["sys_len"], code
+    english = score_translations(abbreviated, abbreviated, target_lang="en", tokenize=PAPER_BLEU)
+    assert english["sys_len"] > german["sys_len"]
+    # Tokenised lines (each ending " .") are what this score reads: no "forgot to detokenize" warning.
+    lines = [f"Er sagte {i} Mal ja." for i in range(120)]
+    with caplog.at_level("WARNING"):
+        assert score_translations(lines, lines, target_lang="de", tokenize=PAPER_BLEU)[
+            "bleu"
+        ] == pytest.approx(100)
+    assert "detokenize" not in caplog.text
+
     # through evaluate_model.py's flag
     test = tmp_path / "test.tsv"
     test.write_text("en\tde\n" + "".join(f"source {i}\t{text}\n" for i, text in enumerate(references)))

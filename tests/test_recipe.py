@@ -390,6 +390,28 @@ def test_compare_recipes_formats_the_table():
     assert "The marian run" not in table
 
 
+def test_compare_recipes_trains_ours_for_the_minutes_alone(tmp_path, monkeypatch):
+    """Ours kept the recipe's 1,650 updates, which a fast machine finished minutes before the Marian side
+    stopped: the minutes alone stop it now (a --max_steps of the user's, after it, still counts), at the
+    seed of both sides."""
+    compare = load_script("compare_recipes")
+    commands = []
+
+    def run(command, check):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=1)  # as a failed run: nothing to read afterwards
+
+    monkeypatch.setattr(compare.subprocess, "run", run)
+    for ours_args in ("", "--max_steps 30"):
+        args = compare.parse_args(["--output_dir", str(tmp_path), "--seed", "3", "--ours_args", ours_args])
+        with pytest.raises(SystemExit):
+            compare.run_ours(args)
+        command = commands[-1]
+        steps = [command[i + 1] for i, flag in enumerate(command) if flag == "--max_steps"]
+        assert int(steps[0]) >= 10**9 and steps[1:] == ([] if not ours_args else ["30"])
+        assert command[command.index("--seed") + 1] == "3"
+
+
 def test_compare_recipes_refuses_ours_args_it_cannot_pass_on(capsys):
     """Unbalanced quotes ended in shlex's traceback; --output_dir trained ours where its metrics.json was
     not read (a FileNotFoundError after the training), --max_train_minutes (or its abbreviation) or a

@@ -188,7 +188,7 @@ def evaluate_model(
     model, tokenizer = load_model_folder(model_path, device, trust_remote_code)
     hypotheses = translate(model, tokenizer, rows["source"], batch_size=batch_size, **generate_kwargs)
     # The references' language picks sacreBLEU's BLEU tokeniser (zh, ja, ko: not 13a), unless one is named.
-    target_lang = options.get("target_lang")
+    target_lang = languages[1]  # the embedded corpus's where none is named (the paper's BLEU tokenises by it)
     chosen = {"tokenize": bleu_tokenize} if bleu_tokenize is not None else {}
     scores = score_translations(hypotheses, rows["target"], target_lang=target_lang, **chosen)
     return {

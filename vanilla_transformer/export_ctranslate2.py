@@ -263,7 +263,12 @@ EXPORT_FILES = (
     "source_vocabulary.json",
     "target_vocabulary.json",
     SETTINGS_FILE,
-    *TOKENIZER_FILES,
+    # by name, not the model folder's patterns ("*.model" would take a user's own language model)
+    *(name for name in TOKENIZER_FILES if "*" not in name),
+    "source.spm",
+    "target.spm",
+    "spiece.model",
+    "sentencepiece.bpe.model",
 )
 # What file managers and notebooks leave in any folder they show: nothing of the user's to lose.
 SYSTEM_CLUTTER = (".DS_Store", "._*", "Thumbs.db", "desktop.ini", ".ipynb_checkpoints")
@@ -290,9 +295,7 @@ def check_replaceable_export(export_dir: Path, model_dir: str | Path) -> None:
         wrote = set(written)
     else:
         wrote = {
-            entry.name
-            for entry in export_dir.iterdir()
-            if entry.is_file() and any(fnmatch.fnmatchcase(entry.name, name) for name in EXPORT_FILES)
+            entry.name for entry in export_dir.iterdir() if entry.is_file() and entry.name in EXPORT_FILES
         }
     foreign = sorted(
         entry.name

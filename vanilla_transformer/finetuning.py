@@ -54,6 +54,7 @@ from .parallel_data import (
     tokenize_parallel_data,
 )
 from .publishing import check_not_dangling_link, check_writable_place, disk_full_message
+from .translation import after_start_token, decoder_start_id
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +359,9 @@ class BleuMetric:
     and vanish, normalisation rewrites others), so scores would not match `evaluate_model`'s.
     `scores`: the last evaluation's sacreBLEU results, signatures included, and `split_pairs` the size of
     the split whose first pairs `references` are (both for the model card). `target_lang`, the
-    references' language code, picks sacreBLEU's BLEU tokeniser for it (`score_translations`)."""
+    references' language code, picks sacreBLEU's BLEU tokeniser for it (`score_translations`).
+    `decoder_start_token_id`, the model's: the token generated sequences begin with, scored (and counted
+    in `gen_len`) as no part of the translation."""
 
     def __init__(
         self,
@@ -366,9 +369,10 @@ class BleuMetric:
         references: Any = None,
         split_pairs: int | None = None,
         target_lang: str | None = None,
+        decoder_start_token_id: int | None = None,
     ) -> None:
         self.tokenizer, self.references, self.split_pairs = tokenizer, references, split_pairs
-        self.target_lang = target_lang
+        self.target_lang, self.decoder_start_token_id = target_lang, decoder_start_token_id
         self.scores: dict[str, Any] = {}
 
     def __call__(self, prediction: EvalPrediction) -> dict[str, float]:
@@ -379,7 +383,8 @@ class BleuMetric:
         # Padding of generated sequences and of labels is -100 after gathering: decode it as pad.
         predictions = np.where(predictions != -100, predictions, tokenizer.pad_token_id)
         # after the decoder's start token that begins each generated sequence (`translate`)
-        hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions[:, 1:], skip_special_tokens=True)]
+        predictions = after_start_token(predictions.tolist(), self.decoder_start_token_id)
+        hypotheses = [t.strip() for t in tokenizer.batch_decode(predictions, skip_special_tokens=True)]
         # Seq2SeqTrainer pads the labels of a batch shorter than the generation config's `max_length` (20
         # once its defaults are filled in) with the pad id, not -100; no label is the pad token itself.
         padding = np.isin(labels, [-100, tokenizer.pad_token_id])
@@ -390,8 +395,9 @@ class BleuMetric:
             labels = np.where(labels != -100, labels, tokenizer.pad_token_id)
             texts = [t.strip() for t in tokenizer.batch_decode(labels, skip_special_tokens=True)]
         self.scores = score_translations(hypotheses, texts, target_lang=self.target_lang)
-        # the generated tokens, not the start token (counted where it is not the pad token, as Marian's is)
-        lengths = [int(np.count_nonzero(row[1:] != tokenizer.pad_token_id)) for row in predictions]
+        # the generated tokens, without the start token (for Marian, whose start token is the pad token, the
+        # same count as over the whole row)
+        lengths = [sum(token != tokenizer.pad_token_id for token in row) for row in predictions]
         return {"bleu": self.scores["bleu"], "chrf": self.scores["chrf"], "gen_len": float(np.mean(lengths))}
 
 
@@ -665,6 +671,7 @@ def build_trainer(config: FinetuneConfig, **argument_overrides: Any) -> Seq2SeqT
             validation.select_columns(["source", "target", "labels"]),
             len(tokenized["validation"]),
             target_lang=config.target_lang,
+            decoder_start_token_id=decoder_start_id(model, {}),
         ),
         flags=flags,
     )

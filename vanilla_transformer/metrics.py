@@ -58,40 +58,92 @@ def score_translations(predictions: Sequence[str], references: Sequence[str], **
     plain = metric.compute(
         predictions=list(predictions), references=list(references), **{**kwargs, "tokenize": None}
     )
-    language = kwargs.get("target_lang") or "en"
+    language = moses_language(kwargs.get("target_lang"))
     tokenised = metric.compute(
         predictions=paper_tokens(predictions, language),
         references=paper_tokens(references, language),
-        **{**kwargs, "tokenize": "none"},
+        # tokens scored as multi-bleu.perl scores them (no smoothing), which sacreBLEU would warn about
+        **{**kwargs, "tokenize": "none", "smooth_method": "none", "force": True},
     )
     from sacremoses import __version__ as sacremoses_version
 
-    signature = tokenised["bleu_signature"].replace(
-        "tok:none", f"tok:{PAPER_BLEU}-sacremoses-{sacremoses_version}"
-    )
+    method = f"tok:{PAPER_BLEU}-{language}-sacremoses-{sacremoses_version}"
+    signature = tokenised["bleu_signature"].replace("tok:none", method)
     bleu_fields = ("bleu", "bleu_precisions", "brevity_penalty", "sys_len", "ref_len")
     return {**plain, **{name: tokenised[name] for name in bleu_fields}, "bleu_signature": signature}
 
 
-# The BLEU of the paper's tables (tensor2tensor's get_ende_bleu.sh; fairseq's compound_split_bleu.sh): both
-# sides tokenised by the Moses tokenizer for the target language, every "a-b" of the tokens written
-# "a ##AT##-##AT## b" (one pass, as Perl's s{(\S)-(\S)}{...}g: "a-b-c" keeps its second hyphen), and
-# scored on those tokens as multi-bleu.perl scores (sacreBLEU with no tokeniser of its own). Not
-# sacreBLEU's standard score, and not comparable with it: the paper's 27.3 EN-DE is this score.
+# The BLEU of the paper's tables (tensor2tensor's get_ende_bleu.sh): both sides with Unicode punctuation
+# made ASCII (replace-unicode-punctuation.perl), tokenised by the Moses tokenizer for the target language
+# (tokenizer.perl -l, without -a), every "a-b" of the tokens written "a ##AT##-##AT## b" (one pass, as
+# Perl's s{(\S)-(\S)}{...}g: "a-b-c" keeps its second hyphen), and scored on those tokens as multi-bleu.perl
+# scores (no tokeniser of sacreBLEU's, no smoothing). Not sacreBLEU's standard score, nor comparable with
+# it; nor quite fairseq's compound_split_bleu.sh, which splits tokens its data preparation made with
+# tokenizer.perl -a ("Nord @-@ Süd").
 PAPER_BLEU = "moses-compound-split"
 COMPOUND_HYPHEN = re.compile(r"(\S)-(\S)")
+# ISO 639-2/3 codes (FLORES-200's "deu_Latn", say) of the languages the Moses tokenizer has rules for, as
+# its two-letter codes; any other language gets its English rules.
+MOSES_LANGUAGES = {
+    **dict.fromkeys(("deu", "ger"), "de"),
+    **dict.fromkeys(("fra", "fre"), "fr"),
+    **dict.fromkeys(("nld", "dut"), "nl"),
+    **dict.fromkeys(("ces", "cze"), "cs"),
+    **dict.fromkeys(("ron", "rum"), "ro"),
+    **dict.fromkeys(("slk", "slo"), "sk"),
+    **dict.fromkeys(("ell", "gre"), "el"),
+    **dict.fromkeys(("isl", "ice"), "is"),
+    **dict.fromkeys(("zho", "chi", "cmn"), "zh"),
+    **dict.fromkeys(("ori", "ory"), "or"),
+    "eng": "en",
+    "spa": "es",
+    "ita": "it",
+    "por": "pt",
+    "rus": "ru",
+    "pol": "pl",
+    "fin": "fi",
+    "est": "et",
+    "hun": "hu",
+    "lit": "lt",
+    "lav": "lv",
+    "slv": "sl",
+    "swe": "sv",
+    "cat": "ca",
+    "gle": "ga",
+    "hin": "hi",
+    "ben": "bn",
+    "tam": "ta",
+    "tel": "te",
+    "mar": "mr",
+    "guj": "gu",
+    "kan": "kn",
+    "mal": "ml",
+    "pan": "pa",
+    "asm": "as",
+}
+
+
+def moses_language(code: str | None) -> str:
+    """The Moses tokenizer's code for the language `code` names ("de", "DE", "de_DE", "deu_Latn": "de");
+    English's where none is given."""
+    primary = (code or "en").replace("_", "-").split("-")[0].lower()
+    return MOSES_LANGUAGES.get(primary, primary)
 
 
 def paper_tokens(texts: Sequence[str], language: str) -> list[str]:
-    """`texts` as the paper's BLEU reads them (`PAPER_BLEU`): Moses-tokenised for `language` (a code such
-    as "de"), hyphenated compounds split."""
-    from sacremoses import MosesTokenizer
+    """`texts` as the paper's BLEU reads them (`PAPER_BLEU`), in the Moses tokenizer's `language`
+    (`moses_language`): punctuation made ASCII, Moses-tokenised, hyphenated compounds split."""
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
-    tokenizer = MosesTokenizer(lang=language.split("_")[0].split("-")[0])
+    punctuation, tokenizer = MosesPunctNormalizer(lang=language), MosesTokenizer(lang=language)
     return [
         COMPOUND_HYPHEN.sub(
             r"\1 ##AT##-##AT## \2",
-            tokenizer.tokenize(unicodedata.normalize("NFC", text), escape=False, return_str=True),
+            tokenizer.tokenize(
+                punctuation.replace_unicode_punct(unicodedata.normalize("NFC", text)),
+                escape=False,
+                return_str=True,
+            ),
         )
         for text in texts
     ]
@@ -159,6 +211,7 @@ __all__ = [
     "check_bleu_tokenize",
     "load_translation_metric",
     "metric_module_path",
+    "moses_language",
     "paper_tokens",
     "repeats_ngram",
     "repetition_rate",

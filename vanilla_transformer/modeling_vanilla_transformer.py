@@ -493,9 +493,7 @@ class VanillaTransformerPreTrainedModel(RemoteCodeFolder, PreTrainedModel):
                 weight._is_hf_initialized = False
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear) and hasattr(module, "init_std"):  # an untied output projection
-            init.normal_(module.weight, mean=0.0, std=module.init_std)
-        elif isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear):
             init.xavier_uniform_(module.weight, gain=getattr(module, "init_gain", 1.0))
             if module.bias is not None:
                 init.zeros_(module.bias)
@@ -1290,9 +1288,6 @@ class VanillaTransformerForConditionalGeneration(
         if not config.share_encoder_decoder_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
         self.lm_head = Linear(config.d_model, config.decoder_vocab_size, bias=False, per_step=True)
-        # Untied (tie_word_embeddings=False), it is drawn as fairseq draws its output projection: as an
-        # embedding, N(0, d_model^-0.5), not Xavier-uniform (about 3x narrower at d_model 512, 8,000 types).
-        self.lm_head.init_std = config.d_model**-0.5
         # Not in the paper; Marian checkpoints carry one (see `convert_from_marian`). A buffer, as in
         # MarianMTModel: saved and loaded, never trained, so that fine-tuning a converted model trains
         # what fine-tuning the original does.
@@ -1548,7 +1543,6 @@ class VanillaTransformerForConditionalGeneration(
         if type(self.lm_head) is nn.Linear:  # an untied output layer, which transformers rebuilds plain
             rebuilt = self.lm_head
             self.lm_head = Linear.over(rebuilt, per_step=True)  # (and which decodes on our kernels)
-            self.lm_head.init_std = self.config.d_model**-0.5
             # transformers marks the rebuilt layer initialised: a later `post_init()` re-drew the wrapper
             # (every row, the old ones too), where MarianMTModel's stays as resized.
             if getattr(rebuilt, "_is_hf_initialized", False):

@@ -365,11 +365,17 @@ class TranslationPipeline(Pipeline):
             output_ids = output_ids.sequences
         pad_id = self._setting("pad_token_id", generate_kwargs)
         lengths = _sequence_lengths(output_ids, self._end_token_ids(generate_kwargs), pad_id)
+        # Which rows begin with the decoder's start token: the prompt, not part of the translation.
+        start = self._setting("decoder_start_token_id", generate_kwargs)
+        if start is None:
+            start = getattr(self.model.config, "decoder_start_token_id", None)
+        prompted = output_ids[:, 0] == start if isinstance(start, int) else torch.zeros_like(lengths).bool()
         # (sentences, sequences per sentence, ...): the pipeline splits a batch's outputs by their first
         # dimension, one entry per input sentence, also with `num_return_sequences` > 1.
         return {
             "output_ids": output_ids.reshape(sentences, -1, output_ids.shape[-1]),
             "lengths": lengths.reshape(sentences, -1),
+            "prompted": prompted.reshape(sentences, -1),
         }
 
     def postprocess(
@@ -383,13 +389,14 @@ class TranslationPipeline(Pipeline):
             return_text = not return_tensors
         (sequences,) = model_outputs["output_ids"]  # one input sentence's
         (lengths,) = model_outputs["lengths"]
+        (prompted,) = model_outputs["prompted"]
         records = []
-        for ids, length in zip(sequences, lengths.tolist(), strict=True):
+        for ids, length, after in zip(sequences, lengths.tolist(), prompted.tolist(), strict=True):
             ids = ids[:length]
             record: dict[str, Any] = {}
             if return_text:
-                text = self.tokenizer.decode(  # after the decoder's start token (`translate`)
-                    ids[1:],
+                text = self.tokenizer.decode(  # after the decoder's start token
+                    ids[int(after) :],
                     skip_special_tokens=True,
                     clean_up_tokenization_spaces=clean_up_tokenization_spaces,
                 )

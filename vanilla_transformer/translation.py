@@ -108,12 +108,35 @@ def translate(
                     f"generate returned {sequences.shape[0]} sequences for {len(indices)} sentences; "
                     "`translate` returns one translation per sentence (num_return_sequences=1)."
                 )
-            # After the decoder's start token, which begins every sequence generate() returns: a start
-            # token that is not a special token (a language tag, say) was decoded into each translation.
-            decoded = tokenizer.batch_decode(sequences[:, 1:], skip_special_tokens=True)
+            # After the decoder's start token, which begins what generate() returns: a start token that is
+            # not a special token (a language tag, say) was decoded into each translation.
+            rows = after_start_token(sequences.tolist(), decoder_start_id(model, generate_kwargs))
+            decoded = tokenizer.batch_decode(rows, skip_special_tokens=True)
             for i, text in zip(indices, decoded, strict=True):
                 translations[i] = one_line(text)
     return [translations[i] for i in range(len(sentences))]
+
+
+def decoder_start_id(model: Any, generate_kwargs: dict[str, Any]) -> int | None:
+    """The decoder start token `generate` begins its sequences with, given these options: the keyword,
+    else a generation config passed, else the model's generation config, else its configuration."""
+    if generate_kwargs.get("decoder_start_token_id") is not None:
+        return generate_kwargs["decoder_start_token_id"]
+    places = (
+        generate_kwargs.get("generation_config"),
+        *(getattr(model, n, None) for n in ("generation_config", "config")),
+    )
+    for settings in places:
+        value = getattr(settings, "decoder_start_token_id", None)
+        if value is not None:
+            return value
+    return None
+
+
+def after_start_token(rows: list[list[int]], start: int | None) -> list[list[int]]:
+    """Each row of token ids without its first where that is the decoder's start token `start`: the
+    prompt `generate` begins with, not a translated word."""
+    return [row[1:] if row and start is not None and row[0] == start else row for row in rows]
 
 
 def translate_lines(
@@ -283,8 +306,10 @@ __all__ = [
     "MAX_LINE_BYTES",
     "LineError",
     "SentenceError",
+    "after_start_token",
     "checked_sentences",
     "decoded_lines",
+    "decoder_start_id",
     "one_line",
     "translate",
     "translate_lines",

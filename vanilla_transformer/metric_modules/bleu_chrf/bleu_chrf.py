@@ -34,6 +34,9 @@ Args:
         default `tokenize`: 13a splits on spaces and punctuation only, so text without spaces between
         words would be scored as whole sentences.
     lowercase (bool): lowercase predictions and references before scoring (default False).
+    smooth_method (str): BLEU's smoothing, sacreBLEU's "exp" (default), "floor", "add-k" or "none"
+        (multi-bleu.perl's: 0 where an n-gram order has no match).
+    force (bool): score text that looks tokenised without sacreBLEU's warning (for tokenised BLEU).
 Returns:
     bleu (float): corpus BLEU, 0-100.
     chrf (float): corpus chrF (character 6-grams, beta 2), 0-100.
@@ -86,6 +89,8 @@ class BleuChrf(evaluate.Metric):
         tokenize: str | None = None,
         lowercase: bool = False,
         target_lang: str | None = None,
+        smooth_method: str = "exp",
+        force: bool = False,
     ) -> dict[str, Any]:
         # Canonically equivalent spellings are one text (a decomposed "ệ", Hangul written as jamo), which
         # sacreBLEU, comparing code points, scored as different: NFC on both sides, a no-op on NFC text. (A
@@ -105,7 +110,7 @@ class BleuChrf(evaluate.Metric):
             raise ValueError(f"Unknown BLEU `tokenize` {tokenize!r}; choose one of {list(BLEU.TOKENIZERS)}.")
 
         try:
-            bleu = BLEU(tokenize=tokenize, lowercase=lowercase)
+            bleu = BLEU(tokenize=tokenize, lowercase=lowercase, smooth_method=smooth_method, force=force)
         except RuntimeError as error:  # MeCab's tokenisers need sacrebleu[ja] / sacrebleu[ko]
             if chosen or not tokenize.endswith("-mecab"):
                 raise
@@ -114,7 +119,7 @@ class BleuChrf(evaluate.Metric):
                 f"sacreBLEU's default for it: {' '.join(str(error).split())}",
                 stacklevel=2,
             )
-            bleu = BLEU(tokenize="char", lowercase=lowercase)
+            bleu = BLEU(tokenize="char", lowercase=lowercase, smooth_method=smooth_method, force=force)
         chrf = CHRF(lowercase=lowercase)
         bleu_score = bleu.corpus_score(predictions, [references])
         chrf_score = chrf.corpus_score(predictions, [references])
