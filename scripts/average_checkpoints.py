@@ -38,6 +38,8 @@ from vanilla_transformer.publishing import (
     check_has_tokenizer,
     check_new_folder,
     disk_full_message,
+    hidden_sibling,
+    lock_folder,
     publish_folder,
 )
 from vanilla_transformer.training import (
@@ -74,6 +76,16 @@ try:
     check_new_folder(output)  # refused now, not after the work
 except ValueError as error:
     parser.error(f"--output {error}")
+# One run per --output (a command started twice, a retried job): a second one removed the first's
+# half-written folder as an interrupted run's, and a folder with one's weights and the other's card was
+# published. Held until the script ends.
+try:
+    output_lock = lock_folder(output)
+except BlockingIOError:
+    parser.error(
+        f"--output {output} is being written by another run (it holds {hidden_sibling(output, 'lock')}): "
+        "wait for it to end, or name another folder."
+    )
 if len(set(map(Path.resolve, args.checkpoints))) < len(args.checkpoints):
     parser.error("--checkpoints names a folder twice; it would count twice in the average.")
 for checkpoint in args.checkpoints:

@@ -469,7 +469,8 @@ def test_average_checkpoints_explains_a_full_disk(trained, tmp_path):
         r"and the weights alone take about [\d.]+ MiB\. Nothing was written: free some space",
         result.stderr,
     ), result.stderr[-2000:]
-    assert list(tmp_path.iterdir()) == []  # no folder, no staging folder left
+    # no folder, no staging folder left (the empty lock file that keeps a second run out stays, as exports')
+    assert [path.name for path in tmp_path.iterdir()] == [".averaged.lock"]
 
 
 def test_average_checkpoints_names_a_damaged_model_folder(trained, tmp_path, run_in_process):
@@ -485,6 +486,31 @@ def test_average_checkpoints_names_a_damaged_model_folder(trained, tmp_path, run
     result = run_in_process("average_checkpoints.py", *args, *checkpoints)
     assert result.returncode == 2 and f"error: the model in {damaged} could not be read: " in result.stderr
     assert not (tmp_path / "averaged").exists()
+
+
+def test_a_second_average_into_the_same_output_is_refused(trained, tmp_path, monkeypatch, run_in_process):
+    """Two runs into one new --output (a command started twice): the second removed the first's
+    half-written folder as an interrupted run's, and the folder published held one run's weights and
+    the other's card, the run that said it had written it being the one whose weights were lost."""
+    from vanilla_transformer.publishing import lock_folder
+
+    output_dir, _ = trained
+    args = ["--model", str(output_dir), "--checkpoints", *map(str, list_checkpoints(output_dir))]
+
+    def averaged(*args, **kwargs):
+        raise AssertionError("the second run averaged before it was refused")
+
+    with lock_folder(tmp_path / "averaged"), monkeypatch.context() as patched:  # the first run, writing
+        patched.setattr(training_module, "load_averaged_weights", averaged)
+        result = run_in_process("average_checkpoints.py", *args, "--output", str(tmp_path / "averaged"))
+    assert result.returncode == 2
+    assert f"--output {tmp_path / 'averaged'} is being written by another run" in result.stderr
+    assert ".averaged.lock" in result.stderr and not (tmp_path / "averaged").exists()
+    result = run_in_process(
+        "average_checkpoints.py", *args, "--no-card", "--output", str(tmp_path / "averaged")
+    )
+    assert result.returncode == 0, result.stderr  # once the first has ended
+    assert (tmp_path / "averaged" / "model.safetensors").is_file()
 
 
 def test_average_checkpoints_refuses_an_output_it_cannot_write_before_averaging(
