@@ -123,10 +123,15 @@ MOSES_LANGUAGES = {
 }
 
 
+def primary_language(code: str) -> str:
+    """A language code's primary tag, lower-cased: "pt" for "pt_BR", "deu" for "deu_Latn"."""
+    return code.replace("_", "-").split("-")[0].lower()
+
+
 def moses_language(code: str | None) -> str:
     """The Moses tokenizer's code for the language `code` names ("de", "DE", "de_DE", "deu_Latn": "de");
     English's where none is given."""
-    primary = (code or "en").replace("_", "-").split("-")[0].lower()
+    primary = primary_language(code or "en")
     return MOSES_LANGUAGES.get(primary, primary)
 
 
@@ -213,6 +218,7 @@ __all__ = [
     "metric_module_path",
     "moses_language",
     "paper_tokens",
+    "primary_language",
     "repeats_ngram",
     "repetition_rate",
     "score_translations",

@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 
 from .cli import first_line
 from .configuration_vanilla_transformer import PRESETS, VanillaTransformerConfig
+from .metrics import primary_language
 
 TEMPLATE_NAME = "model_card_template.md"
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ LANGUAGE_NAMES = {
 def language_name(code: str) -> str:
     """The English name of the language `code` names, by its primary tag, with the code where it says
     more ("Chinese (zh_CN)", "Portuguese (pt-BR)"); the code itself for a language not in LANGUAGE_NAMES."""
-    name = LANGUAGE_NAMES.get(code.replace("_", "-").split("-")[0].lower())
+    name = LANGUAGE_NAMES.get(primary_language(code))
     if name is None:
         return code
     return name if code.lower() in LANGUAGE_NAMES else f"{name} ({code})"
